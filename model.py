@@ -1,0 +1,454 @@
+"""Llama built from tensor-parallel layers, and shard-on-load weight loading.
+
+Reads top to bottom: the model configuration, how a parameter names its slice of the
+checkpoint (`Shard`), the four Megatron-style parallel layers, the Llama blocks built
+from them, and the loader that reads only this rank's slices of safetensors files.
+
+Every rank of the tensor-parallel group builds the same `LlamaForCausalLM`, but each
+parallel layer allocates only its own part of the weight (DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+# --------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Hugging Face Llama `config.json` that inference needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # e.g. Llama 3.1's {"rope_type": "llama3", "factor": 8.0, ...}
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: str  # the checkpoint's dtype, e.g. "bfloat16"
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        """Parse a config dict, accepting both the hub's old keys and transformers 5's."""
+        if raw.get("model_type") != "llama":
+            raise ValueError(
+                f"tinytp runs Llama checkpoints only; this config has model_type="
+                f"{raw.get('model_type')!r} (architectures={raw.get('architectures')})"
+            )
+        if raw.get("attention_bias") or raw.get("mlp_bias"):
+            raise ValueError("tinytp does not support Llama checkpoints with attention or MLP biases")
+        # Old configs: top-level `rope_theta` and `rope_scaling` (None for plain RoPE).
+        # transformers >= 5: one `rope_parameters` dict that holds rope_theta as well.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}: tinytp knows 'default' and 'llama3'")
+        heads = raw["num_attention_heads"]
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
+            eos_token_ids=token_id_list(raw.get("eos_token_id")),
+        )
+
+    @classmethod
+    def from_file(cls, path: str) -> ModelConfig:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+def token_id_list(value: int | list[int] | None) -> list[int]:
+    """Config files give token ids such as eos_token_id as one int or a list."""
+    return [value] if isinstance(value, int) else list(value or [])
+
+
+def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
+    """Refuse a tp that cannot split this model evenly, naming the numbers and the choices."""
+    def fits(n: int) -> bool:
+        kv_ok = config.num_kv_heads % n == 0 or n % config.num_kv_heads == 0
+        return config.num_heads % n == 0 and kv_ok
+
+    if tp < 1 or not fits(tp):
+        valid = [n for n in range(1, config.num_heads + 1) if fits(n)]
+        raise ValueError(
+            f"tensor parallel size {tp} does not fit this model: it must divide "
+            f"num_attention_heads={config.num_heads}, and divide or be a multiple of "
+            f"num_key_value_heads={config.num_kv_heads}; valid sizes: {valid}"
+        )
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group (the default process group)."""
+
+    rank: int
+    size: int
+
+
+# --------------------------------------------------------------------------------------
+# Which slice of which checkpoint tensor a parameter holds
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this
+    rank's parameter holds at [offset, offset + size) along the same dim."""
+
+    name: str
+    dim: int
+    start: int
+    size: int
+    offset: int = 0
+
+
+def split(name: str, full_size: int, tp: TPGroup, dim: int = 0) -> Shard:
+    """Rank r's r-th equal part of a dimension (the common case)."""
+    part = full_size // tp.size
+    return Shard(name, dim, tp.rank * part, part)
+
+
+def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
+    """An inference parameter that remembers where its data comes from in the checkpoint.
+    Zeros, not empty: padded vocab rows are never loaded and must stay zero."""
+    param = nn.Parameter(torch.zeros(*shape), requires_grad=False)
+    offset = 0
+    param.shards = []
+    for shard in shards:  # stack the parts one after another along their dim
+        param.shards.append(Shard(shard.name, shard.dim, shard.start, shard.size, offset))
+        offset += shard.size
+    return param
+
+
+# --------------------------------------------------------------------------------------
+# Parallel layers (Megatron-style; DESIGN.md section 3)
+# --------------------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's rows (output features) split across ranks: no communication.
+
+    The rank's weight may stack several checkpoint tensors (q, k and v; gate and up), so
+    one matmul computes all of them: `shards` lists the rows this rank takes from each.
+    """
+
+    def __init__(self, in_features: int, shards: list[Shard]):
+        super().__init__()
+        self.output_sizes = [s.size for s in shards]
+        self.weight = new_parameter(sum(self.output_sizes), in_features, shards=shards)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's columns (input features) split across ranks.
+
+    Its input arrives already split (the output of a column-parallel layer), so each
+    rank computes a partial sum of y, and one all-reduce adds them up.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, name: str):
+        super().__init__()
+        self.tp = tp
+        shard = split(name, in_features, tp, dim=1)
+        self.weight = new_parameter(out_features, shard.size, shards=[shard])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp.size > 1:
+            dist.all_reduce(y)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table with its rows (the vocabulary) split across ranks.
+
+    The vocabulary is padded to a multiple of tp so every rank holds the same number of
+    rows; the padding rows stay zero. A rank looks up only the ids in its own slice and
+    writes zeros for the rest, so an all-reduce (a sum) assembles every embedding.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, name: str):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = math.ceil(vocab_size / tp.size)
+        self.vocab_start = tp.rank * self.rows_per_rank
+        rows_in_checkpoint = max(0, min(vocab_size - self.vocab_start, self.rows_per_rank))
+        shards = [Shard(name, 0, self.vocab_start, rows_in_checkpoint)] if rows_in_checkpoint else []
+        self.weight = new_parameter(self.rows_per_rank, hidden_size, shards=shards)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.rows_per_rank)
+        out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        dist.all_reduce(out)
+        return out
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, split by vocabulary rows like the embedding.
+
+    Each rank computes the logits of its own vocabulary slice; an all-gather (not a
+    gather to rank 0) gives every rank the full logits, because every rank runs the
+    sampler (seed discussion: "the logits_processor has an AllGather instead of a Gather").
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp.size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
+            dist.all_gather(parts, logits.contiguous())
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.vocab_size]  # drop the padding rows' logits
+
+
+# --------------------------------------------------------------------------------------
+# Llama
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelInputs:
+    """One step's batch, built by the worker's prepare_inputs. B sequences of T tokens
+    (right-padded); during decode T is 1."""
+
+    input_ids: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # [B, T] position of each token in its sequence
+    slot_ids: torch.Tensor  # [B] the KV-cache slot of each sequence
+    slots: slice | torch.Tensor  # the same slots, as a slice when contiguous (no copy)
+    attn_mask: torch.Tensor  # [B, 1, T, L] True where a query may see a cached key
+    last_index: torch.Tensor  # [B] the index in T of each sequence's last real token
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, name: str):
+        super().__init__()
+        self.eps = eps
+        self.weight = new_parameter(hidden_size, shards=[Shard(name, 0, 0, hidden_size)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32 and in this order, as transformers does, so the logits match.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """RoPE's per-pair rotation speeds, with Llama 3.1's long-context rescaling if set."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling is None:
+        return inv_freq
+    # llama3: slow rotations (long wavelengths) are slowed down by `factor`, fast ones kept,
+    # and the band in between blends the two smoothly.
+    s = config.rope_scaling
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(in_band, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with this rank's heads: q/k/v column-parallel, o_proj row-parallel.
+
+    KV heads are split like the query heads when tp divides them; when tp is larger than
+    num_kv_heads, each rank keeps one KV head, the one its query heads attend to (rank r
+    keeps KV head r * n_kv // tp), so KV heads are replicated, as in vLLM.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, prefix: str):
+        super().__init__()
+        hd = config.head_dim
+        self.num_heads = config.num_heads // tp.size
+        self.num_kv_heads = max(1, config.num_kv_heads // tp.size)
+        first_kv_head = tp.rank * config.num_kv_heads // tp.size
+        q_rows, kv_rows = self.num_heads * hd, self.num_kv_heads * hd
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [
+            Shard(f"{prefix}.q_proj.weight", 0, tp.rank * q_rows, q_rows),
+            Shard(f"{prefix}.k_proj.weight", 0, first_kv_head * hd, kv_rows),
+            Shard(f"{prefix}.v_proj.weight", 0, first_kv_head * hd, kv_rows),
+        ])
+        self.o_proj = RowParallelLinear(config.num_heads * hd, config.hidden_size, tp, f"{prefix}.o_proj.weight")
+        self.head_dim = hd
+
+    def forward(self, x, cos, sin, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
+        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        # Write this step's keys and values at (slot, position), then attend over the
+        # slot's cache up to the longest context: the mask hides later positions and
+        # whatever an earlier request left in the slot.
+        k_cache, v_cache = kv_cache  # each [slots, kv_heads, max_model_len, hd]
+        where = (inputs.slot_ids[:, None], slice(None), inputs.positions)
+        k_cache[where] = k.transpose(1, 2)
+        v_cache[where] = v.transpose(1, 2)
+        context = inputs.attn_mask.shape[-1]
+        keys = k_cache[inputs.slots, :, :context]
+        values = v_cache[inputs.slots, :, :context]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=inputs.attn_mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: gate and up fused in one column-parallel matmul, down row-parallel."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, prefix: str):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [
+            split(f"{prefix}.gate_proj.weight", size, tp),
+            split(f"{prefix}.up_proj.weight", size, tp),
+        ])
+        self.down_proj = RowParallelLinear(size, config.hidden_size, tp, f"{prefix}.down_proj.weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Two all-reduces per layer: one after attention's o_proj, one after the MLP's down_proj."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, prefix: str):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, f"{prefix}.input_layernorm.weight")
+        self.self_attn = LlamaAttention(config, tp, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, f"{prefix}.post_attention_layernorm.weight")
+        self.mlp = LlamaMLP(config, tp, f"{prefix}.mlp")
+
+    def forward(self, x, cos, sin, kv_cache, inputs: ModelInputs) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, inputs)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids in, full-vocabulary logits of each sequence's last token out, on every rank."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup, max_model_len: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp, "model.embed_tokens.weight")
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, tp, f"model.layers.{i}") for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, "lm_head.weight")
+        if config.tie_word_embeddings:  # Llama 3.2: the LM head is the embedding table
+            self.lm_head.weight = self.embed_tokens.weight
+        # cos/sin of every position, computed once in float32 as transformers does.
+        freqs = torch.outer(torch.arange(max_model_len).float(), rope_inverse_frequencies(config))
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_table", angles.cos(), persistent=False)
+        self.register_buffer("sin_table", angles.sin(), persistent=False)
+
+    def forward(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        x = self.embed_tokens(inputs.input_ids)
+        cos = self.cos_table[inputs.positions].unsqueeze(1).to(x.dtype)  # [B, 1, T, hd]
+        sin = self.sin_table[inputs.positions].unsqueeze(1).to(x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, inputs)
+        last = x[torch.arange(x.shape[0]), inputs.last_index]  # only these tokens are sampled
+        return self.lm_head(self.norm(last))
+
+
+# --------------------------------------------------------------------------------------
+# Loading: each rank reads only its own slices of the safetensors files
+# --------------------------------------------------------------------------------------
+
+
+def checkpoint_files(checkpoint_dir: str) -> dict[str, str]:
+    """Map each tensor name to the safetensors file that holds it."""
+    index_path = os.path.join(checkpoint_dir, "model.safetensors.index.json")
+    if os.path.exists(index_path):  # a checkpoint split over several files
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(checkpoint_dir, file) for name, file in weight_map.items()}
+    files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {checkpoint_dir}")
+    names = {}
+    for file in files:
+        path = os.path.join(checkpoint_dir, file)
+        with safe_open(path, framework="pt") as f:
+            names.update(dict.fromkeys(f.keys(), path))
+    return names
+
+
+def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) -> None:
+    """Copy into every parameter exactly the slices its `shards` name, and nothing more.
+
+    `get_slice` reads the header and then only the requested bytes of each tensor, so a
+    rank never holds a whole weight it does not need.
+    """
+    from tqdm import tqdm  # a dependency of transformers and huggingface_hub
+
+    where = checkpoint_files(checkpoint_dir)
+    shards = [(param, shard) for param in model.parameters() for shard in param.shards]
+    handles = {}
+    try:
+        for param, shard in tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress):
+            if shard.name not in where:
+                raise KeyError(f"checkpoint {checkpoint_dir} has no tensor {shard.name!r}")
+            path = where[shard.name]
+            if path not in handles:
+                handles[path] = safe_open(path, framework="pt")
+            tensor_slice = handles[path].get_slice(shard.name)
+            index = [slice(None)] * len(tensor_slice.get_shape())
+            index[shard.dim] = slice(shard.start, shard.start + shard.size)
+            data = tensor_slice[tuple(index)]
+            target = param.data.narrow(shard.dim, shard.offset, shard.size)
+            if data.shape != target.shape:
+                raise ValueError(f"{shard.name}: checkpoint slice {tuple(data.shape)} does not fit "
+                                 f"{tuple(target.shape)}; does config.json match the weights?")
+            target.copy_(data)
+    finally:
+        handles.clear()  # safe_open handles close when dropped

@@ -1,0 +1,353 @@
+"""tinytp's tests: CPU only, gloo, tiny checkpoints written here with transformers.
+
+Correctness is judged against Hugging Face transformers on the same weights: a token
+tinytp generated is right when transformers' logit for it, teacher-forced on the same
+prefix, is within 1e-3 of the best logit at that position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from model import (ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
+                   VocabParallelEmbedding, check_tensor_parallel_size, split)
+from tinytp import LLM, SamplingParams, byte_level_tokenizer
+from worker import CHUNK_HEADER, MessageQueue
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def shm_entries() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("tinytp_")}
+
+
+# --------------------------------------------------------------------------------------
+# Tiny checkpoints and the transformers reference
+# --------------------------------------------------------------------------------------
+
+
+def make_checkpoint(path, *, heads=4, kv_heads=2, vocab=258, tied=False, rope_scaling=None,
+                    old_config_keys=False, max_shard_size=None, seed=0) -> LlamaForCausalLM:
+    """Write a random Llama checkpoint (with the byte-level tokenizer) and return the
+    transformers model that reads it back. Weights get a wider spread than the default
+    init so that logits are far from ties and a wrong token shows."""
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                         tie_word_embeddings=tied, rope_scaling=rope_scaling, bos_token_id=256, eos_token_id=257)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0, 0.1 if "proj" in name or "lm_head" in name else 1.0)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **save_kwargs)
+    byte_level_tokenizer().save_pretrained(path)
+    if old_config_keys:  # the hub's Llama 3.1 config.json style: rope_theta and rope_scaling
+        config_path = os.path.join(path, "config.json")
+        with open(config_path) as f:
+            raw = json.load(f)
+        rope = raw.pop("rope_parameters")
+        raw["rope_theta"] = rope.pop("rope_theta")
+        raw["rope_scaling"] = rope if rope["rope_type"] != "default" else None
+        with open(config_path, "w") as f:
+            json.dump(raw, f)
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def teacher_forced_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([token_ids])).logits[0]
+
+
+def assert_tokens_match_hf(hf_model, prompt_ids: list[int], output_ids: list[int], tolerance=1e-3):
+    logits = teacher_forced_logits(hf_model, prompt_ids + output_ids)
+    for i, token in enumerate(output_ids):
+        row = logits[len(prompt_ids) + i - 1]
+        gap = (row.max() - row[token]).item()
+        assert gap <= tolerance, (f"generated token {i} ({token}) is {gap:.4f} below transformers' best "
+                                  f"({row.argmax().item()}) for prompt {prompt_ids}")
+
+
+PROMPTS = [  # token-id prompts of different lengths (ids < 256 are bytes, 256 is BOS)
+    [256, 72, 101, 108, 108, 111],
+    [256, 84],
+    [256] + list(range(30, 60)),
+    [256, 200, 17, 3, 99, 150, 42, 42, 42, 7, 250, 1],
+    [256, 65, 66, 67, 68],
+]
+
+
+def check_greedy_against_hf(llm: LLM, hf_model, prompts=PROMPTS, max_tokens=12):
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    assert [o.prompt_token_ids for o in outputs] == prompts  # outputs come back in prompt order
+    for prompt, output in zip(prompts, outputs):
+        assert len(output.token_ids) == max_tokens and output.finish_reason == "length"
+        assert_tokens_match_hf(hf_model, prompt, output.token_ids)
+    return outputs
+
+
+# --------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------
+
+LLAMA_31_8B = {  # the hub's config.json keys for meta-llama/Llama-3.1-8B-Instruct
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "eos_token_id": [128001, 128008, 128009], "tie_word_embeddings": False,
+}
+
+
+def test_config_reads_old_and_new_rope_keys():
+    old = ModelConfig.from_dict(LLAMA_31_8B)
+    assert (old.rope_theta, old.head_dim, old.dtype) == (500000.0, 128, "bfloat16")
+    assert old.rope_scaling["rope_type"] == "llama3" and old.eos_token_ids == [128001, 128008, 128009]
+    new_keys = {k: v for k, v in LLAMA_31_8B.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    new = ModelConfig.from_dict({**new_keys, "dtype": "bfloat16",
+                                 "rope_parameters": {**LLAMA_31_8B["rope_scaling"], "rope_theta": 500000.0}})
+    assert new == old
+    with pytest.raises(ValueError, match="model_type='mistral'"):
+        ModelConfig.from_dict({**LLAMA_31_8B, "model_type": "mistral"})
+
+
+def test_bad_tensor_parallel_size_names_the_numbers():
+    config = ModelConfig.from_dict(LLAMA_31_8B)
+    for tp in (1, 2, 4, 8, 16, 32):
+        check_tensor_parallel_size(config, tp)
+    with pytest.raises(ValueError, match=r"tensor parallel size 3 .*num_attention_heads=32.*valid sizes: \[1, 2, 4, 8, 16, 32\]"):
+        check_tensor_parallel_size(config, 3)
+
+
+# --------------------------------------------------------------------------------------
+# Parallel layers against torch.nn, in 2 gloo processes
+# --------------------------------------------------------------------------------------
+
+
+def load_from_full(module: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """The loader's job, from in-memory tensors: copy each shard's slice into place."""
+    for param in module.parameters():
+        for s in param.shards:
+            param.data.narrow(s.dim, s.offset, s.size).copy_(full[s.name].narrow(s.dim, s.start, s.size))
+
+
+def run_layer_checks(rank: int, world_size: int, store_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    tp = TPGroup(rank, world_size)
+    torch.manual_seed(0)  # every rank draws the same full tensors
+    x = torch.randn(3, 5, 16)
+    full = {"col": torch.randn(24, 16), "row": torch.randn(7, 24), "emb": torch.randn(11, 16)}
+
+    column = ColumnParallelLinear(16, [split("col", 24, tp)])
+    load_from_full(column, full)
+    expected = F.linear(x, full["col"])
+    assert torch.allclose(column(x), expected.chunk(world_size, dim=-1)[rank], atol=1e-6)
+
+    row = RowParallelLinear(24, 7, tp, "row")  # fed the column layer's split output
+    load_from_full(row, full)
+    assert torch.allclose(row(column(x)), F.linear(expected, full["row"]), atol=1e-5)
+
+    ids = torch.tensor([[0, 5, 6, 10], [3, 9, 1, 2]])  # vocab 11: tp=2 pads it to 12
+    embedding = VocabParallelEmbedding(11, 16, tp, "emb")
+    load_from_full(embedding, full)
+    assert embedding.weight.shape == (6, 16)
+    assert torch.allclose(embedding(ids), torch.nn.functional.embedding(ids, full["emb"]), atol=1e-6)
+
+    head = ParallelLMHead(11, 16, tp, "emb")
+    load_from_full(head, full)
+    logits = head(x)
+    assert logits.shape == (3, 5, 11)  # every rank holds the full, unpadded vocabulary
+    assert torch.allclose(logits, F.linear(x, full["emb"]), atol=1e-5)
+    dist.destroy_process_group()
+
+
+def test_parallel_layers_match_torch_nn(tmp_path):
+    mp.spawn(run_layer_checks, args=(2, str(tmp_path / "store")), nprocs=2)
+
+
+# --------------------------------------------------------------------------------------
+# The shared-memory message queue
+# --------------------------------------------------------------------------------------
+
+
+def test_queue_order_every_reader_and_many_laps():
+    before = shm_entries()
+    writer = MessageQueue.create(num_readers=2, num_chunks=4, chunk_bytes=256)
+    readers = [MessageQueue.attach(writer.handle, reader=r) for r in range(2)]
+    for lap in range(2000):  # 500 laps of the 4-chunk ring
+        writer.enqueue(("step", lap))
+        if lap % 3 == 2:  # let messages pile up a little before reading
+            for reader in readers:
+                assert [reader.dequeue(timeout=1) for _ in range(3)] == [("step", i) for i in range(lap - 2, lap + 1)]
+    for queue in [*readers, writer]:
+        queue.close()
+    assert shm_entries() == before
+
+
+def test_queue_message_sizes_across_chunks():
+    writer = MessageQueue.create(num_readers=1, num_chunks=8, chunk_bytes=64)
+    reader = MessageQueue.attach(writer.handle, reader=0)
+    capacity = 64 - CHUNK_HEADER.size
+    exactly_one_chunk = next(b"x" * n for n in range(capacity) if len(pickle.dumps(b"x" * n, protocol=5)) == capacity)
+    for message in [b"", None, exactly_one_chunk, b"y" * (capacity * 5 + 3)]:
+        writer.enqueue(message)
+        assert reader.dequeue(timeout=1) == message
+    reader.close()
+    writer.close()
+
+
+def test_queue_writer_waits_for_a_slow_reader_and_never_overwrites():
+    writer = MessageQueue.create(num_readers=2, num_chunks=2, chunk_bytes=128)
+    fast, slow = (MessageQueue.attach(writer.handle, reader=r) for r in range(2))
+    writer.enqueue("a")
+    writer.enqueue("b")
+    assert fast.dequeue(timeout=1) == "a" and fast.dequeue(timeout=1) == "b"
+    with pytest.raises(TimeoutError, match="writer waited"):  # the ring is full until `slow` reads
+        writer.enqueue("c", timeout=0.05)
+    assert slow.dequeue(timeout=1) == "a"
+    writer.enqueue("c")
+    assert slow.dequeue(timeout=1) == "b" and slow.dequeue(timeout=1) == "c" and fast.dequeue(timeout=1) == "c"
+    with pytest.raises(TimeoutError, match="reader 0 waited"):
+        fast.dequeue(timeout=0.05)
+    for queue in (fast, slow, writer):
+        queue.close()
+
+
+def echo_reader(handle, reply_handle, count):
+    requests = MessageQueue.attach(handle, reader=0)
+    replies = MessageQueue.attach(reply_handle)
+    for _ in range(count):
+        message = requests.dequeue(timeout=30)
+        replies.enqueue((len(message), sum(message[::4096])))
+    requests.close()
+    replies.close()
+
+
+def test_queue_between_processes_streams_a_message_larger_than_the_ring():
+    before = shm_entries()
+    requests = MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 16)
+    replies = MessageQueue.create(num_readers=1, reader=0)
+    messages = [b"small", os.urandom(3 << 20), os.urandom(100)]  # 3 MiB through a 256 KiB ring
+    process = mp.get_context("spawn").Process(target=echo_reader, args=(requests.handle, replies.handle, 3))
+    process.start()
+    for message in messages:
+        requests.enqueue(message, timeout=30)
+        assert replies.dequeue(timeout=30) == (len(message), sum(message[::4096]))
+    process.join(timeout=30)
+    assert process.exitcode == 0
+    requests.close()
+    replies.close()
+    assert shm_entries() == before  # the reader's exit did not unlink, the creator did
+
+
+# --------------------------------------------------------------------------------------
+# End to end against transformers
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mha_checkpoint(tmp_path_factory):
+    """Multi-head attention (4 KV heads for 4 heads), one safetensors file, untied."""
+    path = str(tmp_path_factory.mktemp("mha"))
+    return path, make_checkpoint(path, heads=4, kv_heads=4)
+
+
+def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_checkpoint):
+    path, hf_model = mha_checkpoint
+    before = shm_entries()
+    # max_num_seqs=2 with 5 prompts: three wait and are admitted as others finish.
+    with LLM(path, tensor_parallel_size=2, device="cpu", max_num_seqs=2, max_model_len=64) as llm:
+        check_greedy_against_hf(llm, hf_model)
+
+        # Logits: every rank holds the same full-vocabulary logits, equal to transformers'.
+        prompts = PROMPTS[:2]
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        per_rank = llm.collective_rpc("get_last_logits")  # the last step: decoding token 3 of both
+        assert torch.equal(per_rank[0], per_rank[1])
+        for row, prompt, output in zip(per_rank[0], prompts, outputs):
+            expected = teacher_forced_logits(hf_model, prompt + output.token_ids)[-2]
+            assert torch.allclose(row, expected, atol=1e-4)
+
+        # Memory: each rank holds half of the split weights plus the replicated norms.
+        sizes = {n: p.numel() * 4 for n, p in hf_model.named_parameters()}
+        replicated = sum(s for n, s in sizes.items() if "norm" in n)
+        expected = (sum(sizes.values()) - replicated) / 2 + replicated
+        for held in llm.collective_rpc("parameter_bytes"):
+            assert abs(held - expected) / expected < 0.01
+
+        # Seeded sampling: every rank samples the same tokens, and the same seed repeats.
+        params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+        first = llm.generate(prompts, params)
+        rank0, rank1 = llm.collective_rpc("request_token_ids")  # finished requests stay until the next step
+        assert rank0 == rank1
+        assert sorted(rank0.values()) == sorted(o.prompt_token_ids + o.token_ids for o in first)
+        again = llm.generate(prompts, params)
+        assert [o.token_ids for o in again] == [o.token_ids for o in first]
+        other_seed = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
+        assert [o.token_ids for o in other_seed] != [o.token_ids for o in first]
+    assert shm_entries() == before
+
+
+def test_tp1_mha_text_prompts(mha_checkpoint):
+    path, hf_model = mha_checkpoint
+    with LLM(path, tensor_parallel_size=1, device="cpu", max_model_len=64) as llm:
+        outputs = check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3])
+        text = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+        assert text.prompt_token_ids == [256, 72, 101, 108, 108, 111]  # BOS + bytes
+        assert text.token_ids == outputs[0].token_ids[:5]
+
+
+def test_tp4_gqa_replicated_kv_tied_llama3_rope_multifile_old_keys(tmp_path):
+    """tp=4 > 2 KV heads (each KV head replicated on 2 ranks), vocab 258 not divisible
+    by 4, tied embeddings, Llama 3.1 rope scaling in the hub's old config keys, and a
+    checkpoint split over several safetensors files."""
+    rope = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+    hf_model = make_checkpoint(tmp_path, heads=4, kv_heads=2, tied=True, rope_scaling=rope,
+                               old_config_keys=True, max_shard_size="40KB")
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_scaling" in raw and "rope_parameters" not in raw
+    with LLM(str(tmp_path), tensor_parallel_size=4, device="cpu", max_num_seqs=8, max_model_len=128) as llm:
+        check_greedy_against_hf(llm, hf_model, max_tokens=40)  # long enough for the scaled rope to matter
+
+
+def test_tp2_gqa_odd_vocab(tmp_path):
+    hf_model = make_checkpoint(tmp_path, heads=4, kv_heads=2, vocab=259, seed=1)
+    with LLM(str(tmp_path), tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        check_greedy_against_hf(llm, hf_model)
+
+
+# --------------------------------------------------------------------------------------
+# The command line, as the README runs it
+# --------------------------------------------------------------------------------------
+
+
+def test_cli_default_model_runs_offline():
+    result = subprocess.run([sys.executable, "tinytp.py", "--tp", "2", "--max-tokens", "8"], cwd=HERE,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("Output:") == 3 and "RANDOM weights" in result.stderr
+
+
+def test_cli_bad_tp_is_one_line_and_exit_2():
+    result = subprocess.run([sys.executable, "tinytp.py", "--tp", "3"], cwd=HERE,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("tinytp: error: tensor parallel size 3")
+    assert "Traceback" not in result.stderr

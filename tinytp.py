@@ -1,0 +1,527 @@
+"""tinytp: multiprocessing tensor-parallel Llama inference, in the style of vLLM V1.
+
+    python tinytp.py --tp 2                                     # a tiny random model, CPU
+    python tinytp.py --tp 2 --model meta-llama/Llama-3.1-8B-Instruct --prompt "Hi"
+
+Reads top to bottom: the request and output types, finding a checkpoint (or writing the
+tiny default one), the `Executor` that spawns N worker processes and talks to them over
+shared memory, the `Scheduler`, the `LLM` front end, and the command line.
+The driver process holds no weights: every rank, rank 0 included, is a worker process
+(seed discussion: "N worker processes rather than N-1").
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import heapq
+import itertools
+import json
+import os
+import random
+import signal
+import sys
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from model import ModelConfig, check_tensor_parallel_size, token_id_list
+from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams,
+                    SchedulerOutput, wait_until, worker_main)
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+
+# transformers is imported inside functions: spawned workers re-import this module as
+# __mp_main__, and they need neither the tokenizer nor the seconds that import costs.
+
+# --------------------------------------------------------------------------------------
+# Requests and outputs
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # the generated tokens (an end-of-sequence token included)
+    text: str  # their text, special tokens left out
+    finish_reason: str  # "stop" (end of sequence) or "length"
+
+
+@dataclass
+class Request:
+    """The driver's view of a request; the workers keep their own copy (`CachedRequest`)."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)
+    slot: int = -1
+    finish_reason: str | None = None
+
+
+# --------------------------------------------------------------------------------------
+# Finding the checkpoint
+# --------------------------------------------------------------------------------------
+
+TINY_MODEL_DIR = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")),
+                              "tinytp", "tiny-random-llama-v1")
+
+
+def byte_level_tokenizer():
+    """A tokenizer that needs no download: one token per byte, plus BOS (256) and EOS (257)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+    # Byte-level BPE spells byte b as a printable character (GPT-2's table): printable
+    # Latin-1 bytes as themselves, the other 68 as chr(256), chr(257), ... in byte order.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    vocab = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+    vocab.update({bos: 256, eos: 257})  # token id = byte value, then the two specials
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 256)])
+    chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}assistant:{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos,
+                                   chat_template=chat_template)
+
+
+def write_tiny_model(path: str) -> None:
+    """Write a tiny Llama with random weights and the byte-level tokenizer, in the same
+    Hugging Face layout (config.json, model.safetensors, tokenizer.json) as a real one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=256, eos_token_id=257)
+    torch.manual_seed(0)
+    staging = f"{path}.partial-{os.getpid()}"  # renamed into place only when complete
+    LlamaForCausalLM(config).save_pretrained(staging)
+    byte_level_tokenizer().save_pretrained(staging)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.replace(staging, path)
+
+
+def resolve_model(model: str | None) -> str:
+    """A local checkpoint directory for `model`: the tiny default, a directory, or a hub id."""
+    if model is None:
+        if not os.path.isdir(TINY_MODEL_DIR):
+            write_tiny_model(TINY_MODEL_DIR)
+        return TINY_MODEL_DIR
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise FileNotFoundError(f"{model} has no config.json: is it a Hugging Face checkpoint directory?")
+        return model
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model path {model} does not exist (nor is it a hub id like org/name)")
+    from huggingface_hub import snapshot_download
+
+    try:  # only what inference needs: configs, safetensors weights, tokenizer files
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer.model"])
+    except Exception as e:
+        raise FileNotFoundError(f"could not get {model} from the Hugging Face Hub or its cache "
+                                f"({type(e).__name__}: {e})") from None
+
+
+# --------------------------------------------------------------------------------------
+# The executor: N worker processes and the queues between them and us
+# --------------------------------------------------------------------------------------
+
+
+class WorkerError(RuntimeError):
+    """A worker method raised: names the rank and carries its traceback text."""
+
+
+class Executor:
+    """Spawns one worker process per rank and runs methods on all of them.
+
+    Calls go out through one shared-memory broadcast queue (one writer, N readers);
+    each worker answers through its own shared-memory queue. A step (execute_model) is
+    answered by rank 0 alone, since every rank sampled the same tokens.
+    """
+
+    def __init__(self, model_dir: str, tp: int, device: str, dtype: str, max_num_seqs: int, max_model_len: int):
+        self.tp = tp
+        self.call_ids = itertools.count(1)
+        self.failure: str | None = None
+        self.broadcast = MessageQueue.create(num_readers=tp)
+        self.responses = [MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0)
+                          for _ in range(tp)]
+        # The workers meet in a TCP store that we host on a port the OS picks: no
+        # torchrun, no MASTER_PORT, and no race for a "free" port.
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        context = mp.get_context("spawn")
+        self.workers = [context.Process(target=worker_main, name=f"tinytp-rank{rank}", daemon=True,
+                                        args=(rank, tp, self.broadcast.handle, self.responses[rank].handle))
+                        for rank in range(tp)]
+        atexit.register(self.shutdown)
+        with sigint_ignored():  # inherited: Ctrl-C reaches the driver, not N workers mid-import
+            for process in self.workers:
+                process.start()
+        # Initialization goes through collective_rpc too, as in the seed.
+        threads = max(1, len(os.sched_getaffinity(0)) // tp)  # ranks x threads = cores
+        try:
+            self.collective_rpc("init_device", None, device, dtype, self.store.port, threads)
+            self.collective_rpc("load_model", None, model_dir, max_model_len)
+            self.collective_rpc("init_kv_cache", None, max_num_seqs)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def collective_rpc(self, method: str, timeout: float | None = None, *args, **kwargs) -> list:
+        """Run `method` on every worker; return each rank's result, in rank order."""
+        return self._call(RPCCall(next(self.call_ids), method, args, kwargs), timeout)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on every rank; only rank 0 replies. A failure here is fatal: the
+        ranks may now disagree about the requests, so the workers are shut down."""
+        call = RPCCall(next(self.call_ids), "execute_model", (scheduler_output,), reply_rank=0)
+        try:
+            return self._call(call, timeout=None)[0]
+        except WorkerError as e:
+            self._fail(str(e).splitlines()[0])
+            raise
+
+    def _call(self, call: RPCCall, timeout: float | None) -> list:
+        if self.failure is not None:
+            raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
+        ranks = range(self.tp) if call.reply_rank is None else [call.reply_rank]
+        results: dict[int, object] = {}
+
+        def poll() -> bool:
+            # Read every rank's queue, not only the ones that owe a reply: a rank that
+            # fails sends its error unasked, and another may be stuck waiting for it.
+            for rank, queue in enumerate(self.responses):
+                while queue.ready():
+                    result = queue.dequeue()
+                    if result.call_id != call.call_id:
+                        continue  # a late answer to a call that timed out earlier
+                    if result.error is not None:
+                        raise WorkerError(f"worker rank {rank} failed in {call.method}:\n{result.error}")
+                    results[rank] = result.value
+            return len(results) == len(ranks)
+
+        self.broadcast.enqueue(call, timeout, check=self._check_workers)
+        wait_until(poll, timeout, f"{call.method} on the workers", check=self._check_workers)
+        return [results[rank] for rank in ranks]
+
+    def _check_workers(self) -> None:
+        """Called while we wait: a dead worker means no answer will ever come."""
+        for rank, process in enumerate(self.workers):
+            if process.exitcode is not None:
+                self._fail(f"worker rank {rank} exited with code {process.exitcode}")
+                raise RuntimeError(f"tinytp worker rank {rank} died (exit code {process.exitcode}); "
+                                   "the other workers were stopped")
+
+    def _fail(self, reason: str) -> None:
+        self.failure = reason
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the workers (politely, then by force) and free every shared-memory block."""
+        if not self.workers:
+            return
+        workers, self.workers = self.workers, []
+        atexit.unregister(self.shutdown)
+        if self.failure is None:
+            self.failure = "shut down"
+            try:
+                self.broadcast.enqueue(RPCCall(0, SHUTDOWN), timeout=1)
+            except TimeoutError:
+                pass  # a worker is stuck: it gets killed below
+        for process in workers:
+            process.join(timeout=5)
+        for process in workers:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for queue in [self.broadcast, *self.responses]:
+            queue.close()
+        self.store = None
+
+
+class sigint_ignored:
+    """Ignore Ctrl-C for a moment (in the main thread only, where signals can be set)."""
+
+    def __enter__(self):
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+# --------------------------------------------------------------------------------------
+# The scheduler
+# --------------------------------------------------------------------------------------
+
+
+class Scheduler:
+    """Continuous batching over a fixed number of KV-cache slots.
+
+    New requests take free slots and are prefilled in a step of their own; otherwise
+    every running request decodes one token. A finished request frees its slot at once,
+    and a waiting one takes it at the next step.
+    """
+
+    def __init__(self, max_num_seqs: int, max_model_len: int, eos_token_ids: set[int]):
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(max_num_seqs))  # a heap: lowest first keeps slots contiguous
+        self.finished_ids: list[int] = []  # told to the workers with the next step
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        new = []
+        while self.waiting and self.free_slots:
+            request = self.waiting.popleft()
+            request.slot = heapq.heappop(self.free_slots)
+            new.append(request)
+        self.running += new
+        scheduled = new or self.running
+        output = SchedulerOutput(
+            new_requests=[NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params.temperature,
+                                     r.params.top_p, r.seed) for r in new],
+            scheduled_ids=[r.request_id for r in scheduled],
+            finished_ids=self.finished_ids,
+        )
+        self.finished_ids = []
+        return output
+
+    def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Append each sampled token; return the requests that finished with it."""
+        by_id = {r.request_id: r for r in self.running}
+        finished = []
+        for request_id, token in zip(scheduler_output.scheduled_ids, runner_output.sampled_token_ids):
+            request = by_id[request_id]
+            request.output_token_ids.append(token)
+            if token in self.eos_token_ids and not request.params.ignore_eos:
+                request.finish_reason = "stop"
+            elif (len(request.output_token_ids) >= request.params.max_tokens
+                  or len(request.prompt_token_ids) + len(request.output_token_ids) >= self.max_model_len):
+                request.finish_reason = "length"
+            else:
+                continue
+            finished.append(request)
+        for request in finished:
+            self.running.remove(request)
+            heapq.heappush(self.free_slots, request.slot)
+            self.finished_ids.append(request.request_id)
+        return finished
+
+    def abort_all(self) -> None:
+        """Forget every request (after an interrupted generate); the workers free theirs next step."""
+        self.finished_ids += [r.request_id for r in self.running]
+        for request in self.running:
+            heapq.heappush(self.free_slots, request.slot)
+        self.running.clear()
+        self.waiting.clear()
+
+
+# --------------------------------------------------------------------------------------
+# The front end
+# --------------------------------------------------------------------------------------
+
+
+class LLM:
+    """Generate text with a Llama checkpoint split over `tensor_parallel_size` processes.
+
+        with LLM(model=path_or_hub_id, tensor_parallel_size=2) as llm:
+            outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+    """
+
+    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, device: str | None = None,
+                 dtype: str = "auto", max_num_seqs: int = 8, max_model_len: int | None = None):
+        from transformers import AutoTokenizer
+
+        self.model_dir = resolve_model(model)
+        self.is_tiny_default = model is None
+        self.config = ModelConfig.from_file(os.path.join(self.model_dir, "config.json"))
+        tp = tensor_parallel_size
+        check_tensor_parallel_size(self.config, tp)
+        device = device or ("cuda" if torch.cuda.device_count() >= tp else "cpu")
+        if device == "cuda" and torch.cuda.device_count() < tp:
+            raise ValueError(f"--device cuda with tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if dtype == "auto":
+            dtype = self.config.dtype if device == "cuda" else "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        limit = self.config.max_position_embeddings
+        self.max_model_len = max_model_len or min(limit, 4096)
+        if not 1 < self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in 2..{limit} (the model's max_position_embeddings), "
+                             f"got {self.max_model_len}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids())
+        self.request_ids = itertools.count()
+        self.executor = Executor(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len)
+
+    def end_of_sequence_ids(self) -> set[int]:
+        """Every token that ends a sequence: config.json's, generation_config.json's (Llama
+        3.1 lists three) and the tokenizer's."""
+        ids = set(self.config.eos_token_ids)
+        generation_config = os.path.join(self.model_dir, "generation_config.json")
+        if os.path.exists(generation_config):
+            with open(generation_config) as f:
+                ids.update(token_id_list(json.load(f).get("eos_token_id")))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate a completion for each prompt; outputs come back in prompt order.
+        Every prompt is checked before any runs: one bad prompt rejects the whole call."""
+        from tqdm import tqdm
+
+        params = sampling_params or SamplingParams()
+        requests = [self._make_request(prompt, params) for prompt in prompts]
+        with tqdm(total=len(requests), desc="generating", unit="prompt",
+                  disable=not use_tqdm or len(requests) < 2) as bar:
+            for finished in self._run(requests):
+                bar.update(len(finished))
+        return [RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, r.output_token_ids,
+                              self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
+                              r.finish_reason) for r in requests]
+
+    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield one prompt's completion text piece by piece as it is generated."""
+        request = self._make_request(prompt, sampling_params or SamplingParams())
+        shown = ""
+        for _ in self._run([request]):
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            if text.endswith("\ufffd") and request.finish_reason is None:
+                continue  # half of a multi-byte character: wait for the rest
+            yield text[len(shown):]
+            shown = text
+
+    def _make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: give at least one character")
+            token_ids = self.tokenizer(prompt).input_ids
+        else:
+            token_ids = list(prompt)
+            if not token_ids:
+                raise ValueError("empty prompt: give at least one token id")
+            bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} "
+                             "allows at most max_model_len - 1")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        return Request(next(self.request_ids), prompt if isinstance(prompt, str) else None, token_ids, params, seed)
+
+    def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
+        """Step until these requests are done; yield the requests finished at each step."""
+        for request in requests:
+            self.scheduler.add(request)
+        try:
+            while self.scheduler.has_unfinished():
+                scheduler_output = self.scheduler.schedule()
+                runner_output = self.executor.execute_model(scheduler_output)
+                yield self.scheduler.update(scheduler_output, runner_output)
+        except BaseException:
+            self.scheduler.abort_all()
+            raise
+
+    def collective_rpc(self, method: str, timeout: float | None = None, *args, **kwargs) -> list:
+        return self.executor.collective_rpc(method, timeout, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+# --------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------
+
+DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "Tensor parallelism splits"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tinytp.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                        help="number of worker processes (ranks) the model is split over")
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory or Hugging Face hub id (default: a tiny random Llama)")
+    parser.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="default: cuda when tp GPUs are visible, else cpu")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="auto: the checkpoint's dtype on cuda, float32 on cpu")
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-chat-template", action="store_true", help="send the prompt text as it is")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                                seed=args.seed, ignore_eos=args.ignore_eos)
+        with LLM(args.model, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len) as llm:
+            if llm.is_tiny_default:
+                print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
+                      "so its text is gibberish", file=sys.stderr)
+            prompts = args.prompt or DEFAULT_PROMPTS
+            template = llm.tokenizer.chat_template and not args.no_chat_template
+            inputs = [llm.tokenizer(llm.tokenizer.apply_chat_template(
+                          [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False).input_ids if template else p for p in prompts]
+            if len(prompts) == 1:  # stream a single completion as it is generated
+                print(f"Prompt: {prompts[0]!r}\nOutput: ", end="", flush=True)
+                for piece in llm.stream(inputs[0], params):
+                    print(piece, end="", flush=True)
+                print()
+            else:
+                for prompt, output in zip(prompts, llm.generate(inputs, params)):
+                    print(f"Prompt: {prompt!r}\nOutput: {output.text!r}\n")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tinytp: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tinytp: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

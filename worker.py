@@ -1,0 +1,448 @@
+"""Worker processes: the shared-memory message queue, the Worker, and its loop.
+
+Reads top to bottom: the messages that cross process boundaries, waiting without
+burning a core, the shared-memory `MessageQueue`, the `Worker` (device and process group,
+model loading, KV cache, prepare_inputs, forward, sample), and `worker_main`, the tight
+loop each of the N worker processes runs (DESIGN.md sections 1 and 2).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import struct
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from model import LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, load_checkpoint
+
+# --------------------------------------------------------------------------------------
+# Messages between the driver and the workers
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token. temperature 0 is greedy; top_p keeps the smallest set
+    of tokens whose probability adds up to top_p; a seed makes sampling repeatable."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class NewRequest:
+    """A request the workers have not seen: sent in full once, then referred to by id."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    slot: int  # its row of the KV cache, chosen by the driver so every rank agrees
+    temperature: float
+    top_p: float
+    seed: int  # always set: every rank seeds the same generator, so all sample alike
+
+
+@dataclass
+class SchedulerOutput:
+    """One step, as deltas (DESIGN.md section 1). It never carries the last sampled
+    token: every worker appended it to its own copy of the request last step."""
+
+    new_requests: list[NewRequest]
+    scheduled_ids: list[int]  # requests that run this step, in batch order
+    finished_ids: list[int]  # requests whose slots can be freed
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Rank 0's reply to one step."""
+
+    sampled_token_ids: list[int]  # one per scheduled request, in the same order
+    execute_seconds: float  # time inside the worker, to measure the executor's overhead
+
+
+@dataclass
+class RPCCall:
+    """A method call broadcast to every worker. reply_rank None: every rank replies
+    (collective_rpc); otherwise only that rank does, unless a rank fails."""
+
+    call_id: int
+    method: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    reply_rank: int | None = None
+
+
+@dataclass
+class RPCResult:
+    call_id: int
+    rank: int
+    value: Any = None
+    error: str | None = None  # the worker's traceback text
+
+
+SHUTDOWN = "shutdown"  # the method name that ends the worker loop
+
+# --------------------------------------------------------------------------------------
+# Waiting: spin, then yield, then sleep with back-off
+# --------------------------------------------------------------------------------------
+
+SPIN_SECONDS = 50e-6  # busy polling: a reply that is about to come is seen within microseconds
+YIELD_SECONDS = 2e-3  # polling with sched_yield: lets the model's threads have the core
+SLEEP_FRACTION = 0.01  # then sleep 1% of the time waited so far: oversleeping costs <= ~1%
+MIN_SLEEP, MAX_SLEEP = 50e-6, 10e-3
+
+
+def wait_until(ready: Callable[[], bool], timeout: float | None, what: str,
+               check: Callable[[], None] | None = None) -> None:
+    """Return once ready() is true. Raise TimeoutError naming `what` after `timeout`
+    seconds. While sleeping, call check(), which raises if waiting is pointless (a worker
+    or the driver died)."""
+    start = time.perf_counter()
+    while not ready():
+        waited = time.perf_counter() - start
+        if timeout is not None and waited > timeout:
+            raise TimeoutError(f"{what}: nothing after {timeout:g} s")
+        if waited < SPIN_SECONDS:
+            continue
+        if waited < YIELD_SECONDS:
+            os.sched_yield()
+            continue
+        if check is not None:
+            check()
+        time.sleep(min(MAX_SLEEP, max(MIN_SLEEP, waited * SLEEP_FRACTION)))
+
+
+# --------------------------------------------------------------------------------------
+# The shared-memory message queue
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueHandle:
+    """What a process needs to attach to a queue that another process created."""
+
+    name: str
+    num_readers: int
+    num_chunks: int
+    chunk_bytes: int
+
+
+CHUNK_HEADER = struct.Struct("<I?")  # payload bytes in this chunk, "the message continues"
+
+
+class MessageQueue:
+    """One writer, N readers, a ring of fixed-size chunks in one shared-memory block.
+
+    Per chunk the block holds a *written* flag and one *read* flag per reader (a byte
+    each), then the chunk itself. The writer takes a chunk when it was never written or
+    every reader has read it; a reader takes the next chunk once it is written and it has
+    not read it yet. A pickled message longer than a chunk continues in the next ones,
+    so a message of any size goes through a small ring, streaming while readers read.
+
+    Why the flag order is safe: the writer clears *written*, resets the read flags, fills
+    the chunk, and sets *written* last; a reader copies or unpickles the chunk completely
+    before it sets its *read* flag. So no one reads a half-written chunk, and the writer
+    never overwrites a chunk someone is still reading. This relies on each process's
+    stores becoming visible in program order, as x86 guarantees. On weakly ordered CPUs
+    (ARM) this would need a memory fence between the data and the flag, which Python
+    cannot issue; vLLM's shm_broadcast carries the same caveat.
+    """
+
+    def __init__(self, handle: QueueHandle, shm: shared_memory.SharedMemory, reader: int | None, owner: bool):
+        self.handle = handle
+        self.shm = shm
+        self.buf = shm.buf
+        self.reader = reader  # None for the writer's side
+        self.owner = owner  # the creator unlinks the block
+        self.flags_bytes = 1 + handle.num_readers
+        self.data_start = handle.num_chunks * self.flags_bytes
+        self.next_chunk = 0  # the writer's or this reader's position in the ring
+
+    @classmethod
+    def create(cls, num_readers: int, num_chunks: int = 8, chunk_bytes: int = 1 << 20,
+               reader: int | None = None) -> MessageQueue:
+        size = num_chunks * (1 + num_readers + chunk_bytes)
+        name = f"tinytp_{os.getpid()}_{os.urandom(4).hex()}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        shm.buf[: num_chunks * (1 + num_readers)] = bytes(num_chunks * (1 + num_readers))
+        return cls(QueueHandle(name, num_readers, num_chunks, chunk_bytes), shm, reader, owner=True)
+
+    @classmethod
+    def attach(cls, handle: QueueHandle, reader: int | None = None) -> MessageQueue:
+        # Python 3.11 registers every attached block with the resource tracker, which
+        # then unlinks it when this process exits, under the creator's feet, and warns of
+        # a "leak". Only the creator should own it, so skip the registration here.
+        register = resource_tracker.register
+        resource_tracker.register = lambda *args, **kwargs: None
+        try:
+            shm = shared_memory.SharedMemory(name=handle.name)
+        finally:
+            resource_tracker.register = register
+        return cls(handle, shm, reader, owner=False)
+
+    # flags of chunk i: buf[i * flags_bytes] is "written", the next num_readers are "read"
+    def _written(self, i: int) -> bool:
+        return self.buf[i * self.flags_bytes] == 1
+
+    def _chunk_free(self, i: int) -> bool:
+        start = i * self.flags_bytes
+        flags = self.buf[start: start + self.flags_bytes]
+        return flags[0] == 0 or all(flags[1:])
+
+    def ready(self) -> bool:
+        """Is there a message (or its first chunk) for this reader?"""
+        i = self.next_chunk
+        return self._written(i) and self.buf[i * self.flags_bytes + 1 + self.reader] == 0
+
+    def _chunk(self, i: int) -> int:
+        return self.data_start + i * self.handle.chunk_bytes
+
+    def enqueue(self, obj: Any, timeout: float | None = None, check: Callable[[], None] | None = None) -> None:
+        data = memoryview(pickle.dumps(obj, protocol=5))
+        capacity = self.handle.chunk_bytes - CHUNK_HEADER.size
+        sent = 0
+        while True:  # at least one chunk, even for an empty message
+            i = self.next_chunk
+            wait_until(lambda: self._chunk_free(i), timeout, f"queue {self.handle.name}: the writer waited "
+                       "for readers to free a chunk", check)
+            flags = i * self.flags_bytes
+            part = data[sent: sent + capacity]
+            sent += len(part)
+            self.buf[flags] = 0  # not readable while we fill it
+            self.buf[flags + 1: flags + self.flags_bytes] = bytes(self.handle.num_readers)
+            start = self._chunk(i)
+            CHUNK_HEADER.pack_into(self.buf, start, len(part), sent < len(data))
+            self.buf[start + CHUNK_HEADER.size: start + CHUNK_HEADER.size + len(part)] = part
+            self.buf[flags] = 1  # published: set only after the chunk is complete
+            self.next_chunk = (i + 1) % self.handle.num_chunks
+            if sent >= len(data):
+                return
+
+    def dequeue(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> Any:
+        parts = []
+        while True:
+            wait_until(self.ready, timeout, f"queue {self.handle.name}: reader {self.reader} waited "
+                       "for a message", check)
+            i = self.next_chunk
+            start = self._chunk(i)
+            size, continues = CHUNK_HEADER.unpack_from(self.buf, start)
+            payload = self.buf[start + CHUNK_HEADER.size: start + CHUNK_HEADER.size + size]
+            if not parts and not continues:  # the common case: one chunk, unpickled in place
+                message = pickle.loads(payload)
+            else:
+                parts.append(bytes(payload))
+            del payload  # release the view before the writer may reuse the chunk
+            self.buf[i * self.flags_bytes + 1 + self.reader] = 1  # done with this chunk
+            self.next_chunk = (i + 1) % self.handle.num_chunks
+            if not continues:
+                return message if not parts else pickle.loads(b"".join(parts))
+
+    def close(self) -> None:
+        """Detach; the creator also removes the block from /dev/shm."""
+        self.buf = None
+        self.shm.close()
+        if self.owner:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+# --------------------------------------------------------------------------------------
+# The worker: one rank's model, KV cache and copy of every running request
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class CachedRequest:
+    """A worker's own copy of a running request (DESIGN.md section 1)."""
+
+    token_ids: list[int]  # prompt, then every sampled token
+    num_computed: int  # tokens whose keys and values are in the KV cache
+    slot: int
+    temperature: float
+    top_p: float
+    generator: torch.Generator
+
+
+class Worker:
+    """Everything one rank does. Every method is reached through the driver's
+    collective_rpc; execute_model runs each step."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.tp = TPGroup(rank, world_size)
+        self.requests: dict[int, CachedRequest] = {}
+        self.last_logits: torch.Tensor | None = None
+
+    def init_device(self, device: str, dtype: str, store_port: int, num_threads: int) -> None:
+        """Pick the device and join the process group through the driver's TCP store:
+        no torchrun and no environment variables."""
+        torch.set_num_threads(num_threads)
+        if device == "cuda":
+            torch.cuda.set_device(self.tp.rank)
+            self.device = torch.device("cuda", self.tp.rank)
+        else:
+            self.device = torch.device("cpu")
+        self.dtype = getattr(torch, dtype)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store,
+                                rank=self.tp.rank, world_size=self.tp.size)
+
+    def load_model(self, model_dir: str, max_model_len: int) -> None:
+        """Build this rank's part of the model and fill it from the checkpoint."""
+        self.config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
+        # One extra position: padding tokens write their keys there, where no one looks.
+        self.max_model_len = max_model_len
+        torch.set_default_dtype(self.dtype)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(self.config, self.tp, max_model_len + 1)
+        torch.set_default_dtype(torch.float32)
+        size = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
+                   if f.endswith(".safetensors"))
+        load_checkpoint(self.model, model_dir, show_progress=self.tp.rank == 0 and size > 1 << 30)
+
+    def init_kv_cache(self, max_num_seqs: int) -> None:
+        """Preallocate keys and values: one slot per running request, max_model_len + 1
+        positions each (the last one for padding). Zeros: never-written positions are
+        masked, but a masked NaN would still poison the weighted sum."""
+        attn = self.model.layers[0].self_attn
+        shape = (2, max_num_seqs, attn.num_kv_heads, self.max_model_len + 1, attn.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in self.model.layers]
+
+    def prepare_inputs(self, scheduled: list[CachedRequest]) -> ModelInputs:
+        """Turn the scheduled requests into padded tensors. A new request feeds its whole
+        prompt, a running one its last sampled token."""
+        new_tokens = [r.token_ids[r.num_computed:] for r in scheduled]
+        width = max(len(t) for t in new_tokens)
+        pad = self.max_model_len  # the spare cache position that nobody attends to
+        ids = [t + [0] * (width - len(t)) for t in new_tokens]
+        positions = [list(range(r.num_computed, r.num_computed + len(t))) + [pad] * (width - len(t))
+                     for r, t in zip(scheduled, new_tokens)]
+        slots = [r.slot for r in scheduled]
+        context = max(r.num_computed + len(t) for r, t in zip(scheduled, new_tokens))
+        positions_t = torch.tensor(positions, device=self.device)
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        return ModelInputs(
+            input_ids=torch.tensor(ids, device=self.device),
+            positions=positions_t,
+            slot_ids=torch.tensor(slots, device=self.device),
+            slots=slice(slots[0], slots[0] + len(slots)) if contiguous else torch.tensor(slots, device=self.device),
+            attn_mask=(torch.arange(context, device=self.device) <= positions_t[:, None, :, None]),
+            last_index=torch.tensor([len(t) - 1 for t in new_tokens], device=self.device),
+        )
+
+    def sample(self, logits: torch.Tensor, scheduled: list[CachedRequest]) -> list[int]:
+        """Every rank has the same logits (all-gathered) and the same seeded generators,
+        so every rank picks the same tokens without talking to the others."""
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
+        for i, request in enumerate(scheduled):
+            if request.temperature == 0:
+                continue
+            probs = torch.softmax(logits[i] / request.temperature, dim=-1)
+            if request.top_p < 1:
+                sorted_probs, order = probs.sort(descending=True)
+                # keep a token if the tokens ranked above it hold less than top_p
+                outside = sorted_probs.cumsum(0) - sorted_probs >= request.top_p
+                probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0))
+            tokens[i] = torch.multinomial(probs, 1, generator=request.generator).item()
+        return tokens
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: update the request table from the deltas, run the model, sample, and
+        append the sampled tokens to this worker's copies of the requests."""
+        start = time.perf_counter()
+        for request_id in scheduler_output.finished_ids:
+            del self.requests[request_id]
+        for new in scheduler_output.new_requests:
+            generator = torch.Generator(self.device).manual_seed(new.seed)
+            self.requests[new.request_id] = CachedRequest(
+                list(new.prompt_token_ids), 0, new.slot, new.temperature, new.top_p, generator)
+        scheduled = [self.requests[i] for i in scheduler_output.scheduled_ids]
+        inputs = self.prepare_inputs(scheduled)
+        with torch.inference_mode():
+            logits = self.model(inputs, self.kv_caches)
+        tokens = self.sample(logits, scheduled)
+        for request, token in zip(scheduled, tokens):
+            request.num_computed = len(request.token_ids)
+            request.token_ids.append(token)
+        self.last_logits = logits
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # so execute_seconds is the real time of the step
+        return ModelRunnerOutput(tokens, time.perf_counter() - start)
+
+    # Inspection through collective_rpc, for tests and the curious.
+    def parameter_bytes(self) -> int:
+        """Bytes of weights this rank really holds (tied weights counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def request_token_ids(self) -> dict[int, list[int]]:
+        return {i: r.token_ids for i, r in self.requests.items()}
+
+    def get_last_logits(self) -> torch.Tensor:
+        return self.last_logits.cpu()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------
+# The worker process
+# --------------------------------------------------------------------------------------
+
+
+class DriverGone(Exception):
+    """The driver process exited without shutting us down."""
+
+
+def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: QueueHandle) -> None:
+    """The loop of one worker process: take the next call from the broadcast queue, run
+    it, reply if asked. Nothing else happens here (seed discussion: workers "sit in a very
+    tight model execution loop" of model execution and termination)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    calls = MessageQueue.attach(broadcast, reader=rank)
+    replies = MessageQueue.attach(response)
+    worker = Worker(rank, world_size)
+    driver_pid = os.getppid()
+
+    def driver_alive() -> None:
+        if os.getppid() != driver_pid:  # we were re-parented: the driver is gone
+            raise DriverGone
+
+    try:
+        while True:
+            call: RPCCall = calls.dequeue(check=driver_alive)
+            if call.method == SHUTDOWN:
+                break
+            try:
+                result = RPCResult(call.call_id, rank, getattr(worker, call.method)(*call.args, **call.kwargs))
+            except Exception:
+                result = RPCResult(call.call_id, rank, error=traceback.format_exc())
+            if call.reply_rank in (None, rank) or result.error is not None:
+                replies.enqueue(result, check=driver_alive)
+    except DriverGone:
+        pass
+    finally:
+        worker.close()
+        calls.close()
+        replies.close()
