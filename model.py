@@ -405,6 +405,14 @@ class LlamaForCausalLM(nn.Module):
 # --------------------------------------------------------------------------------------
 
 
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Small random weights instead of a checkpoint (`--load-format dummy`): the real
+    shapes and speed, without weight files. Uniform in +-1e-3, as vLLM does."""
+    torch.manual_seed(seed)
+    for param in model.parameters():
+        param.data.uniform_(-1e-3, 1e-3)
+
+
 def checkpoint_files(checkpoint_dir: str) -> dict[str, str]:
     """Map each tensor name to the safetensors file that holds it."""
     index_path = os.path.join(checkpoint_dir, "model.safetensors.index.json")

@@ -152,7 +152,8 @@ class Executor:
     answered by rank 0 alone, since every rank sampled the same tokens.
     """
 
-    def __init__(self, model_dir: str, tp: int, device: str, dtype: str, max_num_seqs: int, max_model_len: int):
+    def __init__(self, model_dir: str, tp: int, device: str, dtype: str, max_num_seqs: int, max_model_len: int,
+                 load_format: str = "auto"):
         self.tp = tp
         self.call_ids = itertools.count(1)
         self.failure: str | None = None
@@ -174,7 +175,7 @@ class Executor:
         threads = max(1, len(os.sched_getaffinity(0)) // tp)  # ranks x threads = cores
         try:
             self.collective_rpc("init_device", None, device, dtype, self.store.port, threads)
-            self.collective_rpc("load_model", None, model_dir, max_model_len)
+            self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)
             self.collective_rpc("init_kv_cache", None, max_num_seqs)
         except BaseException:
             self.shutdown()
@@ -351,7 +352,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, device: str | None = None,
-                 dtype: str = "auto", max_num_seqs: int = 8, max_model_len: int | None = None):
+                 dtype: str = "auto", max_num_seqs: int = 8, max_model_len: int | None = None,
+                 load_format: str = "auto"):
         from transformers import AutoTokenizer
 
         self.model_dir = resolve_model(model)
@@ -375,10 +377,14 @@ class LLM:
                              f"got {self.max_model_len}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' (safetensors) or 'dummy', got {load_format!r}")
+        has_tokenizer = any(f.startswith("tokenizer") for f in os.listdir(self.model_dir))
+        # A dummy-weight run of a bare config.json needs no tokenizer: its prompts are token ids.
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if has_tokenizer else None
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids())
         self.request_ids = itertools.count()
-        self.executor = Executor(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len)
+        self.executor = Executor(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format)
 
     def end_of_sequence_ids(self) -> set[int]:
         """Every token that ends a sequence: config.json's, generation_config.json's (Llama
@@ -388,7 +394,7 @@ class LLM:
         if os.path.exists(generation_config):
             with open(generation_config) as f:
                 ids.update(token_id_list(json.load(f).get("eos_token_id")))
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
@@ -405,15 +411,17 @@ class LLM:
             for finished in self._run(requests):
                 bar.update(len(finished))
         return [RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, r.output_token_ids,
-                              self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True),
-                              r.finish_reason) for r in requests]
+                              self.detokenize(r.output_token_ids), r.finish_reason) for r in requests]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield one prompt's completion text piece by piece as it is generated."""
         request = self._make_request(prompt, sampling_params or SamplingParams())
         shown = ""
         for _ in self._run([request]):
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            text = self.detokenize(request.output_token_ids)
             if text.endswith("\ufffd") and request.finish_reason is None:
                 continue  # half of a multi-byte character: wait for the rest
             yield text[len(shown):]
@@ -423,6 +431,8 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("empty prompt: give at least one character")
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer: give prompts as token ids")
             token_ids = self.tokenizer(prompt).input_ids
         else:
             token_ids = list(prompt)
@@ -501,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
             if llm.is_tiny_default:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
                       "so its text is gibberish", file=sys.stderr)
+            if llm.tokenizer is None:
+                raise ValueError(f"{llm.model_dir} has no tokenizer files, so it cannot take text prompts")
             prompts = args.prompt or DEFAULT_PROMPTS
             template = llm.tokenizer.chat_template and not args.no_chat_template
             inputs = [llm.tokenizer(llm.tokenizer.apply_chat_template(

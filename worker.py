@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from model import LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, load_checkpoint
+from model import LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, init_dummy_weights, load_checkpoint
 
 # --------------------------------------------------------------------------------------
 # Messages between the driver and the workers
@@ -306,15 +306,19 @@ class Worker:
         dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store,
                                 rank=self.tp.rank, world_size=self.tp.size)
 
-    def load_model(self, model_dir: str, max_model_len: int) -> None:
-        """Build this rank's part of the model and fill it from the checkpoint."""
+    def load_model(self, model_dir: str, max_model_len: int, load_format: str = "auto") -> None:
+        """Build this rank's part of the model and fill it from the checkpoint (or with
+        random numbers, for load_format "dummy")."""
         self.config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
-        # One extra position: padding tokens write their keys there, where no one looks.
         self.max_model_len = max_model_len
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
+            # One extra position: padding tokens write their keys there, where no one looks.
             self.model = LlamaForCausalLM(self.config, self.tp, max_model_len + 1)
         torch.set_default_dtype(torch.float32)
+        if load_format == "dummy":
+            init_dummy_weights(self.model)
+            return
         size = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
                    if f.endswith(".safetensors"))
         load_checkpoint(self.model, model_dir, show_progress=self.tp.rank == 0 and size > 1 << 30)
