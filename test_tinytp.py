@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -22,14 +24,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from model import (ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
-from tinytp import LLM, SamplingParams, byte_level_tokenizer
+from tinytp import LLM, SamplingParams, WorkerError, byte_level_tokenizer
 from worker import CHUNK_HEADER, MessageQueue
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def shm_entries() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("tinytp_")}
+def shm_entries(pid: int | None = None) -> list[str]:
+    """The shared-memory blocks that process `pid` (default: this one) created and has not
+    unlinked. Other tinytp programs running on the machine are not our business."""
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"tinytp_{pid or os.getpid()}_")]
 
 
 # --------------------------------------------------------------------------------------
@@ -186,7 +190,6 @@ def test_parallel_layers_match_torch_nn(tmp_path):
 
 
 def test_queue_order_every_reader_and_many_laps():
-    before = shm_entries()
     writer = MessageQueue.create(num_readers=2, num_chunks=4, chunk_bytes=256)
     readers = [MessageQueue.attach(writer.handle, reader=r) for r in range(2)]
     for lap in range(2000):  # 500 laps of the 4-chunk ring
@@ -196,7 +199,7 @@ def test_queue_order_every_reader_and_many_laps():
                 assert [reader.dequeue(timeout=1) for _ in range(3)] == [("step", i) for i in range(lap - 2, lap + 1)]
     for queue in [*readers, writer]:
         queue.close()
-    assert shm_entries() == before
+    assert not shm_entries()
 
 
 def test_queue_message_sizes_across_chunks():
@@ -239,7 +242,6 @@ def echo_reader(handle, reply_handle, count):
 
 
 def test_queue_between_processes_streams_a_message_larger_than_the_ring():
-    before = shm_entries()
     requests = MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 16)
     replies = MessageQueue.create(num_readers=1, reader=0)
     messages = [b"small", os.urandom(3 << 20), os.urandom(100)]  # 3 MiB through a 256 KiB ring
@@ -250,9 +252,10 @@ def test_queue_between_processes_streams_a_message_larger_than_the_ring():
         assert replies.dequeue(timeout=30) == (len(message), sum(message[::4096]))
     process.join(timeout=30)
     assert process.exitcode == 0
+    assert len(shm_entries()) == 2  # the reader's exit unlinked nothing
     requests.close()
     replies.close()
-    assert shm_entries() == before  # the reader's exit did not unlink, the creator did
+    assert not shm_entries()  # the creator did
 
 
 # --------------------------------------------------------------------------------------
@@ -269,7 +272,6 @@ def mha_checkpoint(tmp_path_factory):
 
 def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_checkpoint):
     path, hf_model = mha_checkpoint
-    before = shm_entries()
     # max_num_seqs=2 with 5 prompts: three wait and are admitted as others finish.
     with LLM(path, tensor_parallel_size=2, device="cpu", max_num_seqs=2, max_model_len=64) as llm:
         check_greedy_against_hf(llm, hf_model)
@@ -300,7 +302,7 @@ def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_chec
         assert [o.token_ids for o in again] == [o.token_ids for o in first]
         other_seed = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
         assert [o.token_ids for o in other_seed] != [o.token_ids for o in first]
-    assert shm_entries() == before
+    assert not shm_entries()
 
 
 def test_tp1_mha_text_prompts(mha_checkpoint):
@@ -334,20 +336,207 @@ def test_tp2_gqa_odd_vocab(tmp_path):
 
 
 # --------------------------------------------------------------------------------------
+# Faults: never a hang, never a leak, always a clear message
+# --------------------------------------------------------------------------------------
+
+
+def raise_on_rank_1(worker):  # run in the workers through collective_rpc
+    if worker.tp.rank == 1:
+        raise ValueError("boom")
+    return "fine"
+
+
+def sleep_in_worker(worker, seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def process_gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie that nobody has reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def spawned_workers_of(pid: int) -> list[int]:
+    """The processes that `pid` started with multiprocessing's spawn (not its resource tracker)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                spawned = "spawn_main" in f.read()
+        except FileNotFoundError:
+            continue
+        if parent == pid and spawned:
+            found.append(int(entry))
+    return found
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoint):
+    path, hf_model = mha_checkpoint
+    with LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        with pytest.raises(WorkerError, match=r"(?s)worker rank 1 failed in raise_on_rank_1.*ValueError: boom"):
+            llm.collective_rpc(raise_on_rank_1)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="sleep_in_worker on the workers: nothing after 0.5 s"):
+            llm.collective_rpc(sleep_in_worker, 0.5, 2.0)
+        assert time.monotonic() - start < 2.0  # it gave up after about 0.5 s, not after the sleep
+        # The late replies to the timed-out call are recognised and dropped.
+        assert llm.collective_rpc(sleep_in_worker, None, 0.0) == [0.0, 0.0]
+        check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=4)
+
+
+def test_killed_worker_fails_fast_and_leaves_nothing(mha_checkpoint):
+    path, _ = mha_checkpoint
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=256)
+    pids = [p.pid for p in llm.executor.workers]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code -9\)"):
+        for i, _ in enumerate(llm.stream([256, 1, 2, 3], params)):
+            if i == 3:
+                os.kill(pids[1], signal.SIGKILL)
+                killed_at = time.monotonic()
+    assert time.monotonic() - killed_at < 5
+    assert all(process_gone(pid) for pid in pids)
+    assert not shm_entries()
+    with pytest.raises(RuntimeError, match="workers are gone .*create a new LLM"):
+        llm.generate([[256, 1]])
+    llm.shutdown()
+
+
+DRIVER = """
+import sys, time
+from tinytp import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", max_model_len=64)
+print(*[p.pid for p in llm.executor.workers], flush=True)
+time.sleep(60)
+"""
+
+
+def test_killed_driver_workers_exit_and_unlink(mha_checkpoint):
+    path, _ = mha_checkpoint
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, path], cwd=HERE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    pids = [int(pid) for pid in driver.stdout.readline().split()]
+    assert len(pids) == 2 and shm_entries(driver.pid)
+    driver.kill()
+    driver.wait()
+    assert wait_for(lambda: all(process_gone(pid) for pid in pids), 5)
+    assert wait_for(lambda: not shm_entries(driver.pid), 5)
+    assert "leaked" not in driver.stderr.read()
+
+
+# --------------------------------------------------------------------------------------
+# Bad input: a clear error, before any worker is spawned where possible
+# --------------------------------------------------------------------------------------
+
+
+def test_bad_models_are_refused_before_spawning(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model path /no/such/dir does not exist"):
+        LLM("/no/such/dir")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    with pytest.raises(FileNotFoundError, match=r"has no \*.safetensors weights \(it has: config.json\)"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_31_8B, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="Llama checkpoints only; .*model_type='gpt2'"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    with pytest.raises(ValueError, match="valid sizes"):
+        LLM(str(tmp_path), tensor_parallel_size=3, load_format="dummy")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs 2 GPUs; 0 visible"):
+            LLM(str(tmp_path), tensor_parallel_size=2, device="cuda", load_format="dummy")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_reject_the_whole_call(mha_checkpoint):
+    path, hf_model = mha_checkpoint
+    with LLM(path, tensor_parallel_size=1, device="cpu", max_model_len=32) as llm:
+        good = [256, 1, 2]
+        for bad, message in [([], "empty prompt"), ("", "empty prompt"), ([256, 258], r"token ids \[258\] are outside"),
+                             ([-1], "outside the vocabulary"), ([1] * 32, "prompt has 32 tokens; max_model_len=32")]:
+            with pytest.raises(ValueError, match=message):
+                llm.generate([good, bad])
+        # Nothing of the rejected calls lingers: the next call runs just its own prompts.
+        check_greedy_against_hf(llm, hf_model, prompts=[good], max_tokens=3)
+
+
+# --------------------------------------------------------------------------------------
 # The command line, as the README runs it
 # --------------------------------------------------------------------------------------
 
 
-def test_cli_default_model_runs_offline():
-    result = subprocess.run([sys.executable, "tinytp.py", "--tp", "2", "--max-tokens", "8"], cwd=HERE,
-                            capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("Output:") == 3 and "RANDOM weights" in result.stderr
+@pytest.fixture(scope="module")
+def cli_env(tmp_path_factory):
+    """A fresh cache, so the first run writes the tiny default model, as on a new machine."""
+    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache")), "HF_HUB_OFFLINE": "1"}
 
 
-def test_cli_bad_tp_is_one_line_and_exit_2():
-    result = subprocess.run([sys.executable, "tinytp.py", "--tp", "3"], cwd=HERE,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("tinytp: error: tensor parallel size 3")
-    assert "Traceback" not in result.stderr
+def run_cli(args: list[str], env, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "tinytp.py", *args], cwd=HERE, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+
+
+def test_cli_two_programs_at_once_on_a_fresh_machine(cli_env):
+    programs = [run_cli(["--tp", "2", "--max-tokens", "8"], cli_env) for _ in range(2)]
+    for program in programs:
+        out, err = program.communicate(timeout=120)
+        assert program.returncode == 0, err
+        assert out.count("Output:") == 3 and "RANDOM weights" in err
+        assert not shm_entries(program.pid)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tp", "3"], "tensor parallel size 3 does not fit this model"),
+    (["--model", "/no/such/model"], "model path /no/such/model does not exist"),
+    (["--max-tokens", "0"], "max_tokens must be >= 1"),
+    (["--prompt", "x" * 600], "prompt has 6"),  # spawned by then: the workers must still go away
+])
+def test_cli_bad_input_is_one_line_and_exit_2(cli_env, args, message):
+    out, err = run_cli(args, cli_env).communicate(timeout=120)
+    assert err.strip().splitlines()[-1].startswith(f"tinytp: error: {message}")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("when", ["loading", "generating"])
+def test_cli_ctrl_c_exits_130_quietly(cli_env, when):
+    program = run_cli(["--tp", "2", "--prompt", "hi", "--max-tokens", "400", "--ignore-eos"], cli_env,
+                      start_new_session=True)  # its own process group, as a terminal would make it
+    if when == "loading":  # the workers exist: they are importing torch or loading weights
+        assert wait_for(lambda: len(spawned_workers_of(program.pid)) >= 2, 60)
+    else:
+        assert program.stdout.read(len("Prompt: 'hi'\nOutput: ")).endswith("Output: ")
+    workers = spawned_workers_of(program.pid)
+    os.killpg(program.pid, signal.SIGINT)
+    start = time.monotonic()
+    out, err = program.communicate(timeout=10)
+    assert time.monotonic() - start < 5
+    assert program.returncode == 130
+    assert err.strip().splitlines()[-1] == "tinytp: interrupted" and "Traceback" not in err
+    assert all(process_gone(pid) for pid in workers)
+    assert not shm_entries(program.pid)

@@ -19,12 +19,14 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -111,7 +113,10 @@ def write_tiny_model(path: str) -> None:
     LlamaForCausalLM(config).save_pretrained(staging)
     byte_level_tokenizer().save_pretrained(staging)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    os.replace(staging, path)
+    try:
+        os.replace(staging, path)
+    except OSError:  # another tinytp program wrote it first
+        shutil.rmtree(staging)
 
 
 def resolve_model(model: str | None) -> str:
@@ -181,8 +186,9 @@ class Executor:
             self.shutdown()
             raise
 
-    def collective_rpc(self, method: str, timeout: float | None = None, *args, **kwargs) -> list:
-        """Run `method` on every worker; return each rank's result, in rank order."""
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, *args, **kwargs) -> list:
+        """Run `method` on every worker; return each rank's result, in rank order. A
+        callable (picklable: defined at module level) is called with the Worker first."""
         return self._call(RPCCall(next(self.call_ids), method, args, kwargs), timeout)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -199,6 +205,7 @@ class Executor:
         if self.failure is not None:
             raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
         ranks = range(self.tp) if call.reply_rank is None else [call.reply_rank]
+        name = call.method if isinstance(call.method, str) else call.method.__name__
         results: dict[int, object] = {}
 
         def poll() -> bool:
@@ -210,12 +217,13 @@ class Executor:
                     if result.call_id != call.call_id:
                         continue  # a late answer to a call that timed out earlier
                     if result.error is not None:
-                        raise WorkerError(f"worker rank {rank} failed in {call.method}:\n{result.error}")
+                        self._check_workers()  # a dead peer is the root cause of a collective's error
+                        raise WorkerError(f"worker rank {rank} failed in {name}:\n{result.error}")
                     results[rank] = result.value
             return len(results) == len(ranks)
 
         self.broadcast.enqueue(call, timeout, check=self._check_workers)
-        wait_until(poll, timeout, f"{call.method} on the workers", check=self._check_workers)
+        wait_until(poll, timeout, f"{name} on the workers", check=self._check_workers)
         return [results[rank] for rank in ranks]
 
     def _check_workers(self) -> None:
@@ -236,16 +244,16 @@ class Executor:
             return
         workers, self.workers = self.workers, []
         atexit.unregister(self.shutdown)
-        if self.failure is None:
-            self.failure = "shut down"
-            try:
-                self.broadcast.enqueue(RPCCall(0, SHUTDOWN), timeout=1)
-            except TimeoutError:
-                pass  # a worker is stuck: it gets killed below
+        self.failure = self.failure or "shut down"
+        try:
+            self.broadcast.enqueue(RPCCall(0, SHUTDOWN), timeout=1)
+        except TimeoutError:
+            pass  # the ring is full: a worker is stuck, and gets killed below
+        deadline = time.monotonic() + 2  # an idle worker exits within milliseconds
         for process in workers:
-            process.join(timeout=5)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
         for process in workers:
-            if process.is_alive():
+            if process.is_alive():  # stuck in a long step, a collective or loading
                 process.kill()
                 process.join()
         for queue in [self.broadcast, *self.responses]:
@@ -379,7 +387,10 @@ class LLM:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' (safetensors) or 'dummy', got {load_format!r}")
-        has_tokenizer = any(f.startswith("tokenizer") for f in os.listdir(self.model_dir))
+        files = os.listdir(self.model_dir)
+        if load_format == "auto" and not any(f.endswith(".safetensors") for f in files):
+            raise FileNotFoundError(f"{self.model_dir} has no *.safetensors weights (it has: {', '.join(sorted(files))})")
+        has_tokenizer = any(f.startswith("tokenizer") for f in files)
         # A dummy-weight run of a bare config.json needs no tokenizer: its prompts are token ids.
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if has_tokenizer else None
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids())
@@ -460,7 +471,7 @@ class LLM:
             self.scheduler.abort_all()
             raise
 
-    def collective_rpc(self, method: str, timeout: float | None = None, *args, **kwargs) -> list:
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, *args, **kwargs) -> list:
         return self.executor.collective_rpc(method, timeout, *args, **kwargs)
 
     def shutdown(self) -> None:
@@ -507,13 +518,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed, ignore_eos=args.ignore_eos)
+        prompts = args.prompt or DEFAULT_PROMPTS
+        if not all(prompts):
+            raise ValueError("empty --prompt: give at least one character")
         with LLM(args.model, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len) as llm:
             if llm.is_tiny_default:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
                       "so its text is gibberish", file=sys.stderr)
             if llm.tokenizer is None:
                 raise ValueError(f"{llm.model_dir} has no tokenizer files, so it cannot take text prompts")
-            prompts = args.prompt or DEFAULT_PROMPTS
             template = llm.tokenizer.chat_template and not args.no_chat_template
             inputs = [llm.tokenizer(llm.tokenizer.apply_chat_template(
                           [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
@@ -529,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # a worker failed or died: not the user's doing, but say it plainly
+        print(f"tinytp: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("tinytp: interrupted", file=sys.stderr)
         return 130

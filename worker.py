@@ -8,6 +8,7 @@ loop each of the N worker processes runs (DESIGN.md sections 1 and 2).
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
@@ -84,7 +85,7 @@ class RPCCall:
     (collective_rpc); otherwise only that rank does, unless a rank fails."""
 
     call_id: int
-    method: str
+    method: str | Callable  # a Worker method's name, or a function called with the Worker
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     reply_rank: int | None = None
@@ -439,13 +440,18 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
             if call.method == SHUTDOWN:
                 break
             try:
-                result = RPCResult(call.call_id, rank, getattr(worker, call.method)(*call.args, **call.kwargs))
+                method = (getattr(worker, call.method) if isinstance(call.method, str)
+                          else functools.partial(call.method, worker))
+                result = RPCResult(call.call_id, rank, method(*call.args, **call.kwargs))
             except Exception:
                 result = RPCResult(call.call_id, rank, error=traceback.format_exc())
             if call.reply_rank in (None, rank) or result.error is not None:
                 replies.enqueue(result, check=driver_alive)
     except DriverGone:
-        pass
+        # Nobody else will unlink the blocks now. Unlinking also drops them from the
+        # resource tracker that we share with the dead driver, so it warns of no leak.
+        calls.owner = rank == 0
+        replies.owner = True
     finally:
         worker.close()
         calls.close()
