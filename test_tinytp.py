@@ -97,6 +97,14 @@ PROMPTS = [  # token-id prompts of different lengths (ids < 256 are bytes, 256 i
 ]
 
 
+def last_logits(worker):  # these run inside the workers, through collective_rpc
+    return worker.last_logits
+
+
+def request_token_ids(worker):
+    return {request_id: request.token_ids for request_id, request in worker.requests.items()}
+
+
 def check_greedy_against_hf(llm: LLM, hf_model, prompts=PROMPTS, max_tokens=12):
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     assert [o.prompt_token_ids for o in outputs] == prompts  # outputs come back in prompt order
@@ -281,7 +289,7 @@ def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_chec
         # Logits: every rank holds the same full-vocabulary logits, equal to transformers'.
         prompts = PROMPTS[:2]
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-        per_rank = llm.collective_rpc("get_last_logits")  # the last step: decoding token 3 of both
+        per_rank = llm.collective_rpc(last_logits)  # the last step: decoding token 3 of both
         assert torch.equal(per_rank[0], per_rank[1])
         for row, prompt, output in zip(per_rank[0], prompts, outputs):
             expected = teacher_forced_logits(hf_model, prompt + output.token_ids)[-2]
@@ -297,7 +305,7 @@ def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_chec
         # Seeded sampling: every rank samples the same tokens, and the same seed repeats.
         params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
         first = llm.generate(prompts, params)
-        rank0, rank1 = llm.collective_rpc("request_token_ids")  # finished requests stay until the next step
+        rank0, rank1 = llm.collective_rpc(request_token_ids)  # finished requests stay until the next step
         assert rank0 == rank1
         assert sorted(rank0.values()) == sorted(o.prompt_token_ids + o.token_ids for o in first)
         again = llm.generate(prompts, params)

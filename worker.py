@@ -291,7 +291,7 @@ class Worker:
     def __init__(self, rank: int, world_size: int):
         self.tp = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
-        self.last_logits: torch.Tensor | None = None
+        self.last_logits: torch.Tensor | None = None  # for inspection through collective_rpc
 
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int) -> None:
         """Pick the device and join the process group through the driver's TCP store:
@@ -395,16 +395,9 @@ class Worker:
             torch.cuda.synchronize()  # so execute_seconds is the real time of the step
         return ModelRunnerOutput(tokens, time.perf_counter() - start)
 
-    # Inspection through collective_rpc, for tests and the curious.
     def parameter_bytes(self) -> int:
         """Bytes of weights this rank really holds (tied weights counted once)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
-    def request_token_ids(self) -> dict[int, list[int]]:
-        return {i: r.token_ids for i, r in self.requests.items()}
-
-    def get_last_logits(self) -> torch.Tensor:
-        return self.last_logits.cpu()
 
     def close(self) -> None:
         if dist.is_initialized():
