@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from model import (ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
-from tinytp import LLM, SamplingParams, WorkerError, byte_level_tokenizer
+from tinytp import LLM, SamplingParams, WorkerError, byte_level_tokenizer, explain
 from worker import CHUNK_HEADER, MessageQueue
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -337,6 +338,9 @@ def test_tp4_gqa_replicated_kv_tied_llama3_rope_multifile_old_keys(tmp_path):
     assert "rope_scaling" in raw and "rope_parameters" not in raw
     with LLM(str(tmp_path), tensor_parallel_size=4, device="cpu", max_num_seqs=8, max_model_len=128) as llm:
         check_greedy_against_hf(llm, hf_model, max_tokens=40)  # long enough for the scaled rope to matter
+        # --explain's bytes per rank are what the workers really hold.
+        printed = re.findall(r"rank (\d) holds ([\d,]+) bytes", explain(llm.config, 4, "float32"))
+        assert [int(n.replace(",", "")) for _, n in printed] == llm.collective_rpc("parameter_bytes")
 
 
 def test_tp2_gqa_odd_vocab(tmp_path):

@@ -17,6 +17,7 @@ import atexit
 import heapq
 import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import ModelConfig, check_tensor_parallel_size, token_id_list
+from model import LlamaForCausalLM, ModelConfig, TPGroup, check_tensor_parallel_size, token_id_list
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams,
                     SchedulerOutput, wait_until, worker_main)
 
@@ -485,6 +486,52 @@ class LLM:
 
 
 # --------------------------------------------------------------------------------------
+# --explain: how the checkpoint is cut, without running anything
+# --------------------------------------------------------------------------------------
+
+
+def explain(config: ModelConfig, tp: int, dtype: str) -> str:
+    """Build every rank's model on the "meta" device (shapes, no memory) with the same
+    code the workers run, and describe the cut: per checkpoint tensor its full shape,
+    a rank's slice and the split dimension, then bytes per rank and the traffic per step."""
+    def build(rank: int, size: int) -> LlamaForCausalLM:
+        with torch.device("meta"):
+            return LlamaForCausalLM(config, TPGroup(rank, size), max_model_len=1)
+
+    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    whole = {s.name: (p.shape, s) for p in build(0, 1).parameters() for s in p.shards}
+    lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
+             f"{'rank 0 slice':>14}  split"]
+    for param in build(0, tp).parameters():
+        for shard in param.shards:
+            if ".layers." in shard.name and ".layers.0." not in shard.name:
+                continue  # every layer is cut alike
+            full_shape, full = whole[shard.name]
+            full_shape = list(full_shape)
+            full_shape[full.dim] = full.size
+            mine = list(param.shape)
+            mine[shard.dim] = shard.size
+            how = f"dim {shard.dim}" if shard.size < full.size else "replicated"
+            if shard.size < full.size < shard.size * tp:  # the parts overlap or overhang
+                padded = math.ceil(config.vocab_size / tp) * tp
+                how += f", vocab padded to {padded}" if full.size == config.vocab_size else ", KV heads replicated"
+            lines.append(f"{shard.name:<48}{str(full_shape):>14}{str(mine):>14}  {how}")
+    lines.append("")
+    for rank in range(tp):
+        held = sum(p.numel() for p in build(rank, tp).parameters()) * itemsize
+        lines.append(f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})")
+    hidden = config.hidden_size * itemsize
+    vocab = math.ceil(config.vocab_size / tp) * tp * itemsize
+    lines += ["", "communication per decode step, per sequence in the batch:" if tp > 1 else
+              "communication: none (tp=1)"]
+    if tp > 1:
+        lines += [f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes "
+                  f"(2 per layer, after o_proj and down_proj, and 1 after the embedding)",
+                  f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all"]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------
 
@@ -510,6 +557,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt text as it is")
+    parser.add_argument("--explain", action="store_true",
+                        help="print how the checkpoint is cut across ranks, and the traffic per step; run nothing")
     return parser.parse_args(argv)
 
 
@@ -518,6 +567,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed, ignore_eos=args.ignore_eos)
+        if args.explain:
+            config = ModelConfig.from_file(os.path.join(resolve_model(args.model), "config.json"))
+            check_tensor_parallel_size(config, args.tp)
+            print(explain(config, args.tp, config.dtype if args.dtype == "auto" else args.dtype))
+            return 0
         prompts = args.prompt or DEFAULT_PROMPTS
         if not all(prompts):
             raise ValueError("empty --prompt: give at least one character")
