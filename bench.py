@@ -1,0 +1,581 @@
+"""Benchmarks for tinytp: the driver-to-worker IPC, and end-to-end latency.
+
+    python bench.py --ipc                         # shared memory vs Pipe, Queue and gloo
+    python bench.py                               # latency of a default model, random weights
+    python bench.py --tp 2 --input-len 128 --output-len 256
+    python bench.py --compare                     # tinytp tp=1, tp=2, in-process, transformers
+    python bench.py --device cuda --tp 2 --config ../shared/configs/llama-3.1-8b-instruct.json
+
+The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: the same
+options and defaults, random token-id prompts, exactly --output-len tokens per sequence,
+and the same output lines, so its numbers sit next to the seed's. It adds what explains
+them: the prefill and decode step times, the executor's overhead per step, and how close a
+decode step comes to the memory-bandwidth limit (DESIGN.md section 5).
+
+Reads top to bottom: the IPC benchmark (one writer, two reader processes, four
+transports), then the latency benchmark (the model, the backends, the roofline, the
+report), then `--compare` and the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from unittest import mock
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tqdm import tqdm
+
+import tinytp
+from model import ModelConfig, init_dummy_weights
+from worker import MessageQueue, ModelRunnerOutput, RPCCall, RPCResult, SamplingParams, SchedulerOutput, Worker
+
+CORES = len(os.sched_getaffinity(0))
+
+# --------------------------------------------------------------------------------------
+# The IPC benchmark: one writer (this process), two readers, reader 0 replies
+# --------------------------------------------------------------------------------------
+
+READERS = 2  # the workers of a tp=2 run
+ITERATIONS = {"small": 2000, "64k": 500, "16m": 30}  # timed round trips per message size
+IDLE_SECONDS = 2.0
+REPLY = RPCResult(1, 0, ModelRunnerOutput(list(range(8)), 0.0))  # rank 0's answer to a decode step
+
+
+def ipc_messages() -> dict[str, object]:
+    """A decode step of 8 running requests, exactly as the Executor sends it (a few hundred
+    bytes pickled), and two raw payloads."""
+    step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), finished_ids=[])
+    return {"small": RPCCall(1, "execute_model", (step,), reply_rank=0),
+            "64k": bytes(64 << 10), "16m": bytes(16 << 20)}
+
+
+class Transport:
+    """The writer's side of one way to talk: send to every reader, receive reader 0's reply.
+    reader_side() runs in a reader process and returns its (receive, reply) functions."""
+
+    def reader_args(self, reader: int) -> tuple:
+        return ()
+
+    def connect(self) -> None:
+        """Called once the readers have started."""
+
+    def close(self) -> None:
+        pass
+
+
+class ShmTransport(Transport):
+    """tinytp's MessageQueue: one broadcast queue and a reply queue, as the Executor has."""
+
+    def __init__(self, context):
+        self.calls = MessageQueue.create(num_readers=READERS)
+        self.replies = MessageQueue.create(num_readers=1, reader=0)
+
+    def reader_args(self, reader):
+        return self.calls.handle, self.replies.handle
+
+    @staticmethod
+    def reader_side(reader, calls, replies):
+        return MessageQueue.attach(calls, reader=reader).dequeue, MessageQueue.attach(replies).enqueue
+
+    def send(self, message):
+        self.calls.enqueue(message)
+
+    def receive(self):
+        return self.replies.dequeue()
+
+    def close(self):
+        self.calls.close()
+        self.replies.close()
+
+
+class PipeTransport(Transport):
+    """multiprocessing.Pipe, one per reader. The message is pickled once (protocol 5, as
+    the MessageQueue does) and its bytes sent down each pipe: Pipe at its best."""
+
+    def __init__(self, context):
+        self.pipes = [context.Pipe() for _ in range(READERS)]  # (our end, the reader's end)
+
+    def reader_args(self, reader):
+        return (self.pipes[reader][1],)
+
+    @staticmethod
+    def reader_side(reader, pipe):
+        return lambda: pickle.loads(pipe.recv_bytes()), pipe.send
+
+    def send(self, message):
+        data = pickle.dumps(message, protocol=5)
+        for ours, _ in self.pipes:
+            ours.send_bytes(data)
+
+    def receive(self):
+        return self.pipes[0][0].recv()
+
+
+class QueueTransport(Transport):
+    """multiprocessing.Queue, one per reader, and one for the replies."""
+
+    def __init__(self, context):
+        self.queues = [context.Queue() for _ in range(READERS)]
+        self.replies = context.Queue()
+
+    def reader_args(self, reader):
+        return self.queues[reader], self.replies
+
+    @staticmethod
+    def reader_side(reader, queue, replies):
+        return queue.get, replies.put
+
+    def send(self, message):
+        for queue in self.queues:
+            queue.put(message)
+
+    def receive(self):
+        return self.replies.get()
+
+
+class GlooTransport(Transport):
+    """torch.distributed over gloo, 3 ranks (we are rank 0): broadcast_object_list out, and
+    reader 0 (rank 1) replies with send_object_list, point to point: pickled like every
+    other reply, and without making the third rank join in, as a broadcast back would."""
+
+    def __init__(self, context):
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def reader_args(self, reader):
+        return (self.store.port,)
+
+    @staticmethod
+    def reader_side(reader, port):
+        store = dist.TCPStore("127.0.0.1", port, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=reader + 1, world_size=READERS + 1)
+
+        def receive():
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        return receive, lambda reply: dist.send_object_list([reply], dst=0)
+
+    def connect(self):  # joining waits for every rank, so only now that the readers exist
+        dist.init_process_group("gloo", store=self.store, rank=0, world_size=READERS + 1)
+
+    def send(self, message):
+        dist.broadcast_object_list([message], src=0)
+
+    def receive(self):
+        box = [None]
+        dist.recv_object_list(box, src=1)
+        return box[0]
+
+    def close(self):
+        dist.destroy_process_group()
+
+
+TRANSPORTS = {"shm": ShmTransport, "pipe": PipeTransport, "queue": QueueTransport, "gloo": GlooTransport}
+
+
+def ipc_reader(transport: type, reader: int, args: tuple) -> None:
+    """A reader process: take messages until None; reader 0 answers each, as rank 0 does."""
+    receive, reply = transport.reader_side(reader, *args)
+    while receive() is not None:
+        if reader == 0:
+            reply(REPLY)
+
+
+def round_trips(transport: Transport, context) -> dict[str, np.ndarray]:
+    """Microseconds from sending a message to both readers until reader 0's reply is in,
+    per message size; the first tenth of the round trips warms up and is dropped."""
+    readers = [context.Process(target=ipc_reader, args=(type(transport), r, transport.reader_args(r)), daemon=True)
+               for r in range(READERS)]
+    for process in readers:
+        process.start()
+    try:
+        transport.connect()
+        times = {}
+        for size, message in ipc_messages().items():
+            samples = []
+            for _ in range(ITERATIONS[size] * 11 // 10):
+                start = time.perf_counter()
+                transport.send(message)
+                transport.receive()
+                samples.append(time.perf_counter() - start)
+            times[size] = np.array(samples[-ITERATIONS[size]:]) * 1e6
+        transport.send(None)
+    finally:
+        for process in readers:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        transport.close()
+    return times
+
+
+def idle_reader(handle, conn) -> None:
+    """Wait IDLE_SECONDS for a message that never comes; report the CPU time it took, as
+    a fraction of one core (process_time: nanosecond resolution, unlike os.times)."""
+    queue = MessageQueue.attach(handle, reader=0)
+    cpu, start = time.process_time(), time.perf_counter()
+    with contextlib.suppress(TimeoutError):
+        queue.dequeue(timeout=IDLE_SECONDS)
+    conn.send((time.process_time() - cpu) / (time.perf_counter() - start))
+
+
+def idle_reader_cpu(context) -> float:
+    queue = MessageQueue.create(num_readers=1)
+    ours, theirs = context.Pipe()
+    process = context.Process(target=idle_reader, args=(queue.handle, theirs), daemon=True)
+    process.start()
+    try:
+        return ours.recv()
+    finally:
+        process.join()
+        queue.close()
+
+
+def run_ipc() -> dict:
+    context = mp.get_context("spawn")
+    roundtrip, throughput = {}, {}
+    for name, transport in TRANSPORTS.items():
+        print(f"timing {name} ...", file=sys.stderr, flush=True)
+        times = round_trips(transport(context), context)
+        roundtrip[name] = {size: {"p50": float(np.median(t)), "p99": float(np.percentile(t, 99))}
+                           for size, t in times.items()}
+        throughput[name] = (16 << 20) / (roundtrip[name]["16m"]["p50"] * 1e-6) / 1e9
+    idle = idle_reader_cpu(context)
+
+    print(f"\nRound trip, writer -> {READERS} readers -> reply from reader 0 (microseconds)")
+    print(f"{'':8}" + "".join(f"{size + ' p50':>12}{size + ' p99':>12}" for size in ITERATIONS) + f"{'16m GB/s':>10}")
+    for name, by_size in roundtrip.items():
+        cells = "".join(f"{s['p50']:12.1f}{s['p99']:12.1f}" for s in by_size.values())
+        print(f"{name:8}{cells}{throughput[name]:10.2f}")
+    small = {name: by_size["small"]["p50"] for name, by_size in roundtrip.items()}
+    print(f"\nsmall message, median: pipe / shm = {small['pipe'] / small['shm']:.1f}x (target >= 3), "
+          f"queue / shm = {small['queue'] / small['shm']:.1f}x (target >= 10)")
+    print(f"16 MiB through shm: {throughput['shm']:.2f} GB/s (target >= 1)")
+    print(f"idle MessageQueue reader over {IDLE_SECONDS:g} s: {idle:.2%} of a core (target < 5%)")
+    return {"roundtrip_us": roundtrip, "idle_reader_cpu": idle, "throughput_16m_gbps": throughput}
+
+
+# --------------------------------------------------------------------------------------
+# The latency benchmark: the model
+# --------------------------------------------------------------------------------------
+
+# With no model named: a Llama of realistic proportions that a CPU runs in seconds (~56M
+# parameters, 225 MB in float32: far larger than the caches, so decode is memory-bound).
+DEFAULT_CONFIG = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 512, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 1408, "vocab_size": 32000,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32",
+}
+
+
+def model_source(args, workdir: str) -> tuple[str, str]:
+    """The checkpoint directory and load format to run. Dummy weights need no weight
+    files, only a config.json, which goes alone into `workdir` (no tokenizer either:
+    the prompts are token ids)."""
+    load_format = args.load_format or ("auto" if args.model and not args.config else "dummy")
+    if load_format == "auto":
+        if args.config or not args.model:
+            raise ValueError("--load-format auto reads weights: name a checkpoint with --model "
+                             "(--config gives shapes only, for --load-format dummy)")
+        return tinytp.resolve_model(args.model), load_format
+    if args.config:
+        shutil.copy(args.config, os.path.join(workdir, "config.json"))
+    elif args.model:
+        shutil.copy(os.path.join(tinytp.resolve_model(args.model), "config.json"), workdir)
+    else:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(DEFAULT_CONFIG, f)
+    return workdir, load_format
+
+
+# --------------------------------------------------------------------------------------
+# The latency benchmark: backends
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    prefill: bool
+    seconds: float  # measured in the driver, around the step
+    worker_seconds: float | None = None  # measured inside the worker (tinytp only)
+
+
+class InProcessExecutor:
+    """tinytp's Worker called directly in this process (vLLM's "uni" executor): no worker
+    processes and no queues. It has the Executor's constructor and methods, so LLM's
+    scheduler and loop run on top unchanged; the difference from the real Executor is
+    the cost of multiprocessing."""
+
+    def __init__(self, model_dir, tp, device, dtype, max_num_seqs, max_model_len, load_format="auto"):
+        if tp != 1:
+            raise ValueError(f"--backend inprocess runs one rank: use --tp 1, not {tp}")
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.worker = Worker(0, 1)
+        self.collective_rpc("init_device", None, device, dtype, self.store.port, CORES)
+        self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)
+        self.collective_rpc("init_kv_cache", None, max_num_seqs)
+
+    def collective_rpc(self, method, timeout=None, *args, **kwargs):
+        return [getattr(self.worker, method)(*args, **kwargs)]
+
+    def execute_model(self, scheduler_output):
+        return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self):
+        self.worker.close()
+
+
+class EngineBackend:
+    """tinytp's LLM, with each executor.execute_model call timed in the driver."""
+
+    def __init__(self, args, model_dir, load_format, device, dtype, prompts):
+        inprocess = args.backend == "inprocess"
+        executor = mock.patch.object(tinytp, "Executor", InProcessExecutor) if inprocess else contextlib.nullcontext()
+        with executor:
+            self.llm = tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=len(prompts),
+                                  max_model_len=args.input_len + args.output_len, load_format=load_format)
+        self.prompts = prompts
+        self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
+        self.steps: list[Step] = []
+        run_step = self.llm.executor.execute_model
+
+        def timed_step(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+            start = time.perf_counter()
+            output = run_step(scheduler_output)
+            self.steps.append(Step(bool(scheduler_output.new_requests), time.perf_counter() - start,
+                                   output.execute_seconds))
+            return output
+        self.llm.executor.execute_model = timed_step  # shadows the method for LLM's loop
+        self.parameter_bytes = max(self.llm.collective_rpc("parameter_bytes"))
+        self.threads = (f"1 process (the worker in-process) x {CORES} torch threads" if inprocess else
+                        f"{args.tp} worker process(es) x {max(1, CORES // args.tp)} torch threads")  # as Executor sets
+
+    def generate(self) -> list[int]:
+        return [len(o.token_ids) for o in self.llm.generate(self.prompts, self.params, use_tqdm=False)]
+
+    def close(self):
+        self.llm.shutdown()
+
+
+class HFBackend:
+    """The same shapes, dtype and prompts in transformers' generate: greedy, KV cache on,
+    fixed length, an explicit attention mask. Steps are timed between forward calls."""
+
+    def __init__(self, args, model_dir, load_format, device, dtype, prompts):
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        if args.tp != 1:
+            raise ValueError(f"--backend hf runs on one device: use --tp 1, not {args.tp}")
+        torch_dtype = getattr(torch, dtype)
+        if load_format == "dummy":
+            with torch.device(device):
+                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch_dtype)
+            init_dummy_weights(self.model)  # uniform in +-1e-3, as tinytp's dummy weights
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device)
+        self.model.eval()
+        eos = ModelConfig.from_file(os.path.join(model_dir, "config.json")).eos_token_ids or None
+        input_ids = torch.tensor(prompts, device=device)
+        self.inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "generation_config":
+                       GenerationConfig(max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                                        do_sample=False, use_cache=True, eos_token_id=eos,
+                                        pad_token_id=eos[0] if eos else 0)}
+        self.starts: list[float] = []
+        self.model.register_forward_pre_hook(lambda module, inputs: self.starts.append(time.perf_counter()))
+        self.steps: list[Step] = []
+        self.parameter_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.threads = f"1 process x {CORES} torch threads"
+
+    def generate(self) -> list[int]:
+        self.starts.clear()
+        with torch.inference_mode():
+            output = self.model.generate(**self.inputs)
+        ends = self.starts[1:] + [time.perf_counter()]
+        self.steps += [Step(i == 0, end - start) for i, (start, end) in enumerate(zip(self.starts, ends))]
+        return [output.shape[1] - self.inputs["input_ids"].shape[1]] * output.shape[0]
+
+    def close(self):
+        del self.model
+
+
+# --------------------------------------------------------------------------------------
+# The latency benchmark: the roofline and the report
+# --------------------------------------------------------------------------------------
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, size: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes per second a copy reads on this device, best of `repeats`: what a decode
+    step, which reads every weight once, could at most attain."""
+    source = torch.ones(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    best = math.inf
+    for _ in range(repeats + 1):  # the first also maps target's pages in
+        synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return size / best
+
+
+def decode_weight_bytes(parameter_bytes: int, config: ModelConfig, tp: int, dtype: str) -> int:
+    """Bytes of weights one rank reads in a decode step: all it holds but the embedding
+    table, of which a step reads only one row per sequence (unless the LM head shares it)."""
+    if config.tie_word_embeddings:
+        return parameter_bytes
+    return parameter_bytes - math.ceil(config.vocab_size / tp) * config.hidden_size * getattr(torch, dtype).itemsize
+
+
+PERCENTAGES = [10, 25, 50, 75, 90, 99]
+
+
+def report(latencies: list[float], steps: list[Step], weight_bytes: int, memories_shared: int,
+           bandwidth: float) -> dict:
+    """Print vLLM's lines, then the step figures; return them all for --output-json."""
+    latencies = np.array(latencies)
+    percentiles = np.percentile(latencies, PERCENTAGES)
+    print(f"Avg latency: {np.mean(latencies)} seconds")
+    for percentage, percentile in zip(PERCENTAGES, percentiles):
+        print(f"{percentage}% percentile latency: {percentile} seconds")
+    decode = [s for s in steps if not s.prefill]
+    prefill = float(np.median([s.seconds for s in steps if s.prefill]))
+    step = float(np.median([s.seconds for s in decode]))
+    overhead = None if decode[0].worker_seconds is None else \
+        float(np.median([s.seconds - s.worker_seconds for s in decode]))
+    # Ranks that share one memory (CPU) share its bandwidth; each GPU has its own.
+    achieved = weight_bytes * memories_shared / step
+    print(f"Prefill step: {prefill * 1e3:.2f} ms; decode step: {step * 1e3:.2f} ms (medians)")
+    if overhead is not None:
+        print(f"Executor overhead per decode step: {overhead * 1e6:.0f} us ({overhead / step:.1%} of the step)")
+    print(f"Roofline: {weight_bytes * memories_shared / 1e6:.1f} MB of weights per decode step = "
+          f"{achieved / 1e9:.2f} GB/s, of {bandwidth / 1e9:.2f} GB/s copy bandwidth: {achieved / bandwidth:.0%}")
+    return {"avg_latency": float(np.mean(latencies)), "latencies": latencies.tolist(),
+            "percentiles": dict(zip(map(str, PERCENTAGES), percentiles.tolist())),
+            "prefill_seconds": prefill, "decode_step_seconds": step, "executor_overhead_us":
+            None if overhead is None else overhead * 1e6, "executor_overhead_fraction":
+            None if overhead is None else overhead / step, "decode_weight_bytes": weight_bytes * memories_shared,
+            "copy_bandwidth_gbps": bandwidth / 1e9, "roofline_fraction": achieved / bandwidth}
+
+
+def run_latency(args) -> dict:
+    torch.set_num_threads(CORES)  # hf and inprocess compute here; the copy bandwidth too
+    with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
+        model_dir, load_format = model_source(args, workdir)
+        config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
+        device = args.device or ("cuda" if torch.cuda.device_count() >= args.tp else "cpu")
+        dtype = args.dtype if args.dtype != "auto" else config.dtype if device == "cuda" else "float32"
+        prompts = np.random.default_rng(0).integers(config.vocab_size, size=(args.batch_size, args.input_len))
+        backend = (HFBackend if args.backend == "hf" else EngineBackend)(
+            args, model_dir, load_format, device, dtype, prompts.tolist())
+        try:
+            print(f"{args.backend}, tp={args.tp}, {device}, {dtype}, {load_format} weights; threads: {backend.threads}")
+            for _ in tqdm(range(args.num_iters_warmup), desc="Warmup iterations"):
+                backend.generate()
+            backend.steps.clear()
+            latencies = []
+            for _ in tqdm(range(args.num_iters), desc="Profiling iterations"):
+                start = time.perf_counter()
+                lengths = backend.generate()
+                latencies.append(time.perf_counter() - start)
+                if set(lengths) != {args.output_len}:
+                    raise RuntimeError(f"generated {sorted(set(lengths))} tokens, not {args.output_len}")
+            weight_bytes = decode_weight_bytes(backend.parameter_bytes, config, args.tp, dtype)
+        finally:
+            backend.close()
+    memories_shared = args.tp if device == "cpu" and args.backend == "tinytp" else 1
+    result = report(latencies, backend.steps, weight_bytes, memories_shared, copy_bandwidth(device))
+    return {"backend": args.backend, "tp": args.tp, "device": device, "dtype": dtype, **result}
+
+
+# --------------------------------------------------------------------------------------
+# --compare, and the command line
+# --------------------------------------------------------------------------------------
+
+COMPARE_RUNS = {"tinytp tp=1": ("tinytp", 1), "tinytp tp=2": ("tinytp", 2),
+                "inprocess": ("inprocess", 1), "hf": ("hf", 1)}
+RATIOS = [("tinytp tp=1", "hf", 0.5), ("tinytp tp=1", "inprocess", 1.02), ("tinytp tp=2", "tinytp tp=1", 1.1)]
+
+
+def compare(argv: list[str]) -> dict:
+    """Run each backend on the same settings, each in a fresh process of its own (nothing
+    left behind by the one before: threads, memory, process groups), then sum them up."""
+    settings = [a for a in argv if a != "--compare"]
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="tinytp-compare-") as tmp:
+        for name, (backend, tp) in COMPARE_RUNS.items():
+            print(f"\n=== {name} ===", flush=True)
+            path = os.path.join(tmp, f"{backend}-{tp}.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), *settings, "--backend", backend,
+                            "--tp", str(tp), "--output-json", path], check=True)
+            with open(path) as f:
+                runs[name] = json.load(f)
+    print(f"\n{'':12}{'avg latency':>13}{'prefill':>11}{'decode step':>13}{'overhead':>11}{'roofline':>10}")
+    for name, r in runs.items():
+        overhead = "-" if r["executor_overhead_us"] is None else f"{r['executor_overhead_us']:.0f} us"
+        print(f"{name:12}{r['avg_latency']:11.3f} s{r['prefill_seconds'] * 1e3:8.1f} ms"
+              f"{r['decode_step_seconds'] * 1e3:10.2f} ms{overhead:>11}{r['roofline_fraction']:10.0%}")
+    ratios = {f"{a} / {b}": runs[a]["avg_latency"] / runs[b]["avg_latency"] for a, b, _ in RATIOS}
+    for (label, ratio), (*_, target) in zip(ratios.items(), RATIOS):
+        print(f"{label}: {ratio:.3f} (target <= {target})")
+    return {"runs": runs, "ratios": ratios}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--ipc", action="store_true", help="benchmark the IPC transports, not the model")
+    parser.add_argument("--compare", action="store_true", help="tinytp tp=1 and 2, inprocess and hf, in turn")
+    parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: a ~56M Llama)")
+    parser.add_argument("--config", default=None, help="a config.json to run with dummy weights")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default=None,
+                        help="default: auto with --model, dummy otherwise")
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-iters-warmup", type=int, default=10)
+    parser.add_argument("--num-iters", type=int, default=30)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if tp GPUs are visible")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="auto: the checkpoint's dtype on cuda, float32 on cpu")
+    parser.add_argument("--backend", choices=["tinytp", "hf", "inprocess"], default="tinytp",
+                        help="inprocess: tinytp's worker in this process, no executor (tp=1)")
+    parser.add_argument("--output-json", default=None, help="write the results to this file")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        result = run_ipc() if args.ipc else compare(argv) if args.compare else run_latency(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 2
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=4)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
