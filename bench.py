@@ -64,11 +64,9 @@ def ipc_messages() -> dict[str, object]:
 
 
 class Transport:
-    """The writer's side of one way to talk: send to every reader, receive reader 0's reply.
-    reader_side() runs in a reader process and returns its (receive, reply) functions."""
-
-    def reader_args(self, reader: int) -> tuple:
-        return ()
+    """One way to talk. The writer calls send(message), which reaches every reader, and
+    receive(), which returns reader 0's reply. Reader r's process gets reader_args[r] and
+    calls reader_side(r, *reader_args[r]), which returns its (receive, reply) functions."""
 
     def connect(self) -> None:
         """Called once the readers have started."""
@@ -83,19 +81,12 @@ class ShmTransport(Transport):
     def __init__(self, context):
         self.calls = MessageQueue.create(num_readers=READERS)
         self.replies = MessageQueue.create(num_readers=1, reader=0)
-
-    def reader_args(self, reader):
-        return self.calls.handle, self.replies.handle
+        self.send, self.receive = self.calls.enqueue, self.replies.dequeue
+        self.reader_args = [(self.calls.handle, self.replies.handle)] * READERS
 
     @staticmethod
     def reader_side(reader, calls, replies):
         return MessageQueue.attach(calls, reader=reader).dequeue, MessageQueue.attach(replies).enqueue
-
-    def send(self, message):
-        self.calls.enqueue(message)
-
-    def receive(self):
-        return self.replies.dequeue()
 
     def close(self):
         self.calls.close()
@@ -107,10 +98,10 @@ class PipeTransport(Transport):
     the MessageQueue does) and its bytes sent down each pipe: Pipe at its best."""
 
     def __init__(self, context):
-        self.pipes = [context.Pipe() for _ in range(READERS)]  # (our end, the reader's end)
-
-    def reader_args(self, reader):
-        return (self.pipes[reader][1],)
+        ends = [context.Pipe() for _ in range(READERS)]
+        self.pipes = [ours for ours, _ in ends]
+        self.reader_args = [(theirs,) for _, theirs in ends]
+        self.receive = self.pipes[0].recv
 
     @staticmethod
     def reader_side(reader, pipe):
@@ -118,22 +109,17 @@ class PipeTransport(Transport):
 
     def send(self, message):
         data = pickle.dumps(message, protocol=5)
-        for ours, _ in self.pipes:
-            ours.send_bytes(data)
-
-    def receive(self):
-        return self.pipes[0][0].recv()
+        for pipe in self.pipes:
+            pipe.send_bytes(data)
 
 
 class QueueTransport(Transport):
     """multiprocessing.Queue, one per reader, and one for the replies."""
 
     def __init__(self, context):
-        self.queues = [context.Queue() for _ in range(READERS)]
-        self.replies = context.Queue()
-
-    def reader_args(self, reader):
-        return self.queues[reader], self.replies
+        self.queues, replies = [context.Queue() for _ in range(READERS)], context.Queue()
+        self.reader_args = [(queue, replies) for queue in self.queues]
+        self.receive = replies.get
 
     @staticmethod
     def reader_side(reader, queue, replies):
@@ -143,8 +129,12 @@ class QueueTransport(Transport):
         for queue in self.queues:
             queue.put(message)
 
-    def receive(self):
-        return self.replies.get()
+
+def received(collective, src: int):
+    """The object that a torch.distributed *_object_list call fills in."""
+    box = [None]
+    collective(box, src=src)
+    return box[0]
 
 
 class GlooTransport(Transport):
@@ -154,20 +144,13 @@ class GlooTransport(Transport):
 
     def __init__(self, context):
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-    def reader_args(self, reader):
-        return (self.store.port,)
+        self.reader_args = [(self.store.port,)] * READERS
 
     @staticmethod
     def reader_side(reader, port):
         store = dist.TCPStore("127.0.0.1", port, is_master=False)
         dist.init_process_group("gloo", store=store, rank=reader + 1, world_size=READERS + 1)
-
-        def receive():
-            box = [None]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
-        return receive, lambda reply: dist.send_object_list([reply], dst=0)
+        return lambda: received(dist.broadcast_object_list, src=0), lambda reply: dist.send_object_list([reply], dst=0)
 
     def connect(self):  # joining waits for every rank, so only now that the readers exist
         dist.init_process_group("gloo", store=self.store, rank=0, world_size=READERS + 1)
@@ -176,9 +159,7 @@ class GlooTransport(Transport):
         dist.broadcast_object_list([message], src=0)
 
     def receive(self):
-        box = [None]
-        dist.recv_object_list(box, src=1)
-        return box[0]
+        return received(dist.recv_object_list, src=1)
 
     def close(self):
         dist.destroy_process_group()
@@ -195,11 +176,19 @@ def ipc_reader(transport: type, reader: int, args: tuple) -> None:
             reply(REPLY)
 
 
-def round_trips(transport: Transport, context) -> dict[str, np.ndarray]:
-    """Microseconds from sending a message to both readers until reader 0's reply is in,
-    per message size; the first tenth of the round trips warms up and is dropped."""
-    readers = [context.Process(target=ipc_reader, args=(type(transport), r, transport.reader_args(r)), daemon=True)
-               for r in range(READERS)]
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far, from /proc (in 10 ms clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_transport(transport: Transport, context) -> tuple[dict[str, np.ndarray], float]:
+    """Per message size, the microseconds from sending to both readers until reader 0's
+    reply is in (the first tenth of the round trips warms up and is dropped); then the
+    fraction of a core the busiest reader burns while nothing comes for IDLE_SECONDS."""
+    readers = [context.Process(target=ipc_reader, args=(type(transport), r, args), daemon=True)
+               for r, args in enumerate(transport.reader_args)]
     for process in readers:
         process.start()
     try:
@@ -213,6 +202,10 @@ def round_trips(transport: Transport, context) -> dict[str, np.ndarray]:
                 transport.receive()
                 samples.append(time.perf_counter() - start)
             times[size] = np.array(samples[-ITERATIONS[size]:]) * 1e6
+        time.sleep(0.5)  # reader 1, who never replies, may still be reading the last message
+        before = [cpu_seconds(p.pid) for p in readers]
+        time.sleep(IDLE_SECONDS)
+        idle = max(cpu_seconds(p.pid) - b for p, b in zip(readers, before)) / IDLE_SECONDS
         transport.send(None)
     finally:
         for process in readers:
@@ -220,53 +213,32 @@ def round_trips(transport: Transport, context) -> dict[str, np.ndarray]:
             if process.is_alive():
                 process.kill()
         transport.close()
-    return times
-
-
-def idle_reader(handle, conn) -> None:
-    """Wait IDLE_SECONDS for a message that never comes; report the CPU time it took, as
-    a fraction of one core (process_time: nanosecond resolution, unlike os.times)."""
-    queue = MessageQueue.attach(handle, reader=0)
-    cpu, start = time.process_time(), time.perf_counter()
-    with contextlib.suppress(TimeoutError):
-        queue.dequeue(timeout=IDLE_SECONDS)
-    conn.send((time.process_time() - cpu) / (time.perf_counter() - start))
-
-
-def idle_reader_cpu(context) -> float:
-    queue = MessageQueue.create(num_readers=1)
-    ours, theirs = context.Pipe()
-    process = context.Process(target=idle_reader, args=(queue.handle, theirs), daemon=True)
-    process.start()
-    try:
-        return ours.recv()
-    finally:
-        process.join()
-        queue.close()
+    return times, idle
 
 
 def run_ipc() -> dict:
+    """Time every transport; print a table and the targets' ratios; return it all."""
     context = mp.get_context("spawn")
-    roundtrip, throughput = {}, {}
+    roundtrip, throughput, idle = {}, {}, {}
     for name, transport in TRANSPORTS.items():
         print(f"timing {name} ...", file=sys.stderr, flush=True)
-        times = round_trips(transport(context), context)
+        times, idle[name] = measure_transport(transport(context), context)
         roundtrip[name] = {size: {"p50": float(np.median(t)), "p99": float(np.percentile(t, 99))}
                            for size, t in times.items()}
         throughput[name] = (16 << 20) / (roundtrip[name]["16m"]["p50"] * 1e-6) / 1e9
-    idle = idle_reader_cpu(context)
 
-    print(f"\nRound trip, writer -> {READERS} readers -> reply from reader 0 (microseconds)")
-    print(f"{'':8}" + "".join(f"{size + ' p50':>12}{size + ' p99':>12}" for size in ITERATIONS) + f"{'16m GB/s':>10}")
+    print(f"\nRound trip: writer -> {READERS} readers -> reply from reader 0, in microseconds; "
+          f"16m: GB/s = 16 MiB / median; idle: CPU of a reader waiting {IDLE_SECONDS:g} s")
+    print(f"{'':6}" + "".join(f"{size + ' p50':>11}{size + ' p99':>11}" for size in ITERATIONS) + "  16m GB/s   idle")
     for name, by_size in roundtrip.items():
-        cells = "".join(f"{s['p50']:12.1f}{s['p99']:12.1f}" for s in by_size.values())
-        print(f"{name:8}{cells}{throughput[name]:10.2f}")
+        cells = "".join(f"{s['p50']:11.1f}{s['p99']:11.1f}" for s in by_size.values())
+        print(f"{name:6}{cells}{throughput[name]:10.2f}{idle[name]:7.1%}")
     small = {name: by_size["small"]["p50"] for name, by_size in roundtrip.items()}
     print(f"\nsmall message, median: pipe / shm = {small['pipe'] / small['shm']:.1f}x (target >= 3), "
           f"queue / shm = {small['queue'] / small['shm']:.1f}x (target >= 10)")
     print(f"16 MiB through shm: {throughput['shm']:.2f} GB/s (target >= 1)")
-    print(f"idle MessageQueue reader over {IDLE_SECONDS:g} s: {idle:.2%} of a core (target < 5%)")
-    return {"roundtrip_us": roundtrip, "idle_reader_cpu": idle, "throughput_16m_gbps": throughput}
+    print(f"idle MessageQueue reader: {idle['shm']:.1%} of a core (target < 5%)")
+    return {"roundtrip_us": roundtrip, "idle_reader_cpu": idle["shm"], "throughput_16m_gbps": throughput}
 
 
 # --------------------------------------------------------------------------------------
@@ -318,8 +290,8 @@ class Step:
 class InProcessExecutor:
     """tinytp's Worker called directly in this process (vLLM's "uni" executor): no worker
     processes and no queues. It has the Executor's constructor and methods, so LLM's
-    scheduler and loop run on top unchanged; the difference from the real Executor is
-    the cost of multiprocessing."""
+    scheduler and loop run on top unchanged, and the difference from a tp=1 run of the
+    real Executor is the cost of multiprocessing."""
 
     def __init__(self, model_dir, tp, device, dtype, max_num_seqs, max_model_len, load_format="auto"):
         if tp != 1:
@@ -341,7 +313,8 @@ class InProcessExecutor:
 
 
 class EngineBackend:
-    """tinytp's LLM, with each executor.execute_model call timed in the driver."""
+    """tinytp's LLM (or, for --backend inprocess, LLM on an InProcessExecutor), with each
+    executor.execute_model call timed in the driver."""
 
     def __init__(self, args, model_dir, load_format, device, dtype, prompts):
         inprocess = args.backend == "inprocess"
@@ -374,7 +347,8 @@ class EngineBackend:
 
 class HFBackend:
     """The same shapes, dtype and prompts in transformers' generate: greedy, KV cache on,
-    fixed length, an explicit attention mask. Steps are timed between forward calls."""
+    fixed length, an explicit attention mask. A step lasts from one forward call's start
+    to the next one's (or the end of generate)."""
 
     def __init__(self, args, model_dir, load_format, device, dtype, prompts):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -418,22 +392,18 @@ class HFBackend:
 # --------------------------------------------------------------------------------------
 
 
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def copy_bandwidth(device: str, size: int = 512 << 20, repeats: int = 5) -> float:
     """Bytes per second a copy reads on this device, best of `repeats`: what a decode
     step, which reads every weight once, could at most attain."""
+    synchronize = torch.cuda.synchronize if device == "cuda" else lambda: None
     source = torch.ones(size, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     best = math.inf
     for _ in range(repeats + 1):  # the first also maps target's pages in
-        synchronize(device)
+        synchronize()
         start = time.perf_counter()
         target.copy_(source)
-        synchronize(device)
+        synchronize()
         best = min(best, time.perf_counter() - start)
     return size / best
 
@@ -449,8 +419,7 @@ def decode_weight_bytes(parameter_bytes: int, config: ModelConfig, tp: int, dtyp
 PERCENTAGES = [10, 25, 50, 75, 90, 99]
 
 
-def report(latencies: list[float], steps: list[Step], weight_bytes: int, memories_shared: int,
-           bandwidth: float) -> dict:
+def report(latencies: list[float], steps: list[Step], weight_bytes: int, bandwidth: float, memory: str) -> dict:
     """Print vLLM's lines, then the step figures; return them all for --output-json."""
     latencies = np.array(latencies)
     percentiles = np.percentile(latencies, PERCENTAGES)
@@ -462,18 +431,17 @@ def report(latencies: list[float], steps: list[Step], weight_bytes: int, memorie
     step = float(np.median([s.seconds for s in decode]))
     overhead = None if decode[0].worker_seconds is None else \
         float(np.median([s.seconds - s.worker_seconds for s in decode]))
-    # Ranks that share one memory (CPU) share its bandwidth; each GPU has its own.
-    achieved = weight_bytes * memories_shared / step
+    achieved = weight_bytes / step
     print(f"Prefill step: {prefill * 1e3:.2f} ms; decode step: {step * 1e3:.2f} ms (medians)")
     if overhead is not None:
         print(f"Executor overhead per decode step: {overhead * 1e6:.0f} us ({overhead / step:.1%} of the step)")
-    print(f"Roofline: {weight_bytes * memories_shared / 1e6:.1f} MB of weights per decode step = "
+    print(f"Roofline: {weight_bytes / 1e6:.1f} MB of weights read from {memory} per decode step = "
           f"{achieved / 1e9:.2f} GB/s, of {bandwidth / 1e9:.2f} GB/s copy bandwidth: {achieved / bandwidth:.0%}")
     return {"avg_latency": float(np.mean(latencies)), "latencies": latencies.tolist(),
             "percentiles": dict(zip(map(str, PERCENTAGES), percentiles.tolist())),
             "prefill_seconds": prefill, "decode_step_seconds": step, "executor_overhead_us":
             None if overhead is None else overhead * 1e6, "executor_overhead_fraction":
-            None if overhead is None else overhead / step, "decode_weight_bytes": weight_bytes * memories_shared,
+            None if overhead is None else overhead / step, "weight_bytes_per_decode_step": weight_bytes,
             "copy_bandwidth_gbps": bandwidth / 1e9, "roofline_fraction": achieved / bandwidth}
 
 
@@ -502,8 +470,9 @@ def run_latency(args) -> dict:
             weight_bytes = decode_weight_bytes(backend.parameter_bytes, config, args.tp, dtype)
         finally:
             backend.close()
-    memories_shared = args.tp if device == "cpu" and args.backend == "tinytp" else 1
-    result = report(latencies, backend.steps, weight_bytes, memories_shared, copy_bandwidth(device))
+    # The ranks on a CPU share one memory and its bandwidth; each GPU has its own.
+    shared, memory = (args.tp, "memory") if device == "cpu" else (1, "each GPU")
+    result = report(latencies, backend.steps, weight_bytes * shared, copy_bandwidth(device), memory)
     return {"backend": args.backend, "tp": args.tp, "device": device, "dtype": dtype, **result}
 
 
@@ -568,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         result = run_ipc() if args.ipc else compare(argv) if args.compare else run_latency(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2
     if args.output_json:
