@@ -164,12 +164,14 @@ class Executor:
         self.call_ids = itertools.count(1)
         self.failure: str | None = None
         self.broadcast = MessageQueue.create(num_readers=tp)
-        self.responses = [MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0)
-                          for _ in range(tp)]
+        # One doorbell for all the reply queues: we wait on all of them at once.
+        context = mp.get_context("spawn")
+        self.doorbell = context.Semaphore(0)
+        self.responses = [MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0,
+                                              doorbells=[self.doorbell]) for _ in range(tp)]
         # The workers meet in a TCP store that we host on a port the OS picks: no
         # torchrun, no MASTER_PORT, and no race for a "free" port.
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        context = mp.get_context("spawn")
         self.workers = [context.Process(target=worker_main, name=f"tinytp-rank{rank}", daemon=True,
                                         args=(rank, tp, self.broadcast.handle, self.responses[rank].handle))
                         for rank in range(tp)]
@@ -224,7 +226,7 @@ class Executor:
             return len(results) == len(ranks)
 
         self.broadcast.enqueue(call, timeout, check=self._check_workers)
-        wait_until(poll, timeout, f"{name} on the workers", check=self._check_workers)
+        wait_until(poll, timeout, f"{name} on the workers", self._check_workers, self.doorbell)
         return [results[rank] for rank in ranks]
 
     def _check_workers(self) -> None:

@@ -9,6 +9,7 @@ loop each of the N worker processes runs (DESIGN.md sections 1 and 2).
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import pickle
 import signal
@@ -102,33 +103,41 @@ class RPCResult:
 SHUTDOWN = "shutdown"  # the method name that ends the worker loop
 
 # --------------------------------------------------------------------------------------
-# Waiting: spin, then yield, then sleep with back-off
+# Waiting: poll while yielding the core, then sleep until the doorbell rings
 # --------------------------------------------------------------------------------------
 
-SPIN_SECONDS = 50e-6  # busy polling: a reply that is about to come is seen within microseconds
-YIELD_SECONDS = 2e-3  # polling with sched_yield: lets the model's threads have the core
-SLEEP_FRACTION = 0.01  # then sleep 1% of the time waited so far: oversleeping costs <= ~1%
-MIN_SLEEP, MAX_SLEEP = 50e-6, 10e-3
+# Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a
+# spinner can hold the very core that the process it waits for needs (measured: a pure
+# 50 us spin made half the small round trips take ~120 us instead of ~20 us).
+YIELD_SECONDS = 1e-3
+SLEEP_FRACTION = 0.05  # then sleep 5% of the time waited so far, between liveness checks
+MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
 
 
 def wait_until(ready: Callable[[], bool], timeout: float | None, what: str,
-               check: Callable[[], None] | None = None) -> None:
+               check: Callable[[], None] | None = None, doorbell=None) -> None:
     """Return once ready() is true. Raise TimeoutError naming `what` after `timeout`
-    seconds. While sleeping, call check(), which raises if waiting is pointless (a worker
-    or the driver died)."""
+    seconds. Once polling is over, call check(), which raises if waiting is pointless (a
+    worker or the driver died), then sleep; a `doorbell` (a semaphore that the writer
+    releases after each chunk) ends the sleep as soon as a message is written."""
     start = time.perf_counter()
     while not ready():
         waited = time.perf_counter() - start
         if timeout is not None and waited > timeout:
             raise TimeoutError(f"{what}: nothing after {timeout:g} s")
-        if waited < SPIN_SECONDS:
-            continue
         if waited < YIELD_SECONDS:
             os.sched_yield()
             continue
         if check is not None:
             check()
-        time.sleep(min(MAX_SLEEP, max(MIN_SLEEP, waited * SLEEP_FRACTION)))
+        nap = min(MAX_SLEEP, max(MIN_SLEEP, waited * SLEEP_FRACTION))
+        if doorbell is None:
+            time.sleep(nap)
+            continue
+        while doorbell.acquire(block=False):
+            pass  # rings for chunks that were picked up while polling: stale
+        if not ready():  # looked at after the drain, so a ring after this look is never lost
+            doorbell.acquire(timeout=nap)
 
 
 # --------------------------------------------------------------------------------------
@@ -144,9 +153,10 @@ class QueueHandle:
     num_readers: int
     num_chunks: int
     chunk_bytes: int
+    doorbells: tuple  # one multiprocessing.Semaphore per reader (pass handles as Process args)
 
 
-CHUNK_HEADER = struct.Struct("<I?")  # payload bytes in this chunk, "the message continues"
+CHUNK_HEADER = struct.Struct("<IQ")  # payload bytes in this chunk, bytes in the whole message
 
 
 class MessageQueue:
@@ -160,11 +170,19 @@ class MessageQueue:
 
     Why the flag order is safe: the writer clears *written*, resets the read flags, fills
     the chunk, and sets *written* last; a reader copies or unpickles the chunk completely
-    before it sets its *read* flag. So no one reads a half-written chunk, and the writer
-    never overwrites a chunk someone is still reading. This relies on each process's
+    before it sets its *read* flag. So the writer never overwrites a chunk someone is still
+    reading. A reader checks its own *read* flag *before* *written*: seeing its flag reset
+    means the writer has already cleared *written* for this round, so *written* then says
+    truthfully whether the chunk is complete. (The other order has a race: a reader sees
+    the previous round's *written*, the writer starts refilling the chunk, the reader sees
+    its freshly reset flag and reads a half-written chunk.) This relies on each process's
     stores becoming visible in program order, as x86 guarantees. On weakly ordered CPUs
     (ARM) this would need a memory fence between the data and the flag, which Python
     cannot issue; vLLM's shm_broadcast carries the same caveat.
+
+    A reader that has polled for a while sleeps on its *doorbell*, a semaphore that the
+    writer releases after every chunk, so it wakes within microseconds of a message
+    instead of at the end of its nap (see wait_until).
     """
 
     def __init__(self, handle: QueueHandle, shm: shared_memory.SharedMemory, reader: int | None, owner: bool):
@@ -176,15 +194,22 @@ class MessageQueue:
         self.flags_bytes = 1 + handle.num_readers
         self.data_start = handle.num_chunks * self.flags_bytes
         self.next_chunk = 0  # the writer's or this reader's position in the ring
+        self.no_reads = bytes(handle.num_readers)
+        # A reader's buffer for messages that span chunks, kept between messages: a new
+        # 16 MiB buffer per message would cost more in page faults than the copying.
+        self.receive_buffer = bytearray()
 
     @classmethod
     def create(cls, num_readers: int, num_chunks: int = 8, chunk_bytes: int = 1 << 20,
-               reader: int | None = None) -> MessageQueue:
+               reader: int | None = None, doorbells: list | None = None) -> MessageQueue:
+        """A new queue. Readers may share a doorbell with other queues (the driver has one
+        for all the reply queues it polls); by default each reader gets its own."""
         size = num_chunks * (1 + num_readers + chunk_bytes)
         name = f"tinytp_{os.getpid()}_{os.urandom(4).hex()}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         shm.buf[: num_chunks * (1 + num_readers)] = bytes(num_chunks * (1 + num_readers))
-        return cls(QueueHandle(name, num_readers, num_chunks, chunk_bytes), shm, reader, owner=True)
+        doorbells = doorbells or [multiprocessing.get_context("spawn").Semaphore(0) for _ in range(num_readers)]
+        return cls(QueueHandle(name, num_readers, num_chunks, chunk_bytes, tuple(doorbells)), shm, reader, owner=True)
 
     @classmethod
     def attach(cls, handle: QueueHandle, reader: int | None = None) -> MessageQueue:
@@ -211,7 +236,7 @@ class MessageQueue:
     def ready(self) -> bool:
         """Is there a message (or its first chunk) for this reader?"""
         i = self.next_chunk
-        return self._written(i) and self.buf[i * self.flags_bytes + 1 + self.reader] == 0
+        return self.buf[i * self.flags_bytes + 1 + self.reader] == 0 and self._written(i)  # this order
 
     def _chunk(self, i: int) -> int:
         return self.data_start + i * self.handle.chunk_bytes
@@ -222,39 +247,46 @@ class MessageQueue:
         sent = 0
         while True:  # at least one chunk, even for an empty message
             i = self.next_chunk
-            wait_until(lambda: self._chunk_free(i), timeout, f"queue {self.handle.name}: the writer waited "
-                       "for readers to free a chunk", check)
+            if not self._chunk_free(i):  # checked first: the common case needs no closure or message
+                wait_until(lambda: self._chunk_free(i), timeout, f"queue {self.handle.name}: the writer "
+                           "waited for readers to free a chunk", check)
             flags = i * self.flags_bytes
             part = data[sent: sent + capacity]
             sent += len(part)
             self.buf[flags] = 0  # not readable while we fill it
-            self.buf[flags + 1: flags + self.flags_bytes] = bytes(self.handle.num_readers)
+            self.buf[flags + 1: flags + self.flags_bytes] = self.no_reads
             start = self._chunk(i)
-            CHUNK_HEADER.pack_into(self.buf, start, len(part), sent < len(data))
+            CHUNK_HEADER.pack_into(self.buf, start, len(part), len(data))
             self.buf[start + CHUNK_HEADER.size: start + CHUNK_HEADER.size + len(part)] = part
             self.buf[flags] = 1  # published: set only after the chunk is complete
+            for doorbell in self.handle.doorbells:
+                doorbell.release()
             self.next_chunk = (i + 1) % self.handle.num_chunks
             if sent >= len(data):
                 return
 
     def dequeue(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> Any:
-        parts = []
+        received = 0
         while True:
-            wait_until(self.ready, timeout, f"queue {self.handle.name}: reader {self.reader} waited "
-                       "for a message", check)
+            if not self.ready():
+                wait_until(self.ready, timeout, f"queue {self.handle.name}: reader {self.reader} waited "
+                           "for a message", check, self.handle.doorbells[self.reader])
             i = self.next_chunk
             start = self._chunk(i)
-            size, continues = CHUNK_HEADER.unpack_from(self.buf, start)
+            size, total = CHUNK_HEADER.unpack_from(self.buf, start)
             payload = self.buf[start + CHUNK_HEADER.size: start + CHUNK_HEADER.size + size]
-            if not parts and not continues:  # the common case: one chunk, unpickled in place
+            if size == total:  # the common case: one chunk, unpickled in place
                 message = pickle.loads(payload)
             else:
-                parts.append(bytes(payload))
+                if len(self.receive_buffer) < total:
+                    self.receive_buffer = bytearray(total)
+                self.receive_buffer[received: received + size] = payload
+            received += size
             del payload  # release the view before the writer may reuse the chunk
             self.buf[i * self.flags_bytes + 1 + self.reader] = 1  # done with this chunk
             self.next_chunk = (i + 1) % self.handle.num_chunks
-            if not continues:
-                return message if not parts else pickle.loads(b"".join(parts))
+            if received == total:
+                return message if size == total else pickle.loads(memoryview(self.receive_buffer)[:total])
 
     def close(self) -> None:
         """Detach; the creator also removes the block from /dev/shm."""
@@ -441,10 +473,14 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
             if call.reply_rank in (None, rank) or result.error is not None:
                 replies.enqueue(result, check=driver_alive)
     except DriverGone:
-        # Nobody else will unlink the blocks now. Unlinking also drops them from the
-        # resource tracker that we share with the dead driver, so it warns of no leak.
+        # Nobody else will unlink the blocks and the doorbells' named semaphores now.
+        # Unlinking also drops them from the resource tracker that we share with the dead
+        # driver, so it warns of no leak. Rank 0 takes the doorbells, each rank its reply block.
         calls.owner = rank == 0
         replies.owner = True
+        if rank == 0:
+            for doorbell in (*calls.handle.doorbells, *replies.handle.doorbells):
+                type(doorbell)._cleanup(doorbell._semlock.name)  # what the driver's exit would do
     finally:
         worker.close()
         calls.close()
