@@ -346,7 +346,19 @@ def test_tp4_gqa_replicated_kv_tied_llama3_rope_multifile_old_keys(tmp_path):
 def test_tp2_gqa_odd_vocab(tmp_path):
     hf_model = make_checkpoint(tmp_path, heads=4, kv_heads=2, vocab=259, seed=1)
     with LLM(str(tmp_path), tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        llm.executor.trace_next_decode = True
         check_greedy_against_hf(llm, hf_model)
+        # The trace of one decode step: the broadcast, then per rank 2 all-reduces per
+        # layer plus the embedding's, one all-gather of the logits, and rank 0's reply.
+        lines = llm.executor.trace_report.splitlines()[1:]
+        assert "driver  broadcast execute_model" in lines[0] and "bytes" in lines[0]
+        assert any("driver  waited for the reply" in line for line in lines)
+        for rank in (0, 1):
+            mine = [line for line in lines if f"rank {rank} " in line]
+            # 5 sequences of hidden 64 in float32; the vocab 259 is padded to 260, 130 per rank
+            assert sum("all_reduce" in line and " 1,280 bytes" in line for line in mine) == 2 * 2 + 1
+            assert sum("all_gather" in line and " 2,600 bytes" in line for line in mine) == 1
+        assert sum("replied" in line for line in lines) == 1 and "rank 0  replied" in "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------
@@ -517,12 +529,16 @@ def run_cli(args: list[str], env, **kwargs) -> subprocess.Popen:
 
 
 def test_cli_two_programs_at_once_on_a_fresh_machine(cli_env):
-    programs = [run_cli(["--tp", "2", "--max-tokens", "8"], cli_env) for _ in range(2)]
+    programs = [run_cli(["--tp", "2", "--max-tokens", "8", *trace], cli_env) for trace in ([], ["--trace"])]
+    errors = []
     for program in programs:
         out, err = program.communicate(timeout=120)
         assert program.returncode == 0, err
         assert out.count("Output:") == 3 and "RANDOM weights" in err
         assert not shm_entries(program.pid)
+        errors.append(err)
+    assert "One decode step" not in errors[0]
+    assert "One decode step" in errors[1] and "rank 1  all_gather" in errors[1]
 
 
 @pytest.mark.parametrize("args, message", [

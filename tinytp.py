@@ -163,6 +163,9 @@ class Executor:
         self.tp = tp
         self.call_ids = itertools.count(1)
         self.failure: str | None = None
+        self.trace: list[tuple] | None = None  # this process's events while tracing
+        self.trace_next_decode = False  # set it to get a timeline of the next decode step
+        self.trace_report: str | None = None
         self.broadcast = MessageQueue.create(num_readers=tp)
         # One doorbell for all the reply queues: we wait on all of them at once.
         context = mp.get_context("spawn")
@@ -199,10 +202,30 @@ class Executor:
         ranks may now disagree about the requests, so the workers are shut down."""
         call = RPCCall(next(self.call_ids), "execute_model", (scheduler_output,), reply_rank=0)
         try:
+            if self.trace_next_decode and not scheduler_output.new_requests:
+                return self._traced_step(call)
             return self._call(call, timeout=None)[0]
         except WorkerError as e:
             self._fail(str(e).splitlines()[0])
             raise
+
+    def _traced_step(self, call: RPCCall) -> ModelRunnerOutput:
+        """Run one step with every process recording what it sends and when, and keep
+        the merged timeline in trace_report."""
+        self.trace_next_decode = False
+        self.collective_rpc("start_trace")
+        self.trace = []
+        output = self._call(call, timeout=None)[0]
+        events = [("driver", *event) for event in self.trace]
+        self.trace = None
+        for rank, rank_events in enumerate(self.collective_rpc("trace_events")):
+            events += [(f"rank {rank}", *event) for event in rank_events]
+        events.sort(key=lambda event: event[1])
+        t0 = events[0][1]
+        self.trace_report = f"{'start':>12}  {'process':<7} {'event':<32} {'took':>10}  size\n" + "\n".join(
+            f"{(start - t0) * 1e6:9.0f} us  {who:<7} {what:<32} {(end - start) * 1e6:7.0f} us  "
+            + (f"{size:,} bytes" if size else "") for who, start, end, what, size in events)
+        return output
 
     def _call(self, call: RPCCall, timeout: float | None) -> list:
         if self.failure is not None:
@@ -225,8 +248,13 @@ class Executor:
                     results[rank] = result.value
             return len(results) == len(ranks)
 
-        self.broadcast.enqueue(call, timeout, check=self._check_workers)
+        start = time.perf_counter()
+        size = self.broadcast.enqueue(call, timeout, check=self._check_workers)
+        sent = time.perf_counter()
         wait_until(poll, timeout, f"{name} on the workers", self._check_workers, self.doorbell)
+        if self.trace is not None:
+            self.trace += [(start, sent, f"broadcast {name}", size),
+                           (sent, time.perf_counter(), "waited for the reply", 0)]
         return [results[rank] for rank in ranks]
 
     def _check_workers(self) -> None:
@@ -559,6 +587,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt text as it is")
+    parser.add_argument("--trace", action="store_true", default=os.environ.get("TINYTP_TRACE") == "1",
+                        help="print a timeline of one decode step: queue messages and collectives, per "
+                             "process (also TINYTP_TRACE=1)")
     parser.add_argument("--explain", action="store_true",
                         help="print how the checkpoint is cut across ranks, and the traffic per step; run nothing")
     return parser.parse_args(argv)
@@ -581,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             if llm.is_tiny_default:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
                       "so its text is gibberish", file=sys.stderr)
+            llm.executor.trace_next_decode = args.trace
             if llm.tokenizer is None:
                 raise ValueError(f"{llm.model_dir} has no tokenizer files, so it cannot take text prompts")
             template = llm.tokenizer.chat_template and not args.no_chat_template
@@ -595,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for prompt, output in zip(prompts, llm.generate(inputs, params)):
                     print(f"Prompt: {prompt!r}\nOutput: {output.text!r}\n")
+            if llm.executor.trace_report:
+                print(f"\nOne decode step (times from the driver's broadcast):\n{llm.executor.trace_report}",
+                      file=sys.stderr)
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2

@@ -241,7 +241,8 @@ class MessageQueue:
     def _chunk(self, i: int) -> int:
         return self.data_start + i * self.handle.chunk_bytes
 
-    def enqueue(self, obj: Any, timeout: float | None = None, check: Callable[[], None] | None = None) -> None:
+    def enqueue(self, obj: Any, timeout: float | None = None, check: Callable[[], None] | None = None) -> int:
+        """Send obj to every reader; return its size in bytes, pickled."""
         data = memoryview(pickle.dumps(obj, protocol=5))
         capacity = self.handle.chunk_bytes - CHUNK_HEADER.size
         sent = 0
@@ -263,7 +264,7 @@ class MessageQueue:
                 doorbell.release()
             self.next_chunk = (i + 1) % self.handle.num_chunks
             if sent >= len(data):
-                return
+                return len(data)
 
     def dequeue(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> Any:
         received = 0
@@ -324,6 +325,7 @@ class Worker:
         self.tp = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
         self.last_logits: torch.Tensor | None = None  # for inspection through collective_rpc
+        self.trace: list[tuple] | None = None  # (start, end, what, bytes) while tracing
 
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int) -> None:
         """Pick the device and join the process group through the driver's TCP store:
@@ -427,6 +429,32 @@ class Worker:
             torch.cuda.synchronize()  # so execute_seconds is the real time of the step
         return ModelRunnerOutput(tokens, time.perf_counter() - start)
 
+    # --trace: a timeline of one step, across processes. time.perf_counter() reads one
+    # clock (CLOCK_MONOTONIC) in every process of a machine, so the events line up.
+    def start_trace(self) -> None:
+        """Record the collectives of this process until trace_events(). torch.distributed's
+        all_reduce and all_gather are wrapped here, so the model code stays as it is. (On
+        CUDA, the times are launch times: collectives run asynchronously.)"""
+        self.trace = []
+        self.untraced = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+        for name, collective in self.untraced.items():
+            setattr(dist, name, self._traced(name, collective))
+
+    def _traced(self, name: str, collective: Callable) -> Callable:
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            result = collective(*args, **kwargs)
+            self.trace.append((start, time.perf_counter(), name, args[-1].nbytes))  # the tensor sent
+            return result
+        return run
+
+    def trace_events(self) -> list[tuple]:
+        """Stop tracing and hand over what was recorded."""
+        for name, collective in self.untraced.items():
+            setattr(dist, name, collective)
+        events, self.trace = self.trace, None
+        return events
+
     def parameter_bytes(self) -> int:
         """Bytes of weights this rank really holds (tied weights counted once)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -462,6 +490,7 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
     try:
         while True:
             call: RPCCall = calls.dequeue(check=driver_alive)
+            received = time.perf_counter()
             if call.method == SHUTDOWN:
                 break
             try:
@@ -470,8 +499,14 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
                 result = RPCResult(call.call_id, rank, method(*call.args, **call.kwargs))
             except Exception:
                 result = RPCResult(call.call_id, rank, error=traceback.format_exc())
+            tracing = worker.trace is not None and call.method == "execute_model"
+            if tracing:
+                worker.trace.append((received, time.perf_counter(), "got the step and ran execute_model", 0))
             if call.reply_rank in (None, rank) or result.error is not None:
-                replies.enqueue(result, check=driver_alive)
+                start = time.perf_counter()
+                size = replies.enqueue(result, check=driver_alive)
+                if tracing:
+                    worker.trace.append((start, time.perf_counter(), "replied", size))
     except DriverGone:
         # Nobody else will unlink the blocks and the doorbells' named semaphores now.
         # Unlinking also drops them from the resource tracker that we share with the dead
