@@ -336,7 +336,7 @@ class EngineBackend:
         self.llm.executor.execute_model = timed_step  # shadows the method for LLM's loop
         self.parameter_bytes = max(self.llm.collective_rpc("parameter_bytes"))
         self.threads = (f"1 process (the worker in-process) x {CORES} torch threads" if inprocess else
-                        f"{args.tp} worker process(es) x {max(1, CORES // args.tp)} torch threads")  # as Executor sets
+                        f"{args.tp} worker process(es) x {tinytp.threads_per_rank(args.tp)} torch threads")
 
     def generate(self) -> list[int]:
         return [len(o.token_ids) for o in self.llm.generate(self.prompts, self.params, use_tqdm=False)]
@@ -450,8 +450,7 @@ def run_latency(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
         model_dir, load_format = model_source(args, workdir)
         config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
-        device = args.device or ("cuda" if torch.cuda.device_count() >= args.tp else "cpu")
-        dtype = args.dtype if args.dtype != "auto" else config.dtype if device == "cuda" else "float32"
+        device, dtype = tinytp.choose_device_and_dtype(config, args.tp, args.device, args.dtype)
         prompts = np.random.default_rng(0).integers(config.vocab_size, size=(args.batch_size, args.input_len))
         backend = (HFBackend if args.backend == "hf" else EngineBackend)(
             args, model_dir, load_format, device, dtype, prompts.tolist())
@@ -529,7 +528,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--backend", choices=["tinytp", "hf", "inprocess"], default="tinytp",
                         help="inprocess: tinytp's worker in this process, no executor (tp=1)")
     parser.add_argument("--output-json", default=None, help="write the results to this file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name, least in [("batch_size", 1), ("input_len", 1), ("output_len", 2), ("num_iters", 1)]:
+        if getattr(args, name) < least:  # output_len 2: at least one decode step to time
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -396,7 +396,7 @@ class LlamaForCausalLM(nn.Module):
         sin = self.sin_table[inputs.positions].unsqueeze(1).to(x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, inputs)
-        last = x[torch.arange(x.shape[0]), inputs.last_index]  # only these tokens are sampled
+        last = x[torch.arange(x.shape[0], device=x.device), inputs.last_index]  # only these tokens are sampled
         return self.lm_head(self.norm(last))
 
 

@@ -411,7 +411,7 @@ def wait_for(condition, seconds: float) -> bool:
     return True
 
 
-def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoint):
+def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoint, tmp_path):
     path, hf_model = mha_checkpoint
     with LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
         with pytest.raises(WorkerError, match=r"(?s)worker rank 1 failed in raise_on_rank_1.*ValueError: boom"):
@@ -422,6 +422,16 @@ def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoin
         assert time.monotonic() - start < 2.0  # it gave up after about 0.5 s, not after the sleep
         # The late replies to the timed-out call are recognised and dropped.
         assert llm.collective_rpc(sleep_in_worker, None, 0.0) == [0.0, 0.0]
+        # A function the workers cannot import (its module is on the driver's path only,
+        # added after they started) comes back as an error, and the workers stay up.
+        (tmp_path / "driver_only.py").write_text("def where(worker):\n    return worker.tp.rank\n")
+        sys.path.insert(0, str(tmp_path))
+        try:
+            from driver_only import where
+            with pytest.raises(WorkerError, match=r"(?s)worker rank \d failed in where.*No module named 'driver_only'"):
+                llm.collective_rpc(where)
+        finally:
+            sys.path.remove(str(tmp_path))
         check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=4)
 
 

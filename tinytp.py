@@ -17,6 +17,7 @@ import atexit
 import heapq
 import itertools
 import json
+import pickle
 import math
 import os
 import random
@@ -146,6 +147,27 @@ def resolve_model(model: str | None) -> str:
 # --------------------------------------------------------------------------------------
 
 
+def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dtype: str) -> tuple[str, str]:
+    """The device (default: cuda when tp GPUs are visible, else cpu) and the dtype ("auto":
+    the checkpoint's on cuda, float32 on cpu, where half precision is slow)."""
+    device = device or ("cuda" if torch.cuda.device_count() >= tp else "cpu")
+    if device == "cuda" and torch.cuda.device_count() < tp:
+        raise ValueError(f"--device cuda with tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dtype == "auto":
+        dtype = config.dtype if device == "cuda" else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return device, dtype
+
+
+def threads_per_rank(tp: int) -> int:
+    """Torch threads for each worker, so that ranks x threads = the cores we may use."""
+    return max(1, len(os.sched_getaffinity(0)) // tp)
+
+
+
 class WorkerError(RuntimeError):
     """A worker method raised: names the rank and carries its traceback text."""
 
@@ -179,13 +201,12 @@ class Executor:
                                         args=(rank, tp, self.broadcast.handle, self.responses[rank].handle))
                         for rank in range(tp)]
         atexit.register(self.shutdown)
-        with sigint_ignored():  # inherited: Ctrl-C reaches the driver, not N workers mid-import
-            for process in self.workers:
-                process.start()
         # Initialization goes through collective_rpc too, as in the seed.
-        threads = max(1, len(os.sched_getaffinity(0)) // tp)  # ranks x threads = cores
         try:
-            self.collective_rpc("init_device", None, device, dtype, self.store.port, threads)
+            with sigint_ignored():  # inherited: Ctrl-C reaches the driver, not N workers mid-import
+                for process in self.workers:
+                    process.start()
+            self.collective_rpc("init_device", None, device, dtype, self.store.port, threads_per_rank(tp))
             self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)
             self.collective_rpc("init_kv_cache", None, max_num_seqs)
         except BaseException:
@@ -194,8 +215,12 @@ class Executor:
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, *args, **kwargs) -> list:
         """Run `method` on every worker; return each rank's result, in rank order. A
-        callable (picklable: defined at module level) is called with the Worker first."""
-        return self._call(RPCCall(next(self.call_ids), method, args, kwargs), timeout)
+        callable (picklable: defined at module level) is called with the Worker first; it
+        travels pickled on its own, so a worker that cannot import it answers with an error."""
+        name = method if isinstance(method, str) else method.__name__
+        if not isinstance(method, str):
+            method = pickle.dumps(method)
+        return self._call(RPCCall(next(self.call_ids), method, args, kwargs), timeout, name)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank; only rank 0 replies. A failure here is fatal: the
@@ -204,7 +229,7 @@ class Executor:
         try:
             if self.trace_next_decode and not scheduler_output.new_requests:
                 return self._traced_step(call)
-            return self._call(call, timeout=None)[0]
+            return self._call(call, None, "execute_model")[0]
         except WorkerError as e:
             self._fail(str(e).splitlines()[0])
             raise
@@ -215,7 +240,7 @@ class Executor:
         self.trace_next_decode = False
         self.collective_rpc("start_trace")
         self.trace = []
-        output = self._call(call, timeout=None)[0]
+        output = self._call(call, None, "execute_model")[0]
         events = [("driver", *event) for event in self.trace]
         self.trace = None
         for rank, rank_events in enumerate(self.collective_rpc("trace_events")):
@@ -227,11 +252,10 @@ class Executor:
             + (f"{size:,} bytes" if size else "") for who, start, end, what, size in events)
         return output
 
-    def _call(self, call: RPCCall, timeout: float | None) -> list:
+    def _call(self, call: RPCCall, timeout: float | None, name: str) -> list:
         if self.failure is not None:
             raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
         ranks = range(self.tp) if call.reply_rank is None else [call.reply_rank]
-        name = call.method if isinstance(call.method, str) else call.method.__name__
         results: dict[int, object] = {}
 
         def poll() -> bool:
@@ -239,7 +263,7 @@ class Executor:
             # fails sends its error unasked, and another may be stuck waiting for it.
             for rank, queue in enumerate(self.responses):
                 while queue.ready():
-                    result = queue.dequeue()
+                    result = queue.dequeue(timeout, check=self._check_workers)  # may span chunks
                     if result.call_id != call.call_id:
                         continue  # a late answer to a call that timed out earlier
                     if result.error is not None:
@@ -273,7 +297,8 @@ class Executor:
         """Stop the workers (politely, then by force) and free every shared-memory block."""
         if not self.workers:
             return
-        workers, self.workers = self.workers, []
+        workers = [process for process in self.workers if process.pid is not None]  # the started ones
+        self.workers = []
         atexit.unregister(self.shutdown)
         self.failure = self.failure or "shut down"
         try:
@@ -400,15 +425,7 @@ class LLM:
         self.config = ModelConfig.from_file(os.path.join(self.model_dir, "config.json"))
         tp = tensor_parallel_size
         check_tensor_parallel_size(self.config, tp)
-        device = device or ("cuda" if torch.cuda.device_count() >= tp else "cpu")
-        if device == "cuda" and torch.cuda.device_count() < tp:
-            raise ValueError(f"--device cuda with tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        if dtype == "auto":
-            dtype = self.config.dtype if device == "cuda" else "float32"
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        device, dtype = choose_device_and_dtype(self.config, tp, device, dtype)
         limit = self.config.max_position_embeddings
         self.max_model_len = max_model_len or min(limit, 4096)
         if not 1 < self.max_model_len <= limit:
@@ -603,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.explain:
             config = ModelConfig.from_file(os.path.join(resolve_model(args.model), "config.json"))
             check_tensor_parallel_size(config, args.tp)
-            print(explain(config, args.tp, config.dtype if args.dtype == "auto" else args.dtype))
+            print(explain(config, args.tp, choose_device_and_dtype(config, args.tp, args.device, args.dtype)[1]))
             return 0
         prompts = args.prompt or DEFAULT_PROMPTS
         if not all(prompts):

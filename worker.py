@@ -86,7 +86,7 @@ class RPCCall:
     (collective_rpc); otherwise only that rank does, unless a rank fails."""
 
     call_id: int
-    method: str | Callable  # a Worker method's name, or a function called with the Worker
+    method: str | bytes  # a Worker method's name, or a pickled function called with the Worker
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     reply_rank: int | None = None
@@ -379,12 +379,13 @@ class Worker:
         slots = [r.slot for r in scheduled]
         context = max(r.num_computed + len(t) for r, t in zip(scheduled, new_tokens))
         positions_t = torch.tensor(positions, device=self.device)
+        slot_ids = torch.tensor(slots, device=self.device)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
         return ModelInputs(
             input_ids=torch.tensor(ids, device=self.device),
             positions=positions_t,
-            slot_ids=torch.tensor(slots, device=self.device),
-            slots=slice(slots[0], slots[0] + len(slots)) if contiguous else torch.tensor(slots, device=self.device),
+            slot_ids=slot_ids,
+            slots=slice(slots[0], slots[0] + len(slots)) if contiguous else slot_ids,
             attn_mask=(torch.arange(context, device=self.device) <= positions_t[:, None, :, None]),
             last_index=torch.tensor([len(t) - 1 for t in new_tokens], device=self.device),
         )
@@ -411,7 +412,9 @@ class Worker:
         append the sampled tokens to this worker's copies of the requests."""
         start = time.perf_counter()
         for request_id in scheduler_output.finished_ids:
-            del self.requests[request_id]
+            # pop, not del: after an interrupted generate, the driver may free a request
+            # whose first step never reached us
+            self.requests.pop(request_id, None)
         for new in scheduler_output.new_requests:
             generator = torch.Generator(self.device).manual_seed(new.seed)
             self.requests[new.request_id] = CachedRequest(
@@ -495,7 +498,7 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
                 break
             try:
                 method = (getattr(worker, call.method) if isinstance(call.method, str)
-                          else functools.partial(call.method, worker))
+                          else functools.partial(pickle.loads(call.method), worker))
                 result = RPCResult(call.call_id, rank, method(*call.args, **call.kwargs))
             except Exception:
                 result = RPCResult(call.call_id, rank, error=traceback.format_exc())
