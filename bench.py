@@ -268,7 +268,7 @@ def model_source(args, workdir: str) -> tuple[str, str]:
     if args.config:
         shutil.copy(args.config, os.path.join(workdir, "config.json"))
     elif args.model:
-        shutil.copy(os.path.join(tinytp.resolve_model(args.model), "config.json"), workdir)
+        shutil.copy(os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json"), workdir)
     else:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(DEFAULT_CONFIG, f)

@@ -121,8 +121,9 @@ def write_tiny_model(path: str) -> None:
         shutil.rmtree(staging)
 
 
-def resolve_model(model: str | None) -> str:
-    """A local checkpoint directory for `model`: the tiny default, a directory, or a hub id."""
+def resolve_model(model: str | None, weights: bool = True) -> str:
+    """A local checkpoint directory for `model`: the tiny default, a directory, or a hub id
+    (with weights=False, only its json and tokenizer files are fetched)."""
     if model is None:
         if not os.path.isdir(TINY_MODEL_DIR):
             write_tiny_model(TINY_MODEL_DIR)
@@ -135,8 +136,9 @@ def resolve_model(model: str | None) -> str:
         raise FileNotFoundError(f"model path {model} does not exist (nor is it a hub id like org/name)")
     from huggingface_hub import snapshot_download
 
+    patterns = ["*.json", "tokenizer.model"] + (["*.safetensors"] if weights else [])
     try:  # only what inference needs: configs, safetensors weights, tokenizer files
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer.model"])
+        return snapshot_download(model, allow_patterns=patterns)
     except Exception as e:
         raise FileNotFoundError(f"could not get {model} from the Hugging Face Hub or its cache "
                                 f"({type(e).__name__}: {e})") from None
@@ -353,9 +355,6 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> SchedulerOutput:
         new = []
         while self.waiting and self.free_slots:
@@ -510,8 +509,8 @@ class LLM:
         """Step until these requests are done; yield the requests finished at each step."""
         for request in requests:
             self.scheduler.add(request)
-        try:
-            while self.scheduler.has_unfinished():
+        try:  # until these are done (another caller's requests may be in the scheduler too)
+            while any(request.finish_reason is None for request in requests):
                 scheduler_output = self.scheduler.schedule()
                 runner_output = self.executor.execute_model(scheduler_output)
                 yield self.scheduler.update(scheduler_output, runner_output)
@@ -618,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 seed=args.seed, ignore_eos=args.ignore_eos)
         if args.explain:
-            config = ModelConfig.from_file(os.path.join(resolve_model(args.model), "config.json"))
+            config = ModelConfig.from_file(os.path.join(resolve_model(args.model, weights=False), "config.json"))
             check_tensor_parallel_size(config, args.tp)
             print(explain(config, args.tp, choose_device_and_dtype(config, args.tp, args.device, args.dtype)[1]))
             return 0

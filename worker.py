@@ -95,7 +95,6 @@ class RPCCall:
 @dataclass
 class RPCResult:
     call_id: int
-    rank: int
     value: Any = None
     error: str | None = None  # the worker's traceback text
 
@@ -206,8 +205,7 @@ class MessageQueue:
         for all the reply queues it polls); by default each reader gets its own."""
         size = num_chunks * (1 + num_readers + chunk_bytes)
         name = f"tinytp_{os.getpid()}_{os.urandom(4).hex()}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
-        shm.buf[: num_chunks * (1 + num_readers)] = bytes(num_chunks * (1 + num_readers))
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)  # zero-filled: no flags set
         doorbells = doorbells or [multiprocessing.get_context("spawn").Semaphore(0) for _ in range(num_readers)]
         return cls(QueueHandle(name, num_readers, num_chunks, chunk_bytes, tuple(doorbells)), shm, reader, owner=True)
 
@@ -423,13 +421,11 @@ class Worker:
         inputs = self.prepare_inputs(scheduled)
         with torch.inference_mode():
             logits = self.model(inputs, self.kv_caches)
-        tokens = self.sample(logits, scheduled)
+        tokens = self.sample(logits, scheduled)  # .tolist() in it waits for the GPU to finish
         for request, token in zip(scheduled, tokens):
             request.num_computed = len(request.token_ids)
             request.token_ids.append(token)
         self.last_logits = logits
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # so execute_seconds is the real time of the step
         return ModelRunnerOutput(tokens, time.perf_counter() - start)
 
     # --trace: a timeline of one step, across processes. time.perf_counter() reads one
@@ -499,9 +495,9 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
             try:
                 method = (getattr(worker, call.method) if isinstance(call.method, str)
                           else functools.partial(pickle.loads(call.method), worker))
-                result = RPCResult(call.call_id, rank, method(*call.args, **call.kwargs))
+                result = RPCResult(call.call_id, method(*call.args, **call.kwargs))
             except Exception:
-                result = RPCResult(call.call_id, rank, error=traceback.format_exc())
+                result = RPCResult(call.call_id, error=traceback.format_exc())
             tracing = worker.trace is not None and call.method == "execute_model"
             if tracing:
                 worker.trace.append((received, time.perf_counter(), "got the step and ran execute_model", 0))
