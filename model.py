@@ -154,6 +154,13 @@ def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
 # --------------------------------------------------------------------------------------
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None) -> torch.Tensor:
+    """y = x W^T, with W repacked for oneDNN when pack_for_cpu() has run (see there)."""
+    if packed_weight is None:
+        return F.linear(x, weight)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's rows (output features) split across ranks: no communication.
 
@@ -165,9 +172,10 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.output_sizes = [s.size for s in shards]
         self.weight = new_parameter(sum(self.output_sizes), in_features, shards=shards)
+        self.packed_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, self.packed_weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -182,9 +190,10 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         shard = split(name, in_features, tp, dim=1)
         self.weight = new_parameter(out_features, shard.size, shards=[shard])
+        self.packed_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, self.packed_weight)
         if self.tp.size > 1:
             dist.all_reduce(y)
         return y
@@ -227,8 +236,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     sampler (seed discussion: "the logits_processor has an AllGather instead of a Gather").
     """
 
+    packed_weight = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, self.packed_weight)
         if self.tp.size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
             dist.all_gather(parts, logits.contiguous())
@@ -403,6 +414,22 @@ class LlamaForCausalLM(nn.Module):
 # --------------------------------------------------------------------------------------
 # Loading: each rank reads only its own slices of the safetensors files
 # --------------------------------------------------------------------------------------
+
+
+def pack_for_cpu(model: nn.Module) -> None:
+    """Repack every matmul weight into oneDNN's blocked layout, once, after loading.
+
+    A decode step multiplies a handful of rows by each weight, and PyTorch's default CPU
+    path (F.linear) does that at a fraction of memory speed; oneDNN with a prepacked
+    weight is 2-4x faster here, with the same float32 results to ~1e-6 (this is what
+    torch.compile does on CPU). The packed copy replaces the plain one, so memory does not
+    grow. A tied LM head stays plain: the embedding needs that very table.
+    """
+    for module in model.modules():
+        tied_head = isinstance(module, ParallelLMHead) and model.config.tie_word_embeddings
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and not tied_head:
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+            module.weight.data = torch.empty(0, dtype=module.weight.dtype)  # free the plain copy
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

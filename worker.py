@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from model import LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, init_dummy_weights, load_checkpoint
+from model import (LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, init_dummy_weights, load_checkpoint,
+                   pack_for_cpu)
 
 # --------------------------------------------------------------------------------------
 # Messages between the driver and the workers
@@ -351,10 +352,12 @@ class Worker:
         torch.set_default_dtype(torch.float32)
         if load_format == "dummy":
             init_dummy_weights(self.model)
-            return
-        size = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
-                   if f.endswith(".safetensors"))
-        load_checkpoint(self.model, model_dir, show_progress=self.tp.rank == 0 and size > 1 << 30)
+        else:
+            size = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
+                       if f.endswith(".safetensors"))
+            load_checkpoint(self.model, model_dir, show_progress=self.tp.rank == 0 and size > 1 << 30)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            pack_for_cpu(self.model)
 
     def init_kv_cache(self, max_num_seqs: int) -> None:
         """Preallocate keys and values: one slot per running request, max_model_len + 1
@@ -455,8 +458,10 @@ class Worker:
         return events
 
     def parameter_bytes(self) -> int:
-        """Bytes of weights this rank really holds (tied weights counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of weights this rank really holds (tied weights counted once, packed
+        weights in place of the plain ones they replaced)."""
+        packed = [m.packed_weight for m in self.model.modules() if getattr(m, "packed_weight", None) is not None]
+        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *packed])
 
     def close(self) -> None:
         if dist.is_initialized():
