@@ -106,6 +106,25 @@ def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
         )
 
 
+class Collectives:
+    """The two collectives the parallel layers use, over torch.distributed (gloo on CPU,
+    nccl on CUDA). The layers reach them through the module variable `collectives`, so
+    a worker can install a faster implementation (worker.SharedMemoryCollectives)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` over the ranks, in place."""
+        dist.all_reduce(tensor)
+
+    def all_gather(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+        """Every rank's `tensor`, concatenated along the last dim in rank order."""
+        parts = [torch.empty_like(tensor) for _ in range(world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+collectives = Collectives()
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """This process's place in the tensor-parallel group (the default process group)."""
@@ -195,7 +214,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.packed_weight)
         if self.tp.size > 1:
-            dist.all_reduce(y)
+            collectives.all_reduce(y)
         return y
 
 
@@ -224,7 +243,7 @@ class VocabParallelEmbedding(nn.Module):
         mine = (local >= 0) & (local < self.rows_per_rank)
         out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
         out = out * mine.unsqueeze(-1).to(out.dtype)
-        dist.all_reduce(out)
+        collectives.all_reduce(out)
         return out
 
 
@@ -241,9 +260,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, self.packed_weight)
         if self.tp.size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
-            dist.all_gather(parts, logits.contiguous())
-            logits = torch.cat(parts, dim=-1)
+            logits = collectives.all_gather(logits, self.tp.size)
         return logits[..., : self.vocab_size]  # drop the padding rows' logits
 
 

@@ -23,10 +23,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from model import (ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
+import model as model_code
+from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
 from tinytp import LLM, SamplingParams, WorkerError, byte_level_tokenizer, explain
-from worker import CHUNK_HEADER, MessageQueue
+from worker import (CHUNK_HEADER, COLLECTIVE_SLOT_BYTES, MessageQueue, SharedMemoryCollectives,
+                    collective_block_bytes, new_shared_memory)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -161,7 +163,7 @@ def load_from_full(module: torch.nn.Module, full: dict[str, torch.Tensor]) -> No
             param.data.narrow(s.dim, s.offset, s.size).copy_(full[s.name].narrow(s.dim, s.start, s.size))
 
 
-def run_layer_checks(rank: int, world_size: int, store_path: str) -> None:
+def run_layer_checks(rank: int, world_size: int, store_path: str, block_name: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
     tp = TPGroup(rank, world_size)
     torch.manual_seed(0)  # every rank draws the same full tensors
@@ -188,11 +190,31 @@ def run_layer_checks(rank: int, world_size: int, store_path: str) -> None:
     logits = head(x)
     assert logits.shape == (3, 5, 11)  # every rank holds the full, unpadded vocabulary
     assert torch.allclose(logits, F.linear(x, full["emb"]), atol=1e-5)
+
+    # The same through shared memory, and a tensor too big for a slot (back to gloo).
+    model_code.collectives = SharedMemoryCollectives(block_name, tp)
+    try:
+        assert torch.allclose(row(column(x)), F.linear(expected, full["row"]), atol=1e-5)
+        assert torch.equal(head(x), logits)
+        for size in (3, COLLECTIVE_SLOT_BYTES // 4 + 1):
+            mine = torch.full((size,), float(rank + 1))
+            model_code.collectives.all_reduce(mine)
+            assert torch.equal(mine, torch.full((size,), 3.0))
+            gathered = model_code.collectives.all_gather(torch.full((2, size), float(rank)), world_size)
+            assert torch.equal(gathered[:, size:], torch.ones(2, size)) and not gathered[:, :size].any()
+    finally:
+        model_code.collectives.close(unlink=False)
+        model_code.collectives = Collectives()
     dist.destroy_process_group()
 
 
 def test_parallel_layers_match_torch_nn(tmp_path):
-    mp.spawn(run_layer_checks, args=(2, str(tmp_path / "store")), nprocs=2)
+    block = new_shared_memory(collective_block_bytes(2))
+    try:
+        mp.spawn(run_layer_checks, args=(2, str(tmp_path / "store"), block.name), nprocs=2)
+    finally:
+        block.close()
+        block.unlink()
 
 
 # --------------------------------------------------------------------------------------

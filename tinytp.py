@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from model import LlamaForCausalLM, ModelConfig, TPGroup, check_tensor_parallel_size, token_id_list
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams,
-                    SchedulerOutput, wait_until, worker_main)
+                    SchedulerOutput, collective_block_bytes, new_shared_memory, wait_until, worker_main)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
@@ -196,6 +196,8 @@ class Executor:
         self.doorbell = context.Semaphore(0)
         self.responses = [MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0,
                                               doorbells=[self.doorbell]) for _ in range(tp)]
+        # On CPU the ranks' collectives go through a shared block (see SharedMemoryCollectives).
+        self.collective_block = new_shared_memory(collective_block_bytes(tp)) if device == "cpu" and tp > 1 else None
         # The workers meet in a TCP store that we host on a port the OS picks: no
         # torchrun, no MASTER_PORT, and no race for a "free" port.
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -208,7 +210,8 @@ class Executor:
             with sigint_ignored():  # inherited: Ctrl-C reaches the driver, not N workers mid-import
                 for process in self.workers:
                     process.start()
-            self.collective_rpc("init_device", None, device, dtype, self.store.port, threads_per_rank(tp))
+            self.collective_rpc("init_device", None, device, dtype, self.store.port, threads_per_rank(tp),
+                                self.collective_block and self.collective_block.name)
             self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)
             self.collective_rpc("init_kv_cache", None, max_num_seqs)
         except BaseException:
@@ -316,6 +319,9 @@ class Executor:
                 process.join()
         for queue in [self.broadcast, *self.responses]:
             queue.close()
+        if self.collective_block is not None:
+            self.collective_block.close()
+            self.collective_block.unlink()
         self.store = None
 
 
