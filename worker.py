@@ -348,8 +348,13 @@ class SharedMemoryCollectives(Collectives):
         generation, slots = self.generation, self.slots[self.generation % 2]
         slots[self.tp.rank, : data.numel()].copy_(data)
         self.published[self.tp.rank] = generation  # after the data: the same store order
-        wait_until(lambda: min(self.published.tolist()) >= generation, 60,
-                   f"rank {self.tp.rank}: a shared-memory collective waited for the other ranks")
+
+        def everyone_published() -> bool:
+            return min(self.published.tolist()) >= generation
+
+        if not everyone_published():  # checked first: 17 times a step, skip building the message
+            wait_until(everyone_published, 60,
+                       f"rank {self.tp.rank}: a shared-memory collective waited for the other ranks")
         return slots[:, : data.numel()].view(tensor.dtype).view(self.tp.size, *tensor.shape)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -384,6 +389,9 @@ class CachedRequest:
     temperature: float
     top_p: float
     generator: torch.Generator
+
+
+TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods that --trace times
 
 
 class Worker:
@@ -512,7 +520,7 @@ class Worker:
         object's methods are wrapped here, so the model code stays as it is. (On CUDA, the
         times are launch times: collectives run asynchronously.)"""
         self.trace = []
-        for name in ("all_reduce", "all_gather"):  # instance attributes shadow the methods
+        for name in TRACED_COLLECTIVES:  # instance attributes shadow the methods
             setattr(model_code.collectives, name, self._traced(name, getattr(model_code.collectives, name)))
 
     def _traced(self, name: str, collective: Callable) -> Callable:
@@ -525,7 +533,7 @@ class Worker:
 
     def trace_events(self) -> list[tuple]:
         """Stop tracing and hand over what was recorded."""
-        for name in ("all_reduce", "all_gather"):
+        for name in TRACED_COLLECTIVES:
             delattr(model_code.collectives, name)
         events, self.trace = self.trace, None
         return events
