@@ -140,8 +140,9 @@ def resolve_model(model: str | None, weights: bool = True) -> str:
     try:  # only what inference needs: configs, safetensors weights, tokenizer files
         return snapshot_download(model, allow_patterns=patterns)
     except Exception as e:
+        reason = " ".join(str(e).split())  # the hub's messages span lines; ours is one
         raise FileNotFoundError(f"could not get {model} from the Hugging Face Hub or its cache "
-                                f"({type(e).__name__}: {e})") from None
+                                f"({type(e).__name__}: {reason})") from None
 
 
 # --------------------------------------------------------------------------------------
