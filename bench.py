@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 import tinytp
 from model import ModelConfig, init_dummy_weights
-from worker import MessageQueue, ModelRunnerOutput, RPCCall, RPCResult, SamplingParams, SchedulerOutput, Worker
+from worker import MessageQueue, ModelRunnerOutput, SamplingParams, SchedulerOutput, Worker
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -52,14 +52,14 @@ CORES = len(os.sched_getaffinity(0))
 READERS = 2  # the workers of a tp=2 run
 ITERATIONS = {"small": 2000, "64k": 500, "16m": 30}  # timed round trips per message size
 IDLE_SECONDS = 2.0
-REPLY = RPCResult(1, 0, ModelRunnerOutput(list(range(8)), 0.0))  # rank 0's answer to a decode step
+REPLY = ModelRunnerOutput(1, list(range(8)), 0.0)  # rank 0's answer to a decode step
 
 
 def ipc_messages() -> dict[str, object]:
     """A decode step of 8 running requests, exactly as the Executor sends it (a few hundred
     bytes pickled), and two raw payloads."""
-    step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), finished_ids=[])
-    return {"small": RPCCall(1, "execute_model", (step,), reply_rank=0),
+    step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), finished_ids=[], call_id=1)
+    return {"small": step,
             "64k": bytes(64 << 10), "16m": bytes(16 << 20)}
 
 

@@ -226,27 +226,27 @@ class Executor:
         name = method if isinstance(method, str) else method.__name__
         if not isinstance(method, str):
             method = pickle.dumps(method)
-        return self._call(RPCCall(next(self.call_ids), method, args, kwargs), timeout, name)
+        return self._call(RPCCall(next(self.call_ids), method, args, kwargs), range(self.tp), timeout, name)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank; only rank 0 replies. A failure here is fatal: the
         ranks may now disagree about the requests, so the workers are shut down."""
-        call = RPCCall(next(self.call_ids), "execute_model", (scheduler_output,), reply_rank=0)
+        scheduler_output.call_id = next(self.call_ids)
         try:
             if self.trace_next_decode and not scheduler_output.new_requests:
-                return self._traced_step(call)
-            return self._call(call, None, "execute_model")[0]
+                return self._traced_step(scheduler_output)
+            return self._call(scheduler_output, [0], None, "execute_model")[0]
         except WorkerError as e:
             self._fail(str(e).splitlines()[0])
             raise
 
-    def _traced_step(self, call: RPCCall) -> ModelRunnerOutput:
+    def _traced_step(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step with every process recording what it sends and when, and keep
         the merged timeline in trace_report."""
         self.trace_next_decode = False
         self.collective_rpc("start_trace")
         self.trace = []
-        output = self._call(call, None, "execute_model")[0]
+        output = self._call(step, [0], None, "execute_model")[0]
         events = [("driver", *event) for event in self.trace]
         self.trace = None
         for rank, rank_events in enumerate(self.collective_rpc("trace_events")):
@@ -258,10 +258,11 @@ class Executor:
             + (f"{size:,} bytes" if size else "") for who, start, end, what, size in events)
         return output
 
-    def _call(self, call: RPCCall, timeout: float | None, name: str) -> list:
+    def _call(self, message: SchedulerOutput | RPCCall, ranks, timeout: float | None, name: str) -> list:
+        """Broadcast `message` and wait for the replies of `ranks` (RPCResults' values, or
+        rank 0's ModelRunnerOutput for a step)."""
         if self.failure is not None:
             raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
-        ranks = range(self.tp) if call.reply_rank is None else [call.reply_rank]
         results: dict[int, object] = {}
 
         def poll() -> bool:
@@ -269,17 +270,20 @@ class Executor:
             # fails sends its error unasked, and another may be stuck waiting for it.
             for rank, queue in enumerate(self.responses):
                 while queue.ready():
-                    result = queue.dequeue(timeout, check=self._check_workers)  # may span chunks
-                    if result.call_id != call.call_id:
-                        continue  # a late answer to a call that timed out earlier
-                    if result.error is not None:
+                    reply = queue.dequeue(timeout, check=self._check_workers)  # may span chunks
+                    if reply.call_id != message.call_id:
+                        continue  # a late answer to a call that timed out or was interrupted
+                    if isinstance(reply, ModelRunnerOutput):
+                        results[rank] = reply
+                    elif reply.error is not None:
                         self._check_workers()  # a dead peer is the root cause of a collective's error
-                        raise WorkerError(f"worker rank {rank} failed in {name}:\n{result.error}")
-                    results[rank] = result.value
+                        raise WorkerError(f"worker rank {rank} failed in {name}:\n{reply.error}")
+                    else:
+                        results[rank] = reply.value
             return len(results) == len(ranks)
 
         start = time.perf_counter()
-        size = self.broadcast.enqueue(call, timeout, check=self._check_workers)
+        size = self.broadcast.enqueue(message, timeout, check=self._check_workers)
         sent = time.perf_counter()
         wait_until(poll, timeout, f"{name} on the workers", self._check_workers, self.doorbell)
         if self.trace is not None:
