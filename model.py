@@ -1,12 +1,5 @@
-"""Llama built from tensor-parallel layers, and shard-on-load weight loading.
-
-Reads top to bottom: the model configuration, how a parameter names its slice of the
-checkpoint (`Shard`), the four Megatron-style parallel layers, the Llama blocks built
-from them, and the loader that reads only this rank's slices of safetensors files.
-
-Every rank of the tensor-parallel group builds the same `LlamaForCausalLM`, but each
-parallel layer allocates only its own part of the weight (DESIGN.md section 3).
-"""
+"""Llama built from tensor-parallel layers, and shard-on-load weight loading: every rank
+builds the same `LlamaForCausalLM`, but each parallel layer allocates only its own part."""
 
 from __future__ import annotations
 
@@ -21,11 +14,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-# --------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------
-
-
+# Configuration ------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
     """The parts of a Hugging Face Llama `config.json` that inference needs."""
@@ -133,11 +122,7 @@ class TPGroup:
     size: int
 
 
-# --------------------------------------------------------------------------------------
-# Which slice of which checkpoint tensor a parameter holds
-# --------------------------------------------------------------------------------------
-
-
+# Which slice of which checkpoint tensor a parameter holds -----------------------------
 @dataclass(frozen=True)
 class Shard:
     """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this
@@ -168,11 +153,7 @@ def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
     return param
 
 
-# --------------------------------------------------------------------------------------
-# Parallel layers (Megatron-style; DESIGN.md section 3)
-# --------------------------------------------------------------------------------------
-
-
+# Parallel layers (Megatron-style; DESIGN.md section 3) --------------------------------
 def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None) -> torch.Tensor:
     """y = x W^T, with W repacked for oneDNN when pack_for_cpu() has run (see there)."""
     if packed_weight is None:
@@ -251,8 +232,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, split by vocabulary rows like the embedding.
 
     Each rank computes the logits of its own vocabulary slice; an all-gather (not a
-    gather to rank 0) gives every rank the full logits, because every rank runs the
-    sampler (seed discussion: "the logits_processor has an AllGather instead of a Gather").
+    gather to rank 0) gives every rank the full logits, because every rank samples (seed
+    discussion: "the logits_processor has an AllGather instead of a Gather").
     """
 
     packed_weight = None
@@ -264,11 +245,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits[..., : self.vocab_size]  # drop the padding rows' logits
 
 
-# --------------------------------------------------------------------------------------
-# Llama
-# --------------------------------------------------------------------------------------
-
-
+# Llama --------------------------------------------------------------------------------
 @dataclass
 class ModelInputs:
     """One step's batch, built by the worker's prepare_inputs. B sequences of T tokens
@@ -322,9 +299,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaAttention(nn.Module):
     """Self-attention with this rank's heads: q/k/v column-parallel, o_proj row-parallel.
 
-    KV heads are split like the query heads when tp divides them; when tp is larger than
-    num_kv_heads, each rank keeps one KV head, the one its query heads attend to (rank r
-    keeps KV head r * n_kv // tp), so KV heads are replicated, as in vLLM.
+    When tp > num_kv_heads, rank r keeps KV head r * n_kv // tp, the one its query heads
+    use: KV heads are replicated, as in vLLM.
     """
 
     def __init__(self, config: ModelConfig, tp: TPGroup, prefix: str):
@@ -428,20 +404,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.norm(last))
 
 
-# --------------------------------------------------------------------------------------
-# Loading: each rank reads only its own slices of the safetensors files
-# --------------------------------------------------------------------------------------
-
-
+# Loading: each rank reads only its own slices of the safetensors files ----------------
 def pack_for_cpu(model: nn.Module) -> None:
-    """Repack every matmul weight into oneDNN's blocked layout, once, after loading.
-
-    A decode step multiplies a handful of rows by each weight, and PyTorch's default CPU
-    path (F.linear) does that at a fraction of memory speed; oneDNN with a prepacked
-    weight is 2-4x faster here, with the same float32 results to ~1e-6 (this is what
-    torch.compile does on CPU). The packed copy replaces the plain one, so memory does not
-    grow. A tied LM head stays plain: the embedding needs that very table.
-    """
+    """Repack every matmul weight once into oneDNN's blocked layout (what torch.compile does
+    on CPU): a decode step's few rows times a weight run 2-4x faster than F.linear's, same
+    float32 results to ~1e-6. The packed copy replaces the plain one; a tied LM head stays
+    plain, since the embedding needs that very table."""
     for module in model.modules():
         tied_head = isinstance(module, ParallelLMHead) and model.config.tie_word_embeddings
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and not tied_head:
@@ -465,8 +433,6 @@ def checkpoint_files(checkpoint_dir: str) -> dict[str, str]:
             weight_map = json.load(f)["weight_map"]
         return {name: os.path.join(checkpoint_dir, file) for name, file in weight_map.items()}
     files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {checkpoint_dir}")
     names = {}
     for file in files:
         path = os.path.join(checkpoint_dir, file)
@@ -476,31 +442,25 @@ def checkpoint_files(checkpoint_dir: str) -> dict[str, str]:
 
 
 def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) -> None:
-    """Copy into every parameter exactly the slices its `shards` name, and nothing more.
-
-    `get_slice` reads the header and then only the requested bytes of each tensor, so a
-    rank never holds a whole weight it does not need.
-    """
+    """Copy into every parameter exactly the slices its `shards` name: `get_slice` reads
+    only those bytes, so a rank never holds a whole weight it does not need."""
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 
     where = checkpoint_files(checkpoint_dir)
     shards = [(param, shard) for param in model.parameters() for shard in param.shards]
-    handles = {}
-    try:
-        for param, shard in tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress):
-            if shard.name not in where:
-                raise KeyError(f"checkpoint {checkpoint_dir} has no tensor {shard.name!r}")
-            path = where[shard.name]
-            if path not in handles:
-                handles[path] = safe_open(path, framework="pt")
-            tensor_slice = handles[path].get_slice(shard.name)
-            index = [slice(None)] * len(tensor_slice.get_shape())
-            index[shard.dim] = slice(shard.start, shard.start + shard.size)
-            data = tensor_slice[tuple(index)]
-            target = param.data.narrow(shard.dim, shard.offset, shard.size)
-            if data.shape != target.shape:
-                raise ValueError(f"{shard.name}: checkpoint slice {tuple(data.shape)} does not fit "
-                                 f"{tuple(target.shape)}; does config.json match the weights?")
-            target.copy_(data)
-    finally:
-        handles.clear()  # safe_open handles close when dropped
+    handles = {}  # one open file per path; they close when dropped
+    for param, shard in tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress):
+        if shard.name not in where:
+            raise KeyError(f"checkpoint {checkpoint_dir} has no tensor {shard.name!r}")
+        path = where[shard.name]
+        if path not in handles:
+            handles[path] = safe_open(path, framework="pt")
+        tensor_slice = handles[path].get_slice(shard.name)
+        index = [slice(None)] * len(tensor_slice.get_shape())
+        index[shard.dim] = slice(shard.start, shard.start + shard.size)
+        data = tensor_slice[tuple(index)]
+        target = param.data.narrow(shard.dim, shard.offset, shard.size)
+        if data.shape != target.shape:
+            raise ValueError(f"{shard.name}: checkpoint slice {tuple(data.shape)} does not fit "
+                             f"{tuple(target.shape)}; does config.json match the weights?")
+        target.copy_(data)

@@ -100,7 +100,11 @@ PROMPTS = [  # token-id prompts of different lengths (ids < 256 are bytes, 256 i
 ]
 
 
-def last_logits(worker):  # these run inside the workers, through collective_rpc
+def record_logits(worker):  # these run inside the workers, through collective_rpc
+    worker.model.register_forward_hook(lambda module, args, logits: setattr(worker, "last_logits", logits))
+
+
+def last_logits(worker):
     return worker.last_logits
 
 
@@ -311,6 +315,7 @@ def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_chec
 
         # Logits: every rank holds the same full-vocabulary logits, equal to transformers'.
         prompts = PROMPTS[:2]
+        llm.collective_rpc(record_logits)
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         per_rank = llm.collective_rpc(last_logits)  # the last step: decoding token 3 of both
         assert torch.equal(per_rank[0], per_rank[1])

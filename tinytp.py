@@ -3,11 +3,9 @@
     python tinytp.py --tp 2                                     # a tiny random model, CPU
     python tinytp.py --tp 2 --model meta-llama/Llama-3.1-8B-Instruct --prompt "Hi"
 
-Reads top to bottom: the request and output types, finding a checkpoint (or writing the
-tiny default one), the `Executor` that spawns N worker processes and talks to them over
-shared memory, the `Scheduler`, the `LLM` front end, and the command line.
-The driver process holds no weights: every rank, rank 0 included, is a worker process
-(seed discussion: "N worker processes rather than N-1").
+The driver: finding a checkpoint, the `Executor` (one worker process per rank, rank 0
+included: seed discussion, "N worker processes rather than N-1"), the `Scheduler`, the
+`LLM` front end and the command line.
 """
 
 from __future__ import annotations
@@ -43,11 +41,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 # transformers is imported inside functions: spawned workers re-import this module as
 # __mp_main__, and they need neither the tokenizer nor the seconds that import costs.
 
-# --------------------------------------------------------------------------------------
-# Requests and outputs
-# --------------------------------------------------------------------------------------
-
-
+# Requests and outputs -----------------------------------------------------------------
 @dataclass
 class RequestOutput:
     request_id: int
@@ -72,10 +66,7 @@ class Request:
     finish_reason: str | None = None
 
 
-# --------------------------------------------------------------------------------------
-# Finding the checkpoint
-# --------------------------------------------------------------------------------------
-
+# Finding the checkpoint ---------------------------------------------------------------
 TINY_MODEL_DIR = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")),
                               "tinytp", "tiny-random-llama-v1")
 
@@ -145,11 +136,7 @@ def resolve_model(model: str | None, weights: bool = True) -> str:
                                 f"({type(e).__name__}: {reason})") from None
 
 
-# --------------------------------------------------------------------------------------
-# The executor: N worker processes and the queues between them and us
-# --------------------------------------------------------------------------------------
-
-
+# The executor: N worker processes and the queues between them and us ------------------
 def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dtype: str) -> tuple[str, str]:
     """The device (default: cuda when tp GPUs are visible, else cpu) and the dtype ("auto":
     the checkpoint's on cuda, float32 on cpu, where half precision is slow)."""
@@ -170,7 +157,6 @@ def threads_per_rank(tp: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // tp)
 
 
-
 class WorkerError(RuntimeError):
     """A worker method raised: names the rank and carries its traceback text."""
 
@@ -188,7 +174,6 @@ class Executor:
         self.tp = tp
         self.call_ids = itertools.count(1)
         self.failure: str | None = None
-        self.trace: list[tuple] | None = None  # this process's events while tracing
         self.trace_next_decode = False  # set it to get a timeline of the next decode step
         self.trace_report: str | None = None
         self.broadcast = MessageQueue.create(num_readers=tp)
@@ -197,7 +182,6 @@ class Executor:
         self.doorbell = context.Semaphore(0)
         self.responses = [MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0,
                                               doorbells=[self.doorbell]) for _ in range(tp)]
-        # On CPU the ranks' collectives go through a shared block (see SharedMemoryCollectives).
         self.collective_block = new_shared_memory(collective_block_bytes(tp)) if device == "cpu" and tp > 1 else None
         # The workers meet in a TCP store that we host on a port the OS picks: no
         # torchrun, no MASTER_PORT, and no race for a "free" port.
@@ -206,11 +190,11 @@ class Executor:
                                         args=(rank, tp, self.broadcast.handle, self.responses[rank].handle))
                         for rank in range(tp)]
         atexit.register(self.shutdown)
-        # Initialization goes through collective_rpc too, as in the seed.
         try:
             with sigint_ignored():  # inherited: Ctrl-C reaches the driver, not N workers mid-import
                 for process in self.workers:
                     process.start()
+            # Initialization goes through collective_rpc too, as in the seed.
             self.collective_rpc("init_device", None, device, dtype, self.store.port, threads_per_rank(tp),
                                 self.collective_block and self.collective_block.name)
             self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)
@@ -245,10 +229,8 @@ class Executor:
         the merged timeline in trace_report."""
         self.trace_next_decode = False
         self.collective_rpc("start_trace")
-        self.trace = []
         output = self._call(step, [0], None, "execute_model")[0]
-        events = [("driver", *event) for event in self.trace]
-        self.trace = None
+        events = [("driver", *event) for event in self.last_call_events]
         for rank, rank_events in enumerate(self.collective_rpc("trace_events")):
             events += [(f"rank {rank}", *event) for event in rank_events]
         events.sort(key=lambda event: event[1])
@@ -286,9 +268,8 @@ class Executor:
         size = self.broadcast.enqueue(message, timeout, check=self._check_workers)
         sent = time.perf_counter()
         wait_until(poll, timeout, f"{name} on the workers", self._check_workers, self.doorbell)
-        if self.trace is not None:
-            self.trace += [(start, sent, f"broadcast {name}", size),
-                           (sent, time.perf_counter(), "waited for the reply", 0)]
+        self.last_call_events = [(start, sent, f"broadcast {name}", size),  # for --trace
+                                 (sent, time.perf_counter(), "waited for the reply", 0)]
         return [results[rank] for rank in ranks]
 
     def _check_workers(self) -> None:
@@ -342,11 +323,7 @@ class sigint_ignored:
             signal.signal(signal.SIGINT, self.previous)
 
 
-# --------------------------------------------------------------------------------------
-# The scheduler
-# --------------------------------------------------------------------------------------
-
-
+# The scheduler ------------------------------------------------------------------------
 class Scheduler:
     """Continuous batching over a fixed number of KV-cache slots.
 
@@ -363,9 +340,6 @@ class Scheduler:
         self.free_slots = list(range(max_num_seqs))  # a heap: lowest first keeps slots contiguous
         self.finished_ids: list[int] = []  # told to the workers with the next step
 
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
-
     def schedule(self) -> SchedulerOutput:
         new = []
         while self.waiting and self.free_slots:
@@ -375,8 +349,7 @@ class Scheduler:
         self.running += new
         scheduled = new or self.running
         output = SchedulerOutput(
-            new_requests=[NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params.temperature,
-                                     r.params.top_p, r.seed) for r in new],
+            new_requests=[NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params, r.seed) for r in new],
             scheduled_ids=[r.request_id for r in scheduled],
             finished_ids=self.finished_ids,
         )
@@ -413,17 +386,9 @@ class Scheduler:
         self.waiting.clear()
 
 
-# --------------------------------------------------------------------------------------
-# The front end
-# --------------------------------------------------------------------------------------
-
-
+# The front end ------------------------------------------------------------------------
 class LLM:
-    """Generate text with a Llama checkpoint split over `tensor_parallel_size` processes.
-
-        with LLM(model=path_or_hub_id, tensor_parallel_size=2) as llm:
-            outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
-    """
+    """Generate text with a Llama checkpoint split over `tensor_parallel_size` processes."""
 
     def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, device: str | None = None,
                  dtype: str = "auto", max_num_seqs: int = 8, max_model_len: int | None = None,
@@ -431,7 +396,6 @@ class LLM:
         from transformers import AutoTokenizer
 
         self.model_dir = resolve_model(model)
-        self.is_tiny_default = model is None
         self.config = ModelConfig.from_file(os.path.join(self.model_dir, "config.json"))
         tp = tensor_parallel_size
         check_tensor_parallel_size(self.config, tp)
@@ -518,8 +482,7 @@ class LLM:
 
     def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
         """Step until these requests are done; yield the requests finished at each step."""
-        for request in requests:
-            self.scheduler.add(request)
+        self.scheduler.waiting.extend(requests)
         try:  # until these are done (another caller's requests may be in the scheduler too)
             while any(request.finish_reason is None for request in requests):
                 scheduler_output = self.scheduler.schedule()
@@ -542,11 +505,7 @@ class LLM:
         self.shutdown()
 
 
-# --------------------------------------------------------------------------------------
-# --explain: how the checkpoint is cut, without running anything
-# --------------------------------------------------------------------------------------
-
-
+# --explain: how the checkpoint is cut, without running anything -----------------------
 def explain(config: ModelConfig, tp: int, dtype: str) -> str:
     """Build every rank's model on the "meta" device (shapes, no memory) with the same
     code the workers run, and describe the cut: per checkpoint tensor its full shape,
@@ -556,6 +515,7 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
             return LlamaForCausalLM(config, TPGroup(rank, size), max_model_len=1)
 
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    padded_vocab = math.ceil(config.vocab_size / tp) * tp
     whole = {s.name: (p.shape, s) for p in build(0, 1).parameters() for s in p.shards}
     lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
              f"{'rank 0 slice':>14}  split"]
@@ -570,15 +530,14 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
             mine[shard.dim] = shard.size
             how = f"dim {shard.dim}" if shard.size < full.size else "replicated"
             if shard.size < full.size < shard.size * tp:  # the parts overlap or overhang
-                padded = math.ceil(config.vocab_size / tp) * tp
-                how += f", vocab padded to {padded}" if full.size == config.vocab_size else ", KV heads replicated"
+                how += f", vocab padded to {padded_vocab}" if full.size == config.vocab_size else ", KV heads replicated"
             lines.append(f"{shard.name:<48}{str(full_shape):>14}{str(mine):>14}  {how}")
     lines.append("")
     for rank in range(tp):
         held = sum(p.numel() for p in build(rank, tp).parameters()) * itemsize
         lines.append(f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})")
     hidden = config.hidden_size * itemsize
-    vocab = math.ceil(config.vocab_size / tp) * tp * itemsize
+    vocab = padded_vocab * itemsize
     lines += ["", "communication per decode step, per sequence in the batch:" if tp > 1 else
               "communication: none (tp=1)"]
     if tp > 1:
@@ -588,37 +547,29 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------
-# Command line
-# --------------------------------------------------------------------------------------
-
+# Command line -------------------------------------------------------------------------
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "Tensor parallelism splits"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tinytp.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
-                        help="number of worker processes (ranks) the model is split over")
-    parser.add_argument("--model", default=None,
-                        help="checkpoint directory or Hugging Face hub id (default: a tiny random Llama)")
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="number of ranks")
+    parser.add_argument("--model", help="checkpoint directory or hub id (default: a tiny random Llama)")
     parser.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                        help="default: cuda when tp GPUs are visible, else cpu")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when tp GPUs are visible")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                         help="auto: the checkpoint's dtype on cuda, float32 on cpu")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt text as it is")
     parser.add_argument("--trace", action="store_true", default=os.environ.get("TINYTP_TRACE") == "1",
-                        help="print a timeline of one decode step: queue messages and collectives, per "
-                             "process (also TINYTP_TRACE=1)")
-    parser.add_argument("--explain", action="store_true",
-                        help="print how the checkpoint is cut across ranks, and the traffic per step; run nothing")
+                        help="print a timeline of one decode step across processes (also TINYTP_TRACE=1)")
+    parser.add_argument("--explain", action="store_true", help="print how the model is cut across ranks; run nothing")
     return parser.parse_args(argv)
 
 
@@ -636,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         if not all(prompts):
             raise ValueError("empty --prompt: give at least one character")
         with LLM(args.model, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len) as llm:
-            if llm.is_tiny_default:
+            if args.model is None:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
                       "so its text is gibberish", file=sys.stderr)
             llm.executor.trace_next_decode = args.trace

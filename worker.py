@@ -1,10 +1,5 @@
-"""Worker processes: the shared-memory message queue, the Worker, and its loop.
-
-Reads top to bottom: the messages that cross process boundaries, waiting without
-burning a core, the shared-memory `MessageQueue`, the `Worker` (device and process group,
-model loading, KV cache, prepare_inputs, forward, sample), and `worker_main`, the tight
-loop each of the N worker processes runs (DESIGN.md sections 1 and 2).
-"""
+"""Worker processes: the messages they get, the shared-memory `MessageQueue`, the `Worker`
+(one rank's model, KV cache and requests) and `worker_main`, its loop (DESIGN.md 1 and 2)."""
 
 from __future__ import annotations
 
@@ -27,11 +22,7 @@ import model as model_code  # for model_code.collectives, which init_device may 
 from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, init_dummy_weights,
                    load_checkpoint, pack_for_cpu)
 
-# --------------------------------------------------------------------------------------
-# Messages between the driver and the workers
-# --------------------------------------------------------------------------------------
-
-
+# Messages between the driver and the workers ------------------------------------------
 @dataclass
 class SamplingParams:
     """How to pick each next token. temperature 0 is greedy; top_p keeps the smallest set
@@ -59,21 +50,16 @@ class NewRequest:
     request_id: int
     prompt_token_ids: list[int]
     slot: int  # its row of the KV cache, chosen by the driver so every rank agrees
-    temperature: float
-    top_p: float
+    params: SamplingParams
     seed: int  # always set: every rank seeds the same generator, so all sample alike
-
-
-# A step travels bare: the driver broadcasts the SchedulerOutput itself and rank 0 answers
-# with the ModelRunnerOutput itself, with no RPCCall around them. Pickle names every class
-# in a message, at about a microsecond per class on each side (measured), and a decode step
-# is the one message of the hot path. Every other call is an RPCCall.
 
 
 @dataclass
 class SchedulerOutput:
     """One step, as deltas (DESIGN.md section 1). It never carries the last sampled
-    token: every worker appended it to its own copy of the request last step."""
+    token: every worker appended it to its own copy of the request last step. It travels
+    bare, as does rank 0's ModelRunnerOutput, with no RPCCall around it: pickle costs about
+    a microsecond per class it names, and this is the one message of the hot path."""
 
     new_requests: list[NewRequest]
     scheduled_ids: list[int]  # requests that run this step, in batch order
@@ -109,10 +95,7 @@ class RPCResult:
 
 SHUTDOWN = "shutdown"  # the method name that ends the worker loop
 
-# --------------------------------------------------------------------------------------
-# Waiting: poll while yielding the core, then sleep until the doorbell rings
-# --------------------------------------------------------------------------------------
-
+# Waiting: poll while yielding the core, then sleep until the doorbell rings -----------
 # Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a
 # spinner can hold the very core that the process it waits for needs (measured: a pure
 # 50 us spin made half the small round trips take ~120 us instead of ~20 us).
@@ -147,21 +130,15 @@ def wait_until(ready: Callable[[], bool], timeout: float | None, what: str,
             doorbell.acquire(timeout=nap)
 
 
-# --------------------------------------------------------------------------------------
-# The shared-memory message queue
-# --------------------------------------------------------------------------------------
-
-
+# The shared-memory message queue ------------------------------------------------------
 def new_shared_memory(size: int) -> shared_memory.SharedMemory:
     """A new block, zero-filled, named after this process so leftovers are easy to trace."""
     return shared_memory.SharedMemory(name=f"tinytp_{os.getpid()}_{os.urandom(4).hex()}", create=True, size=size)
 
 
 def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
-    """Attach to another process's block. Python 3.11 registers every attached block with
-    the resource tracker, which then unlinks it when this process exits, under the
-    creator's feet, and warns of a "leak". Only the creator should own it, so the
-    registration is skipped here."""
+    """Attach to another process's block without registering it with Python 3.11's resource
+    tracker, which would unlink it under the creator's feet (and warn of a "leak") at exit."""
     register = resource_tracker.register
     resource_tracker.register = lambda *args, **kwargs: None
     try:
@@ -185,29 +162,18 @@ CHUNK_HEADER = struct.Struct("<IQ")  # payload bytes in this chunk, bytes in the
 
 
 class MessageQueue:
-    """One writer, N readers, a ring of fixed-size chunks in one shared-memory block.
-
-    Per chunk the block holds a *written* flag and one *read* flag per reader (a byte
-    each), then the chunk itself. The writer takes a chunk when it was never written or
-    every reader has read it; a reader takes the next chunk once it is written and it has
-    not read it yet. A pickled message longer than a chunk continues in the next ones,
-    so a message of any size goes through a small ring, streaming while readers read.
+    """One writer, N readers, a ring of fixed-size chunks in one shared-memory block. A
+    pickled message longer than a chunk continues in the next ones, so any size goes
+    through a small ring; a sleeping reader is woken by its doorbell (see wait_until).
 
     Why the flag order is safe: the writer clears *written*, resets the read flags, fills
-    the chunk, and sets *written* last; a reader copies or unpickles the chunk completely
-    before it sets its *read* flag. So the writer never overwrites a chunk someone is still
-    reading. A reader checks its own *read* flag *before* *written*: seeing its flag reset
-    means the writer has already cleared *written* for this round, so *written* then says
-    truthfully whether the chunk is complete. (The other order has a race: a reader sees
-    the previous round's *written*, the writer starts refilling the chunk, the reader sees
-    its freshly reset flag and reads a half-written chunk.) This relies on each process's
-    stores becoming visible in program order, as x86 guarantees. On weakly ordered CPUs
-    (ARM) this would need a memory fence between the data and the flag, which Python
-    cannot issue; vLLM's shm_broadcast carries the same caveat.
-
-    A reader that has polled for a while sleeps on its *doorbell*, a semaphore that the
-    writer releases after every chunk, so it wakes within microseconds of a message
-    instead of at the end of its nap (see wait_until).
+    the chunk and sets *written* last; a reader is done with the chunk before it sets its
+    *read* flag, so no chunk is overwritten while read. A reader checks its own *read* flag
+    *before* *written*: a reset flag means the writer has already cleared *written* for
+    this round, so *written* then truthfully says the chunk is complete (the other order
+    can read a half-written chunk). This needs each process's stores to become visible in
+    program order, as on x86; ARM would need a fence that Python cannot issue (vLLM's
+    shm_broadcast has the same caveat).
     """
 
     def __init__(self, handle: QueueHandle, shm: shared_memory.SharedMemory, reader: int | None, owner: bool):
@@ -227,8 +193,7 @@ class MessageQueue:
         self.capacity = handle.chunk_bytes - CHUNK_HEADER.size  # payload bytes per chunk
         self.no_reads, self.all_read = bytes(handle.num_readers), bytes([1] * handle.num_readers)
         self.next_chunk = 0  # the writer's or this reader's position in the ring
-        # A reader's buffer for messages that span chunks, kept between messages: a new
-        # 16 MiB buffer per message would cost more in page faults than the copying.
+        # Kept between multi-chunk messages: a new 16 MiB buffer each costs more in page faults.
         self.receive_buffer = bytearray()
 
     @classmethod
@@ -308,14 +273,11 @@ class MessageQueue:
         if self.owner:
             try:
                 self.shm.unlink()
-            except FileNotFoundError:
+            except FileNotFoundError:  # a driver that died while shutting down got there first
                 pass
 
 
-# --------------------------------------------------------------------------------------
-# Collectives through shared memory, for ranks on one CPU machine
-# --------------------------------------------------------------------------------------
-
+# Collectives through shared memory, for ranks on one CPU machine ----------------------
 COLLECTIVE_SLOT_BYTES = 1 << 20  # larger tensors (long prefills) take torch.distributed's way
 
 
@@ -324,18 +286,12 @@ def collective_block_bytes(world_size: int) -> int:
 
 
 class SharedMemoryCollectives(Collectives):
-    """All-reduce and all-gather through one shared block, for CPU ranks on one machine.
-
-    gloo sends even a 16 KiB all-reduce through TCP sockets and its own I/O threads; on a
-    busy 2-core machine one took 0.3 to 7 ms (see --trace), 17 of them a step. Here each
-    rank copies its tensor into its own slot, publishes the step's generation number,
-    waits until every rank has published it, and reads all the slots: microseconds.
-    Every rank sums the slots in the same order, so all ranks get identical results.
-
-    Two sets of slots alternate. A rank that has seen generation g published by everyone
-    knows that everyone finished reading generation g-1's slots before publishing g, so it
-    may refill g-1's set (= g+1's) next time. The same store-order caveat as MessageQueue's.
-    """
+    """All-reduce and all-gather through one shared block, for CPU ranks on one machine
+    (gloo's TCP path took 0.3 to 7 ms per all-reduce on 2 busy cores, 17 a step). Each rank
+    copies its tensor into its slot, publishes the step's generation number, waits until
+    every rank has, and reads all slots; all ranks sum them in the same order, so agree.
+    Two sets of slots alternate: once everyone has published g, everyone has finished
+    reading g-1's set, which g+1 reuses. The same store-order caveat as MessageQueue's."""
 
     def __init__(self, block_name: str, tp: TPGroup):
         self.tp = tp
@@ -378,11 +334,7 @@ class SharedMemoryCollectives(Collectives):
             self.shm.unlink()
 
 
-# --------------------------------------------------------------------------------------
-# The worker: one rank's model, KV cache and copy of every running request
-# --------------------------------------------------------------------------------------
-
-
+# The worker: one rank's model, KV cache and copy of every running request -------------
 @dataclass
 class CachedRequest:
     """A worker's own copy of a running request (DESIGN.md section 1)."""
@@ -390,8 +342,7 @@ class CachedRequest:
     token_ids: list[int]  # prompt, then every sampled token
     num_computed: int  # tokens whose keys and values are in the KV cache
     slot: int
-    temperature: float
-    top_p: float
+    params: SamplingParams
     generator: torch.Generator
 
 
@@ -405,7 +356,6 @@ class Worker:
     def __init__(self, rank: int, world_size: int):
         self.tp = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
-        self.last_logits: torch.Tensor | None = None  # for inspection through collective_rpc
         self.trace: list[tuple] | None = None  # (start, end, what, bytes) while tracing
 
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int,
@@ -414,11 +364,9 @@ class Worker:
         no torchrun and no environment variables. With a collective block (CPU, tp > 1),
         the layers' collectives go through shared memory instead of gloo."""
         torch.set_num_threads(num_threads)
+        self.device = torch.device(device, self.tp.rank if device == "cuda" else None)
         if device == "cuda":
-            torch.cuda.set_device(self.tp.rank)
-            self.device = torch.device("cuda", self.tp.rank)
-        else:
-            self.device = torch.device("cpu")
+            torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, dtype)
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store,
@@ -483,13 +431,13 @@ class Worker:
         logits = logits.float()
         tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
         for i, request in enumerate(scheduled):
-            if request.temperature == 0:
+            if request.params.temperature == 0:
                 continue
-            probs = torch.softmax(logits[i] / request.temperature, dim=-1)
-            if request.top_p < 1:
+            probs = torch.softmax(logits[i] / request.params.temperature, dim=-1)
+            if request.params.top_p < 1:
                 sorted_probs, order = probs.sort(descending=True)
                 # keep a token if the tokens ranked above it hold less than top_p
-                outside = sorted_probs.cumsum(0) - sorted_probs >= request.top_p
+                outside = sorted_probs.cumsum(0) - sorted_probs >= request.params.top_p
                 probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0))
             tokens[i] = torch.multinomial(probs, 1, generator=request.generator).item()
         return tokens
@@ -499,13 +447,11 @@ class Worker:
         append the sampled tokens to this worker's copies of the requests."""
         start = time.perf_counter()
         for request_id in scheduler_output.finished_ids:
-            # pop, not del: after an interrupted generate, the driver may free a request
-            # whose first step never reached us
-            self.requests.pop(request_id, None)
+            self.requests.pop(request_id, None)  # after an interrupted generate, maybe never sent
         for new in scheduler_output.new_requests:
             generator = torch.Generator(self.device).manual_seed(new.seed)
             self.requests[new.request_id] = CachedRequest(
-                list(new.prompt_token_ids), 0, new.slot, new.temperature, new.top_p, generator)
+                list(new.prompt_token_ids), 0, new.slot, new.params, generator)
         scheduled = [self.requests[i] for i in scheduler_output.scheduled_ids]
         inputs = self.prepare_inputs(scheduled)
         with torch.inference_mode():
@@ -514,15 +460,12 @@ class Worker:
         for request, token in zip(scheduled, tokens):
             request.num_computed = len(request.token_ids)
             request.token_ids.append(token)
-        self.last_logits = logits
         return ModelRunnerOutput(scheduler_output.call_id, tokens, time.perf_counter() - start)
 
-    # --trace: a timeline of one step, across processes. time.perf_counter() reads one
-    # clock (CLOCK_MONOTONIC) in every process of a machine, so the events line up.
     def start_trace(self) -> None:
-        """Record the collectives of this process until trace_events(). The collectives
-        object's methods are wrapped here, so the model code stays as it is. (On CUDA, the
-        times are launch times: collectives run asynchronously.)"""
+        """--trace: record this process's collectives until trace_events(), by wrapping the
+        collectives object's methods, so the model code stays as it is. perf_counter() is one
+        clock in every process, so the timelines line up. (On CUDA these are launch times.)"""
         self.trace = []
         for name in TRACED_COLLECTIVES:  # instance attributes shadow the methods
             setattr(model_code.collectives, name, self._traced(name, getattr(model_code.collectives, name)))
@@ -555,11 +498,7 @@ class Worker:
             dist.destroy_process_group()
 
 
-# --------------------------------------------------------------------------------------
-# The worker process
-# --------------------------------------------------------------------------------------
-
-
+# The worker process -------------------------------------------------------------------
 class DriverGone(Exception):
     """The driver process exited without shutting us down."""
 
@@ -604,10 +543,8 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
                 if tracing:
                     worker.trace.append((start, time.perf_counter(), "replied", size))
     except DriverGone:
-        # Nobody else will unlink the blocks and the doorbells' named semaphores now.
-        # Unlinking also drops them from the resource tracker that we share with the dead
-        # driver, so it warns of no leak. Rank 0 takes the doorbells and the collective
-        # block, each rank its reply block.
+        # Nobody else will unlink the blocks and doorbells now (which also keeps the dead
+        # driver's resource tracker quiet): rank 0 the shared ones, each rank its reply block.
         driver_gone = True
         calls.owner = rank == 0
         replies.owner = True
