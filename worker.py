@@ -105,7 +105,7 @@ MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
 # With a doorbell, the ring ends the sleep, so its timeout only spaces the liveness checks.
 # It is long on purpose: the driver sleeps through every step, and each timed wake-up takes
 # a core from a rank for a moment (naps of 5% woke it ~40 times in an 8 ms step; measured
-# with bench.py, the long nap made tp=1 7% and tp=2 14% faster).
+# with bench.py, the long nap made tp=1 8% and tp=2 14% faster).
 DOORBELL_SLEEP = 50e-3
 
 
