@@ -10,7 +10,7 @@ The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: 
 options and defaults, random token-id prompts, exactly --output-len tokens per sequence,
 and the same output lines, so its numbers sit next to the seed's. It adds what explains
 them: the prefill and decode step times, the executor's overhead per step, and how close a
-decode step comes to the memory-bandwidth limit (DESIGN.md section 5).
+decode step comes to the memory-bandwidth limit.
 
 Reads top to bottom: the IPC benchmark (one writer, two reader processes, four
 transports), then the latency benchmark (the model, the backends, the roofline, the
@@ -56,7 +56,7 @@ REPLY = ModelRunnerOutput(1, list(range(8)), 0.0)  # rank 0's answer to a decode
 
 
 def ipc_messages() -> dict[str, object]:
-    """A decode step of 8 running requests, exactly as the Executor sends it (a few hundred
+    """A decode step of 8 running requests, exactly as the Executor sends it (about 130
     bytes pickled), and two raw payloads."""
     step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), finished_ids=[], call_id=1)
     return {"small": step,

@@ -153,7 +153,7 @@ def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
     return param
 
 
-# Parallel layers (Megatron-style; DESIGN.md section 3) --------------------------------
+# Parallel layers (Megatron-style) -----------------------------------------------------
 def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None) -> torch.Tensor:
     """y = x W^T, with W repacked for oneDNN when pack_for_cpu() has run (see there)."""
     if packed_weight is None:

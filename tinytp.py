@@ -230,7 +230,9 @@ class Executor:
         self.trace_next_decode = False
         self.collective_rpc("start_trace")
         output = self._call(step, [0], None, "execute_model")[0]
-        events = [("driver", *event) for event in self.last_call_events]
+        start, sent, replied, size = self.last_call_times
+        events = [("driver", start, sent, "broadcast execute_model", size),
+                  ("driver", sent, replied, "waited for the reply", 0)]
         for rank, rank_events in enumerate(self.collective_rpc("trace_events")):
             events += [(f"rank {rank}", *event) for event in rank_events]
         events.sort(key=lambda event: event[1])
@@ -268,8 +270,7 @@ class Executor:
         size = self.broadcast.enqueue(message, timeout, check=self._check_workers)
         sent = time.perf_counter()
         wait_until(poll, timeout, f"{name} on the workers", self._check_workers, self.doorbell)
-        self.last_call_events = [(start, sent, f"broadcast {name}", size),  # for --trace
-                                 (sent, time.perf_counter(), "waited for the reply", 0)]
+        self.last_call_times = (start, sent, time.perf_counter(), size)  # for --trace
         return [results[rank] for rank in ranks]
 
     def _check_workers(self) -> None:

@@ -1,5 +1,5 @@
 """Worker processes: the messages they get, the shared-memory `MessageQueue`, the `Worker`
-(one rank's model, KV cache and requests) and `worker_main`, its loop (DESIGN.md 1 and 2)."""
+(one rank's model, KV cache and requests) and `worker_main`, its loop."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class NewRequest:
 
 @dataclass
 class SchedulerOutput:
-    """One step, as deltas (DESIGN.md section 1). It never carries the last sampled
+    """One step, as deltas. It never carries the last sampled
     token: every worker appended it to its own copy of the request last step. It travels
     bare, as does rank 0's ModelRunnerOutput, with no RPCCall around it: pickle costs about
     a microsecond per class it names, and this is the one message of the hot path."""
@@ -100,7 +100,7 @@ SHUTDOWN = "shutdown"  # the method name that ends the worker loop
 # spinner can hold the very core that the process it waits for needs (measured: a pure
 # 50 us spin made half the small round trips take ~120 us instead of ~20 us).
 YIELD_SECONDS = 1e-3
-SLEEP_FRACTION = 0.05  # then sleep 5% of the time waited so far, between liveness checks
+SLEEP_FRACTION = 0.05  # then, with no doorbell, sleep 5% of the time waited so far
 MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
 # With a doorbell, the ring ends the sleep, so its timeout only spaces the liveness checks.
 # It is long on purpose: the driver sleeps through every step, and each timed wake-up takes
@@ -192,7 +192,8 @@ class MessageQueue:
         flags_bytes = 1 + handle.num_readers
         self.written_flag = [i * flags_bytes for i in range(handle.num_chunks)]
         self.read_flags = [slice(i * flags_bytes + 1, (i + 1) * flags_bytes) for i in range(handle.num_chunks)]
-        self.my_read_flag = [i * flags_bytes + 1 + (reader or 0) for i in range(handle.num_chunks)]
+        if reader is not None:
+            self.my_read_flag = [i * flags_bytes + 1 + reader for i in range(handle.num_chunks)]
         self.chunk_start = [handle.num_chunks * flags_bytes + i * handle.chunk_bytes for i in range(handle.num_chunks)]
         self.capacity = handle.chunk_bytes - CHUNK_HEADER.size  # payload bytes per chunk
         self.no_reads, self.all_read = bytes(handle.num_readers), bytes([1] * handle.num_readers)
@@ -341,7 +342,7 @@ class SharedMemoryCollectives(Collectives):
 # The worker: one rank's model, KV cache and copy of every running request -------------
 @dataclass
 class CachedRequest:
-    """A worker's own copy of a running request (DESIGN.md section 1)."""
+    """A worker's own copy of a running request."""
 
     token_ids: list[int]  # prompt, then every sampled token
     num_computed: int  # tokens whose keys and values are in the KV cache
@@ -354,8 +355,8 @@ TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods tha
 
 
 class Worker:
-    """Everything one rank does. Every method is reached through the driver's
-    collective_rpc; execute_model runs each step."""
+    """Everything one rank does. execute_model runs each step; every other method is
+    reached through the driver's collective_rpc."""
 
     def __init__(self, rank: int, world_size: int):
         self.tp = TPGroup(rank, world_size)
@@ -541,7 +542,7 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
             tracing = worker.trace is not None and step
             if tracing:
                 worker.trace.append((received, time.perf_counter(), "got the step and ran execute_model", 0))
-            if not step or rank == 0 or isinstance(reply, RPCResult):
+            if rank == 0 or isinstance(reply, RPCResult):  # every rank answers a call or reports an error
                 start = time.perf_counter()
                 size = replies.enqueue(reply, check=driver_alive)
                 if tracing:
