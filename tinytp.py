@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -242,7 +242,8 @@ class Executor:
             + (f"{size:,} bytes" if size else "") for who, start, end, what, size in events)
         return output
 
-    def _call(self, message: SchedulerOutput | RPCCall, ranks, timeout: float | None, name: str) -> list:
+    def _call(self, message: SchedulerOutput | RPCCall, ranks: Sequence[int], timeout: float | None,
+              name: str) -> list:
         """Broadcast `message` and wait for the replies of `ranks` (RPCResults' values, or
         rank 0's ModelRunnerOutput for a step)."""
         if self.failure is not None:

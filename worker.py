@@ -56,10 +56,10 @@ class NewRequest:
 
 @dataclass
 class SchedulerOutput:
-    """One step, as deltas. It never carries the last sampled
-    token: every worker appended it to its own copy of the request last step. It travels
-    bare, as does rank 0's ModelRunnerOutput, with no RPCCall around it: pickle costs about
-    a microsecond per class it names, and this is the one message of the hot path."""
+    """One step, as deltas. It never carries the last sampled token: every worker
+    appended it to its own copy of the request last step. It travels bare, as does rank
+    0's ModelRunnerOutput, with no RPCCall around it: pickle costs about a microsecond per
+    class it names, and this is the one message of the hot path."""
 
     new_requests: list[NewRequest]
     scheduled_ids: list[int]  # requests that run this step, in batch order
