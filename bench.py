@@ -24,7 +24,6 @@ import contextlib
 import json
 import math
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -41,7 +40,7 @@ from tqdm import tqdm
 
 import tinytp
 from model import ModelConfig, init_dummy_weights
-from worker import MessageQueue, ModelRunnerOutput, SamplingParams, SchedulerOutput, Worker
+from worker import MessageQueue, ModelRunnerOutput, SamplingParams, SchedulerOutput, Worker, decode, encode
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -56,8 +55,8 @@ REPLY = ModelRunnerOutput(1, list(range(8)), 0.0)  # rank 0's answer to a decode
 
 
 def ipc_messages() -> dict[str, object]:
-    """A decode step of 8 running requests, exactly as the Executor sends it (about 130
-    bytes pickled), and two raw payloads."""
+    """A decode step of 8 running requests, exactly as the Executor sends it (about 50
+    bytes encoded), and two raw payloads."""
     step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), finished_ids=[], call_id=1)
     return {"small": step,
             "64k": bytes(64 << 10), "16m": bytes(16 << 20)}
@@ -66,7 +65,9 @@ def ipc_messages() -> dict[str, object]:
 class Transport:
     """One way to talk. The writer calls send(message), which reaches every reader, and
     receive(), which returns reader 0's reply. Reader r's process gets reader_args[r] and
-    calls reader_side(r, *reader_args[r]), which returns its (receive, reply) functions."""
+    calls reader_side(r, *reader_args[r]), which returns its (receive, reply) functions.
+    Every transport carries the same bytes: messages pickled as the MessageQueue does
+    (worker.encode), so what differs is only how the bytes travel."""
 
     def connect(self) -> None:
         """Called once the readers have started."""
@@ -94,40 +95,45 @@ class ShmTransport(Transport):
 
 
 class PipeTransport(Transport):
-    """multiprocessing.Pipe, one per reader. The message is pickled once (protocol 5, as
-    the MessageQueue does) and its bytes sent down each pipe: Pipe at its best."""
+    """multiprocessing.Pipe, one per reader. The message is encoded once and its bytes sent
+    down each pipe: Pipe at its best."""
 
     def __init__(self, context):
         ends = [context.Pipe() for _ in range(READERS)]
         self.pipes = [ours for ours, _ in ends]
         self.reader_args = [(theirs,) for _, theirs in ends]
-        self.receive = self.pipes[0].recv
 
     @staticmethod
     def reader_side(reader, pipe):
-        return lambda: pickle.loads(pipe.recv_bytes()), pipe.send
+        return lambda: decode(pipe.recv_bytes()), lambda reply: pipe.send_bytes(encode(reply))
 
     def send(self, message):
-        data = pickle.dumps(message, protocol=5)
+        data = encode(message)
         for pipe in self.pipes:
             pipe.send_bytes(data)
+
+    def receive(self):
+        return decode(self.pipes[0].recv_bytes())
 
 
 class QueueTransport(Transport):
     """multiprocessing.Queue, one per reader, and one for the replies."""
 
     def __init__(self, context):
-        self.queues, replies = [context.Queue() for _ in range(READERS)], context.Queue()
-        self.reader_args = [(queue, replies) for queue in self.queues]
-        self.receive = replies.get
+        self.queues, self.replies = [context.Queue() for _ in range(READERS)], context.Queue()
+        self.reader_args = [(queue, self.replies) for queue in self.queues]
 
     @staticmethod
     def reader_side(reader, queue, replies):
-        return queue.get, replies.put
+        return lambda: decode(queue.get()), lambda reply: replies.put(encode(reply))
 
     def send(self, message):
+        data = encode(message)
         for queue in self.queues:
-            queue.put(message)
+            queue.put(data)
+
+    def receive(self):
+        return decode(self.replies.get())
 
 
 def received(collective, src: int):
@@ -150,16 +156,17 @@ class GlooTransport(Transport):
     def reader_side(reader, port):
         store = dist.TCPStore("127.0.0.1", port, is_master=False)
         dist.init_process_group("gloo", store=store, rank=reader + 1, world_size=READERS + 1)
-        return lambda: received(dist.broadcast_object_list, src=0), lambda reply: dist.send_object_list([reply], dst=0)
+        return (lambda: decode(received(dist.broadcast_object_list, src=0)),
+                lambda reply: dist.send_object_list([encode(reply)], dst=0))
 
     def connect(self):  # joining waits for every rank, so only now that the readers exist
         dist.init_process_group("gloo", store=self.store, rank=0, world_size=READERS + 1)
 
     def send(self, message):
-        dist.broadcast_object_list([message], src=0)
+        dist.broadcast_object_list([encode(message)], src=0)
 
     def receive(self):
-        return received(dist.recv_object_list, src=1)
+        return decode(received(dist.recv_object_list, src=1))
 
     def close(self):
         dist.destroy_process_group()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import signal
 import subprocess
@@ -28,7 +27,7 @@ from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHea
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
 from tinytp import LLM, SamplingParams, WorkerError, byte_level_tokenizer, explain
 from worker import (CHUNK_HEADER, COLLECTIVE_SLOT_BYTES, MessageQueue, SharedMemoryCollectives,
-                    collective_block_bytes, new_shared_memory)
+                    collective_block_bytes, encode, new_shared_memory)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -243,7 +242,7 @@ def test_queue_message_sizes_across_chunks():
     writer = MessageQueue.create(num_readers=1, num_chunks=8, chunk_bytes=64)
     reader = MessageQueue.attach(writer.handle, reader=0)
     capacity = 64 - CHUNK_HEADER.size
-    exactly_one_chunk = next(b"x" * n for n in range(capacity) if len(pickle.dumps(b"x" * n, protocol=5)) == capacity)
+    exactly_one_chunk = next(b"x" * n for n in range(capacity) if len(encode(b"x" * n)) == capacity)
     for message in [b"", None, exactly_one_chunk, b"y" * (capacity * 5 + 3)]:
         writer.enqueue(message)
         assert reader.dequeue(timeout=1) == message
