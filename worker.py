@@ -215,6 +215,8 @@ class MessageQueue:
         self.chunk_start = [handle.num_chunks * flags_bytes + i * handle.chunk_bytes for i in range(handle.num_chunks)]
         self.capacity = handle.chunk_bytes - CHUNK_HEADER.size  # payload bytes per chunk
         self.no_reads, self.all_read = bytes(handle.num_readers), bytes([1] * handle.num_readers)
+        self.who_waits = (f"queue {handle.name}: the writer waited for readers to free a chunk" if reader is None
+                          else f"queue {handle.name}: reader {reader} waited for a message")  # built once
         self.next_chunk = 0  # the writer's or this reader's position in the ring
         # Kept between multi-chunk messages: a new 16 MiB buffer each costs more in page faults.
         self.receive_buffer = bytearray()
@@ -249,8 +251,7 @@ class MessageQueue:
         buf, sent = self.buf, 0
         while True:  # at least one chunk, even for an empty message
             if not self._chunk_free():  # checked first: the common case needs no message
-                wait_until(self._chunk_free, timeout, f"queue {self.handle.name}: the writer "
-                           "waited for readers to free a chunk", check)
+                wait_until(self._chunk_free, timeout, self.who_waits, check)
             i = self.next_chunk
             part = data[sent: sent + self.capacity]
             sent += len(part)
@@ -270,8 +271,7 @@ class MessageQueue:
         received = 0
         while True:
             if not self.ready():
-                wait_until(self.ready, timeout, f"queue {self.handle.name}: reader {self.reader} waited "
-                           "for a message", check, self.handle.doorbells[self.reader])
+                wait_until(self.ready, timeout, self.who_waits, check, self.handle.doorbells[self.reader])
             i = self.next_chunk
             size, total = CHUNK_HEADER.unpack_from(self.buf, self.chunk_start[i])
             start = self.chunk_start[i] + CHUNK_HEADER.size
