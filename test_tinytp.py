@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import model as model_code
 from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
+import tinytp
 from tinytp import LLM, SamplingParams, WorkerError, byte_level_tokenizer, explain
 from worker import (CHUNK_HEADER, COLLECTIVE_SLOT_BYTES, MessageQueue, SharedMemoryCollectives,
                     collective_block_bytes, encode, new_shared_memory)
@@ -587,6 +589,17 @@ def test_cli_bad_input_is_one_line_and_exit_2(cli_env, args, message):
     out, err = run_cli(args, cli_env).communicate(timeout=120)
     assert err.strip().splitlines()[-1].startswith(f"tinytp: error: {message}")
     assert "Traceback" not in err
+
+
+def test_cli_refuses_a_checkpoint_without_tokenizer_before_loading_it(tmp_path, capsys):
+    make_checkpoint(tmp_path)
+    for name in os.listdir(tmp_path):
+        if name.startswith("tokenizer"):
+            os.remove(tmp_path / name)
+    capsys.readouterr()  # not the checkpoint writer's progress bars
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        assert tinytp.main(["--model", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"tinytp: error: {tmp_path} has no tokenizer files, so it cannot take text prompts\n"
 
 
 @pytest.mark.parametrize("when", ["loading", "generating"])

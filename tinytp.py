@@ -136,6 +136,10 @@ def resolve_model(model: str | None, weights: bool = True) -> str:
                                 f"({type(e).__name__}: {reason})") from None
 
 
+def has_tokenizer(model_dir: str) -> bool:
+    return any(f.startswith("tokenizer") for f in os.listdir(model_dir))
+
+
 # The executor: N worker processes and the queues between them and us ------------------
 def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dtype: str) -> tuple[str, str]:
     """The device (default: cuda when tp GPUs are visible, else cpu) and the dtype ("auto":
@@ -414,9 +418,8 @@ class LLM:
         files = os.listdir(self.model_dir)
         if load_format == "auto" and not any(f.endswith(".safetensors") for f in files):
             raise FileNotFoundError(f"{self.model_dir} has no *.safetensors weights (it has: {', '.join(sorted(files))})")
-        has_tokenizer = any(f.startswith("tokenizer") for f in files)
         # A dummy-weight run of a bare config.json needs no tokenizer: its prompts are token ids.
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if has_tokenizer else None
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if has_tokenizer(self.model_dir) else None
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids())
         self.request_ids = itertools.count()
         self.executor = Executor(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format)
@@ -588,13 +591,14 @@ def main(argv: list[str] | None = None) -> int:
         prompts = args.prompt or DEFAULT_PROMPTS
         if not all(prompts):
             raise ValueError("empty --prompt: give at least one character")
-        with LLM(args.model, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len) as llm:
+        model_dir = resolve_model(args.model)
+        if not has_tokenizer(model_dir):  # said now, not after minutes of loading
+            raise ValueError(f"{model_dir} has no tokenizer files, so it cannot take text prompts")
+        with LLM(model_dir, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len) as llm:
             if args.model is None:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
                       "so its text is gibberish", file=sys.stderr)
             llm.executor.trace_next_decode = args.trace
-            if llm.tokenizer is None:
-                raise ValueError(f"{llm.model_dir} has no tokenizer files, so it cannot take text prompts")
             template = llm.tokenizer.chat_template and not args.no_chat_template
             inputs = [llm.tokenizer(llm.tokenizer.apply_chat_template(
                           [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
