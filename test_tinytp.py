@@ -463,6 +463,18 @@ def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoin
         check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=4)
 
 
+def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint):
+    path, _ = mha_checkpoint
+    params = SamplingParams(temperature=1.5, seed=7, max_tokens=60, ignore_eos=True)  # bytes: broken UTF-8 too
+    with LLM(path, device="cpu", max_model_len=128) as llm:
+        detokenize, decoded = llm.detokenize, []
+        llm.detokenize = lambda token_ids: decoded.append(len(token_ids)) or detokenize(token_ids)
+        pieces = list(llm.stream("héllo wörld", params))
+        assert "".join(pieces) == llm.generate(["héllo wörld"], params)[0].text
+    assert "\ufffd" in "".join(pieces) and len(pieces) > 10
+    assert max(decoded[:len(decoded) - 1]) < 30, decoded  # not the whole output at every step (the last: generate)
+
+
 def test_killed_worker_fails_fast_and_leaves_nothing(mha_checkpoint):
     path, _ = mha_checkpoint
     llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=256)

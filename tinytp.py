@@ -457,13 +457,16 @@ class LLM:
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield one prompt's completion text piece by piece as it is generated."""
         request = self._make_request(prompt, sampling_params or SamplingParams())
-        shown = ""
+        # Decode a window, not the whole output at every step: the tokens not shown yet,
+        # after those shown last time (a tokenizer may spell a token by its neighbour).
+        start = shown = 0  # the window, and where its shown part ends
         for _ in self._run([request]):
-            text = self.detokenize(request.output_token_ids)
+            token_ids = request.output_token_ids
+            text = self.detokenize(token_ids[start:])
             if text.endswith("\ufffd") and request.finish_reason is None:
                 continue  # half of a multi-byte character: wait for the rest
-            yield text[len(shown):]
-            shown = text
+            yield text[len(self.detokenize(token_ids[start:shown])):]
+            start, shown = shown, len(token_ids)
 
     def _make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
         if isinstance(prompt, str):
