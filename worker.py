@@ -113,6 +113,7 @@ def decode(data: bytes | memoryview) -> Any:
     number, payload = pickle.loads(data)
     return payload if number is None else MESSAGE_CLASSES[number](*payload)
 
+
 # Waiting: poll while yielding the core, then sleep until the doorbell rings -----------
 # Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a
 # spinner can hold the very core that the process it waits for needs (measured: a pure
