@@ -405,6 +405,15 @@ def sleep_in_worker(worker, seconds):
     return seconds
 
 
+def model_that_fails(*args):
+    raise ZeroDivisionError("a broken model")
+
+
+def break_the_model_on_rank_1(worker):  # its next step fails before the first collective
+    if worker.tp.rank == 1:
+        worker.model.forward = model_that_fails
+
+
 def process_gone(pid: int) -> bool:
     """Exited: no such process, or a zombie that nobody has reaped yet."""
     try:
@@ -461,6 +470,20 @@ def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoin
         finally:
             sys.path.remove(str(tmp_path))
         check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=4)
+
+
+def test_an_exception_inside_a_step_stops_the_workers(mha_checkpoint):
+    path, _ = mha_checkpoint
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64)
+    pids = [p.pid for p in llm.executor.workers]
+    llm.collective_rpc(break_the_model_on_rank_1)
+    with pytest.raises(WorkerError, match=r"(?s)worker rank 1 failed in execute_model.*ZeroDivisionError: a broken"):
+        llm.generate([[256, 1, 2]])
+    # Rank 0 was left waiting in a collective; the ranks may disagree now, so all are stopped.
+    assert all(process_gone(pid) for pid in pids)
+    assert not shm_entries()
+    with pytest.raises(RuntimeError, match="workers are gone .*create a new LLM"):
+        llm.generate([[256, 1]])
 
 
 def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint):
@@ -596,6 +619,8 @@ def test_cli_two_programs_at_once_on_a_fresh_machine(cli_env):
     (["--model", "/no/such/model"], "model path /no/such/model does not exist"),
     (["--max-tokens", "0"], "max_tokens must be >= 1"),
     (["--prompt", "x" * 600], "prompt has 6"),  # spawned by then: the workers must still go away
+    pytest.param(["--device", "cuda"], "--device cuda with tp=1 needs 1 GPUs; 0 visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(cli_env, args, message):
     out, err = run_cli(args, cli_env).communicate(timeout=120)
@@ -612,6 +637,19 @@ def test_cli_refuses_a_checkpoint_without_tokenizer_before_loading_it(tmp_path, 
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         assert tinytp.main(["--model", str(tmp_path)]) == 2
     assert capsys.readouterr().err == f"tinytp: error: {tmp_path} has no tokenizer files, so it cannot take text prompts\n"
+
+
+def test_cli_dead_worker_is_one_line_and_exit_1(cli_env):
+    program = run_cli(["--tp", "2", "--prompt", "hi", "--max-tokens", "400", "--ignore-eos"], cli_env)
+    assert program.stdout.read(len("Prompt: 'hi'\nOutput: ")).endswith("Output: ")
+    workers = spawned_workers_of(program.pid)
+    os.kill(workers[-1], signal.SIGKILL)
+    out, err = program.communicate(timeout=30)
+    assert program.returncode == 1
+    assert re.fullmatch(r"tinytp: tinytp worker rank \d died \(exit code -9\); the other workers were stopped",
+                        err.strip().splitlines()[-1]) and "Traceback" not in err
+    assert all(process_gone(pid) for pid in workers)
+    assert not shm_entries(program.pid)
 
 
 @pytest.mark.parametrize("when", ["loading", "generating"])

@@ -10,6 +10,7 @@ import os
 import pickle
 import signal
 import struct
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field, fields
@@ -18,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import model as model_code  # for model_code.collectives, which init_device may replace
 from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, init_dummy_weights,
@@ -532,6 +534,10 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
     queue, run it, reply. Nothing else happens here (seed discussion: workers "sit in a very
     tight model execution loop" of model execution and termination)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    # tqdm's default lock is a named semaphore that the resource tracker watches: a killed
+    # worker could not remove it, and the tracker would report it "leaked" at exit. Only
+    # one thread here draws progress bars, so a thread lock does.
+    tqdm.set_lock(threading.RLock())
     calls = MessageQueue.attach(broadcast, reader=rank)
     replies = MessageQueue.attach(response)
     worker = Worker(rank, world_size)
