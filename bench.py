@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 import tinytp
-from model import ModelConfig, init_dummy_weights
+from model import ModelConfig, init_dummy_weights, vocab_rows_per_rank
 from worker import MessageQueue, ModelRunnerOutput, SamplingParams, SchedulerOutput, Worker, decode, encode
 
 CORES = len(os.sched_getaffinity(0))
@@ -422,7 +422,8 @@ def decode_weight_bytes(parameter_bytes: int, config: ModelConfig, tp: int, dtyp
     table, of which a step reads only one row per sequence (unless the LM head shares it)."""
     if config.tie_word_embeddings:
         return parameter_bytes
-    return parameter_bytes - math.ceil(config.vocab_size / tp) * config.hidden_size * getattr(torch, dtype).itemsize
+    embedding_bytes = vocab_rows_per_rank(config.vocab_size, tp) * config.hidden_size * getattr(torch, dtype).itemsize
+    return parameter_bytes - embedding_bytes
 
 
 PERCENTAGES = [10, 25, 50, 75, 90, 99]

@@ -199,6 +199,12 @@ class RowParallelLinear(nn.Module):
         return y
 
 
+def vocab_rows_per_rank(vocab_size: int, tp: int) -> int:
+    """Rows of the embedding and the LM head that each rank holds: the vocabulary padded
+    to a multiple of tp, then split."""
+    return math.ceil(vocab_size / tp)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table with its rows (the vocabulary) split across ranks.
 
@@ -211,7 +217,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
-        self.rows_per_rank = math.ceil(vocab_size / tp.size)
+        self.rows_per_rank = vocab_rows_per_rank(vocab_size, tp.size)
         self.vocab_start = tp.rank * self.rows_per_rank
         rows_in_checkpoint = max(0, min(vocab_size - self.vocab_start, self.rows_per_rank))
         shards = [Shard(name, 0, self.vocab_start, rows_in_checkpoint)] if rows_in_checkpoint else []

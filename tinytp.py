@@ -15,9 +15,8 @@ import atexit
 import heapq
 import itertools
 import json
-import pickle
-import math
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -32,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import LlamaForCausalLM, ModelConfig, TPGroup, check_tensor_parallel_size, token_id_list
+from model import (LlamaForCausalLM, ModelConfig, TPGroup, check_tensor_parallel_size, token_id_list,
+                   vocab_rows_per_rank)
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams,
                     SchedulerOutput, collective_block_bytes, new_shared_memory, wait_until, worker_main)
 
@@ -523,7 +523,7 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
             return LlamaForCausalLM(config, TPGroup(rank, size), max_model_len=1)
 
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    padded_vocab = math.ceil(config.vocab_size / tp) * tp
+    padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
     whole = {s.name: (p.shape, s) for p in build(0, 1).parameters() for s in p.shards}
     lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
              f"{'rank 0 slice':>14}  split"]
