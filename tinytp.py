@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import (LlamaForCausalLM, ModelConfig, TPGroup, check_tensor_parallel_size, token_id_list,
-                   vocab_rows_per_rank)
+from model import (LlamaForCausalLM, ModelConfig, TPGroup, check_checkpoint, check_tensor_parallel_size,
+                   token_id_list, vocab_rows_per_rank)
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams,
-                    SchedulerOutput, collective_block_bytes, new_shared_memory, wait_until, worker_main)
+                    SchedulerOutput, collective_block_bytes, is_integer, new_shared_memory, wait_until, worker_main)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
@@ -119,6 +119,7 @@ def resolve_model(model: str | None, weights: bool = True) -> str:
         if not os.path.isdir(TINY_MODEL_DIR):
             write_tiny_model(TINY_MODEL_DIR)
         return TINY_MODEL_DIR
+    model = os.path.expanduser(model)  # a shell expands ~ on the command line, but not in LLM("~/...")
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
             raise FileNotFoundError(f"{model} has no config.json: is it a Hugging Face checkpoint directory?")
@@ -401,6 +402,9 @@ class LLM:
                  load_format: str = "auto"):
         from transformers import AutoTokenizer
 
+        if getattr(mp.current_process(), "_inheriting", False):  # multiprocessing's own test for this
+            sys.exit("tinytp: a worker process, importing your script as spawn does, ran its LLM(...) too: "
+                     'put the code that creates the LLM under if __name__ == "__main__":')
         self.model_dir = resolve_model(model)
         self.config = ModelConfig.from_file(os.path.join(self.model_dir, "config.json"))
         tp = tensor_parallel_size
@@ -418,6 +422,8 @@ class LLM:
         files = os.listdir(self.model_dir)
         if load_format == "auto" and not any(f.endswith(".safetensors") for f in files):
             raise FileNotFoundError(f"{self.model_dir} has no *.safetensors weights (it has: {', '.join(sorted(files))})")
+        if load_format == "auto":
+            check_checkpoint(self.config, self.model_dir)
         # A dummy-weight run of a bare config.json needs no tokenizer: its prompts are token ids.
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if has_tokenizer(self.model_dir) else None
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids())
@@ -431,19 +437,20 @@ class LLM:
         generation_config = os.path.join(self.model_dir, "generation_config.json")
         if os.path.exists(generation_config):
             with open(generation_config) as f:
-                ids.update(token_id_list(json.load(f).get("eos_token_id")))
+                ids.update(token_id_list(json.load(f).get("eos_token_id"), f"{generation_config}: eos_token_id"))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | None = None,
+    def generate(self, prompts: str | list[str] | list[list[int]], sampling_params: SamplingParams | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate a completion for each prompt; outputs come back in prompt order.
-        Every prompt is checked before any runs: one bad prompt rejects the whole call."""
+        """Generate a completion for each prompt (a bare string is one prompt); outputs come
+        back in prompt order. Every prompt is checked before any runs: one bad prompt
+        rejects the whole call."""
         from tqdm import tqdm
 
         params = sampling_params or SamplingParams()
-        requests = [self._make_request(prompt, params) for prompt in prompts]
+        requests = [self._make_request(prompt, params) for prompt in ([prompts] if isinstance(prompts, str) else prompts)]
         with tqdm(total=len(requests), desc="generating", unit="prompt",
                   disable=not use_tqdm or len(requests) < 2) as bar:
             for finished in self._run(requests):
@@ -455,8 +462,11 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield one prompt's completion text piece by piece as it is generated."""
-        request = self._make_request(prompt, sampling_params or SamplingParams())
+        """Yield one prompt's completion text piece by piece as it is generated. The prompt
+        is checked now, not when the first piece is asked for."""
+        return self._stream(self._make_request(prompt, sampling_params or SamplingParams()))
+
+    def _stream(self, request: Request) -> Iterator[str]:
         # Decode a window, not the whole output at every step: the tokens not shown yet,
         # after those shown last time (a tokenizer may spell a token by its neighbour).
         start = shown = 0  # the window, and where its shown part ends
@@ -475,13 +485,19 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer: give prompts as token ids")
             token_ids = self.tokenizer(prompt).input_ids
-        else:
+        elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
             if not token_ids:
                 raise ValueError("empty prompt: give at least one token id")
+            wrong_type = [t for t in token_ids if not is_integer(t)]
+            if wrong_type:
+                raise ValueError(f"token ids must be integers, got {wrong_type[0]!r} ({type(wrong_type[0]).__name__})")
+            token_ids = [int(t) for t in token_ids]  # plain ints, from numpy's too
             bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
             if bad:
                 raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
+        else:
+            raise ValueError(f"a prompt is a string or a list of token ids, got {prompt!r} ({type(prompt).__name__})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} "
                              "allows at most max_model_len - 1")
@@ -607,8 +623,9 @@ def main(argv: list[str] | None = None) -> int:
                           [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
                           add_special_tokens=False).input_ids if template else p for p in prompts]
             if len(prompts) == 1:  # stream a single completion as it is generated
+                pieces = llm.stream(inputs[0], params)  # checks the prompt before anything is printed
                 print(f"Prompt: {prompts[0]!r}\nOutput: ", end="", flush=True)
-                for piece in llm.stream(inputs[0], params):
+                for piece in pieces:
                     print(piece, end="", flush=True)
                 print()
             else:
@@ -626,6 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tinytp: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `yes | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else exit's flush fails again
+        return 141  # 128 + SIGPIPE, as a shell reports it
     return 0
 
 

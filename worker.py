@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import functools
+import math
 import multiprocessing
+import numbers
 import operator
 import os
 import pickle
@@ -38,12 +40,27 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        # Checked for type as well as range, here in the driver: a NaN or a float count that
+        # reached the workers would fail inside a step and take every request with it.
+        if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not is_integer(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not (is_integer(self.seed) and 0 <= self.seed < 2**64):  # what torch takes
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+
+def is_integer(value: Any) -> bool:
+    """An int (numpy's too), but not a bool, which Python counts as one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass
