@@ -689,6 +689,18 @@ def test_prompts_of_the_wrong_type_are_refused_and_the_llm_stays_usable(mha_chec
         check_greedy_against_hf(llm, hf_model, prompts=[[256, 1, 2]], max_tokens=3)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tensor_parallel_size": 2.0}, r"tensor parallel size 2.0 does not fit"),
+    ({"tensor_parallel_size": True}, r"tensor parallel size True does not fit"),
+    ({"max_num_seqs": 2.0}, r"max_num_seqs must be an integer >= 1, got 2.0"),
+    ({"max_model_len": 64.0}, r"max_model_len must be an integer in 2..256"),
+])
+def test_llm_arguments_of_the_wrong_type_are_refused_before_spawning(mha_checkpoint, kwargs, message):
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=message):
+            LLM(mha_checkpoint[0], device="cpu", **kwargs)
+
+
 def test_a_model_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
     make_checkpoint(tmp_path / "models" / "x")
     monkeypatch.setenv("HOME", str(tmp_path))

@@ -412,11 +412,11 @@ class LLM:
         device, dtype = choose_device_and_dtype(self.config, tp, device, dtype)
         limit = self.config.max_position_embeddings
         self.max_model_len = max_model_len or min(limit, 4096)
-        if not 1 < self.max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in 2..{limit} (the model's max_position_embeddings), "
+        if not is_integer(self.max_model_len) or not 1 < self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be an integer in 2..{limit} (the model's max_position_embeddings), "
                              f"got {self.max_model_len}")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if not is_integer(max_num_seqs) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' (safetensors) or 'dummy', got {load_format!r}")
         files = os.listdir(self.model_dir)
