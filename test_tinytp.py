@@ -8,12 +8,14 @@ prefix, is within 1e-3 of the best logit at that position.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from unittest import mock
 
@@ -29,8 +31,8 @@ from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHea
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
 import tinytp
 from tinytp import LLM, SamplingParams, WorkerError, byte_level_tokenizer, explain
-from worker import (CHUNK_HEADER, COLLECTIVE_SLOT_BYTES, MessageQueue, SharedMemoryCollectives,
-                    collective_block_bytes, encode, new_shared_memory)
+from worker import (CHUNK_HEADER, COLLECTIVE_SLOT_BYTES, MessageQueue, NewRequest, SchedulerOutput,
+                    SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -297,6 +299,74 @@ def test_queue_between_processes_streams_a_message_larger_than_the_ring():
     assert not shm_entries()  # the creator did
 
 
+class RecordingBuffer(bytearray):
+    """A stand-in for a queue's shared block that notes every flag or chunk the queue code
+    reads or writes, in order (struct.pack_into writes past it: the chunk header)."""
+
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.log = []  # ("get" or "set", key, value)
+
+    def __getitem__(self, key):
+        self.log.append(("get", key, None))
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        self.log.append(("set", key, value))
+        super().__setitem__(key, value)
+
+
+def torn_reads(writer_steps: list[str], reader_flag_order: list[str]) -> list[tuple]:
+    """Every interleaving of a writer refilling a chunk with a reader that has read the
+    chunk's previous message and now waits for the next one, as a small model: the flags,
+    and the chunk as "old", "partial" or "new". Returns the interleavings in which the
+    reader takes the chunk as ready while it is not "new": a half-written read."""
+    writer_ops = [op for step in writer_steps for op in (["fill starts", "fill ends"] if step == "fill" else [step])]
+    reader_ops = [*reader_flag_order, "read the chunk"]
+    torn = []
+    for reader_slots in itertools.combinations(range(len(writer_ops) + len(reader_ops)), len(reader_ops)):
+        state, seen, writer, reader = {"written": 1, "read": 1, "chunk": "old"}, {}, iter(writer_ops), iter(reader_ops)
+        for slot in range(len(writer_ops) + len(reader_ops)):
+            op = next(reader) if slot in reader_slots else next(writer)
+            if op in ("written", "read"):  # the reader looks at a flag
+                seen[op] = state[op]
+            elif op == "read the chunk":
+                if seen["read"] == 0 and seen["written"] == 1 and state["chunk"] != "new":
+                    torn.append(reader_slots)
+            elif op == "fill starts":
+                state["chunk"] = "partial"
+            elif op == "fill ends":
+                state["chunk"] = "new"
+            else:  # "written=0", "written=1" or "read=0": the writer sets a flag
+                flag, value = op.split("=")
+                state[flag] = int(value)
+    return torn
+
+
+def test_queue_flag_order_never_reads_a_half_written_chunk():
+    """The argument in MessageQueue's docstring, checked: the orders come from the real
+    code, and every interleaving of the two sides is tried."""
+    writer = MessageQueue.create(num_readers=1, num_chunks=1, chunk_bytes=64)
+    reader = MessageQueue.attach(writer.handle, reader=0)
+    written, read = writer.written_flag[0], writer.read_flags[0]
+    try:
+        writer.buf = RecordingBuffer(len(writer.shm.buf))
+        writer.enqueue("x")
+        writer_steps = [f"written={value}" if key == written else "read=0" if key == read else "fill"
+                        for op, key, value in writer.buf.log if op == "set"]
+        reader.buf = RecordingBuffer(len(reader.shm.buf))
+        reader.ready()
+        reader_flag_order = ["read" if key == reader.my_read_flag[0] else "written" for _, key, _ in reader.buf.log]
+    finally:
+        writer.buf = reader.buf = None
+        reader.close()
+        writer.close()
+    assert writer_steps == ["written=0", "read=0", "fill", "written=1"]
+    assert reader_flag_order == ["read", "written"]  # its own read flag first
+    assert torn_reads(writer_steps, reader_flag_order) == []
+    assert torn_reads(writer_steps, ["written", "read"])  # the other order can read a half-written chunk
+
+
 # --------------------------------------------------------------------------------------
 # End to end against transformers
 # --------------------------------------------------------------------------------------
@@ -388,6 +458,56 @@ def test_tp2_gqa_odd_vocab(tmp_path):
             assert sum("all_reduce" in line and " 1,280 bytes" in line for line in mine) == 2 * 2 + 1
             assert sum("all_gather" in line and " 2,600 bytes" in line for line in mine) == 1
         assert sum("replied" in line for line in lines) == 1 and "rank 0  replied" in "\n".join(lines)
+
+
+class ThreadCollectives(Collectives):
+    """The ranks as threads of one process, for stepping through tensor parallelism in a
+    debugger: each collective waits at a barrier until every rank has put in its tensor."""
+
+    def __init__(self, world_size: int):
+        self.barrier = threading.Barrier(world_size)
+        self.parts = [None] * world_size
+
+    def exchange(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.parts[int(threading.current_thread().name)] = tensor.clone()
+        self.barrier.wait()  # everyone's part is in
+        stacked = torch.stack(self.parts)
+        self.barrier.wait()  # everyone has read them: the next collective may overwrite
+        return stacked
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        tensor.copy_(self.exchange(tensor).sum(0))
+
+    def all_gather(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+        return torch.cat(self.exchange(tensor).unbind(0), dim=-1)
+
+
+def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
+    """The workers' own code (Worker.load_model, execute_model: prepare_inputs, forward,
+    sample) for 2 ranks in 2 threads of this process: no processes, no queues, and a
+    breakpoint() anywhere in model.py stops in a rank (README, exercise 4)."""
+    path, hf_model = mha_checkpoint
+    monkeypatch.setattr(model_code, "collectives", ThreadCollectives(world_size=2))
+    prompt, tokens = [256, 72, 101, 108, 108, 111], {}
+
+    def run_rank(rank: int) -> None:
+        worker = Worker(rank, world_size=2)
+        worker.device, worker.dtype = torch.device("cpu"), torch.float32  # what init_device sets
+        worker.load_model(path, max_model_len=64)
+        worker.init_kv_cache(max_num_seqs=1)
+        step = SchedulerOutput([NewRequest(0, prompt, 0, SamplingParams(temperature=0), seed=0)], [0], [])
+        for _ in range(8):  # the prefill, then decode steps
+            worker.execute_model(step)
+            step = SchedulerOutput([], [0], [])
+        tokens[rank] = worker.requests[0].token_ids[len(prompt):]
+
+    ranks = [threading.Thread(target=run_rank, args=(rank,), name=str(rank)) for rank in range(2)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join(timeout=60)
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+    assert_tokens_match_hf(hf_model, prompt, tokens[0])
 
 
 # --------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
     python tinytp.py --tp 2 --model meta-llama/Llama-3.1-8B-Instruct --prompt "Hi"
 
 The driver: finding a checkpoint, the `Executor` (one worker process per rank, rank 0
-included: seed discussion, "N worker processes rather than N-1"), the `Scheduler`, the
+included: design discussion, "N worker processes rather than N-1"), the `Scheduler`, the
 `LLM` front end and the command line.
 """
 
@@ -199,7 +199,7 @@ class Executor:
             with sigint_ignored():  # inherited: Ctrl-C reaches the driver, not N workers mid-import
                 for process in self.workers:
                     process.start()
-            # Initialization goes through collective_rpc too, as in the seed.
+            # Initialization goes through collective_rpc too, as in the design discussion.
             self.collective_rpc("init_device", None, device, dtype, self.store.port, threads_per_rank(tp),
                                 self.collective_block and self.collective_block.name)
             self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)

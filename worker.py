@@ -548,7 +548,7 @@ class DriverGone(Exception):
 
 def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: QueueHandle) -> None:
     """The loop of one worker process: take the next step or call from the broadcast
-    queue, run it, reply. Nothing else happens here (seed discussion: workers "sit in a very
+    queue, run it, reply. Nothing else happens here (design discussion: workers "sit in a very
     tight model execution loop" of model execution and termination)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     # tqdm's default lock is a named semaphore that the resource tracker watches: a killed
