@@ -811,6 +811,29 @@ def test_cli_dead_worker_is_one_line_and_exit_1(cli_env):
     assert not shm_entries(program.pid)
 
 
+def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
+    """.ci/gpu's logic where CI can run it: the same steps on CPU with a tiny model (its
+    CUDA tests are all skipped here, each saying why)."""
+    if not torch.cuda.is_available():
+        refused = subprocess.run([sys.executable, ".ci/gpu"], cwd=HERE, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and refused.stderr.startswith(".ci/gpu: error: torch sees no CUDA GPU here")
+    done = subprocess.run([sys.executable, ".ci/gpu", "--device", "cpu"], cwd=HERE, capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["tests"]["returncode"] == 0 and re.fullmatch(r"\d+ skipped, \d+ deselected in .*", report["tests"]["summary"])
+    runs, figures, bandwidth = report["runs"], report["figures"], report["read_bandwidth_gbps"] * 1e9
+    assert [(name, run["backend"], run["dtype"]) for name, run in runs.items()] == [
+        ("tinytp", "tinytp", "float32"), ("launch floor", "tinytp", "float32"), ("transformers", "hf", "float32")]
+    for name, run in runs.items():
+        step = run["decode_step_seconds"]
+        assert figures[name]["roofline_of_read_bandwidth"] == pytest.approx(run["weight_bytes_per_decode_step"] / step / bandwidth)
+        assert figures[name]["latency_over_hf"] == pytest.approx(run["avg_latency"] / runs["transformers"]["avg_latency"])
+    assert report["table"] in done.stdout and "launch floor:" in report["table"]
+    assert sorted(os.listdir(tmp_path)) == ["gpu.json", "launch-floor.log", "tests.log", "tinytp.log", "transformers.log"]
+
+
 @pytest.mark.parametrize("when", ["loading", "generating"])
 def test_cli_ctrl_c_exits_130_quietly(cli_env, when):
     program = run_cli(["--tp", "2", "--prompt", "hi", "--max-tokens", "400", "--ignore-eos"], cli_env,
