@@ -4,7 +4,7 @@
     python bench.py                               # latency of a default model, random weights
     python bench.py --tp 2 --input-len 128 --output-len 256
     python bench.py --compare                     # tinytp tp=1, tp=2, in-process, transformers
-    python bench.py --device cuda --tp 2 --config ../shared/configs/llama-3.1-8b-instruct.json
+    python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B shapes, random weights
 
 The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: the same
 options and defaults, random token-id prompts, exactly --output-len tokens per sequence,

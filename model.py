@@ -385,8 +385,14 @@ class LlamaAttention(nn.Module):
         context = inputs.attn_mask.shape[-1]
         keys = k_cache[inputs.slots, :, :context]
         values = v_cache[inputs.slots, :, :context]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=inputs.attn_mask, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        # Grouped-query attention as plain attention: the query heads that share a KV head go
+        # in as one longer query. With a mask, enable_gqa=True can send CUDA (torch 2.11) to the
+        # unfused math kernel, which copies the keys and values once per query head.
+        group = self.num_heads // self.num_kv_heads
+        q = q.reshape(B, self.num_kv_heads, group * T, self.head_dim)
+        mask = inputs.attn_mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)  # a view when T is 1
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.reshape(B, self.num_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
 
 
 class LlamaMLP(nn.Module):

@@ -1,4 +1,5 @@
-"""tinytp's tests: CPU only, gloo, tiny checkpoints written here with transformers.
+"""tinytp's tests: on CPU with gloo, tiny checkpoints written here with transformers; a
+CUDA section near the end repeats the key checks on a GPU, and is skipped without one.
 
 Correctness is judged against Hugging Face transformers on the same weights: a token
 tinytp generated is right when transformers' logit for it, teacher-forced on the same
@@ -49,11 +50,11 @@ def shm_entries(pid: int | None = None) -> list[str]:
 
 
 def make_checkpoint(path, *, heads=4, kv_heads=2, vocab=258, tied=False, rope_scaling=None,
-                    old_config_keys=False, max_shard_size=None, seed=0) -> LlamaForCausalLM:
+                    old_config_keys=False, max_shard_size=None, seed=0, hidden=64, intermediate=96) -> LlamaForCausalLM:
     """Write a random Llama checkpoint (with the byte-level tokenizer) and return the
     transformers model that reads it back. Weights get a wider spread than the default
     init so that logits are far from ties and a wrong token shows."""
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                          tie_word_embeddings=tied, rope_scaling=rope_scaling, bos_token_id=256, eos_token_id=257)
     torch.manual_seed(seed)
@@ -83,7 +84,7 @@ def make_checkpoint(path, *, heads=4, kv_heads=2, vocab=258, tied=False, rope_sc
 
 @torch.no_grad()
 def teacher_forced_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
-    return hf_model(torch.tensor([token_ids])).logits[0]
+    return hf_model(torch.tensor([token_ids], device=hf_model.device)).logits[0].float().cpu()
 
 
 def assert_tokens_match_hf(hf_model, prompt_ids: list[int], output_ids: list[int], tolerance=1e-3):
@@ -109,7 +110,7 @@ def record_logits(worker):  # these run inside the workers, through collective_r
 
 
 def last_logits(worker):
-    return worker.last_logits
+    return worker.last_logits.cpu()
 
 
 def request_token_ids(worker):
@@ -129,14 +130,8 @@ def check_greedy_against_hf(llm: LLM, hf_model, prompts=PROMPTS, max_tokens=12):
 # Configuration
 # --------------------------------------------------------------------------------------
 
-LLAMA_31_8B = {  # the hub's config.json keys for meta-llama/Llama-3.1-8B-Instruct
-    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0, "max_position_embeddings": 131072, "torch_dtype": "bfloat16",
-    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "eos_token_id": [128001, 128008, 128009], "tie_word_embeddings": False,
-}
+with open(os.path.join(HERE, "llama-3.1-8b-instruct.json")) as f:  # the hub's config.json, old rope keys
+    LLAMA_31_8B = json.load(f)
 
 
 def test_config_reads_old_and_new_rope_keys():
@@ -904,6 +899,170 @@ def test_real_llama_cli_answers_paris(smollm2, cli_env):
 
 
 # --------------------------------------------------------------------------------------
+# CUDA: the same checks on a GPU, skipped without one (`python3 .ci/gpu` runs them)
+# --------------------------------------------------------------------------------------
+
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA GPU here; run `python3 .ci/gpu` on a GPU machine")
+NEEDS_TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tp=2 over nccl needs 2 CUDA GPUs")
+
+
+@pytest.fixture(scope="module")
+def cuda_checkpoint(tmp_path_factory):
+    """GQA (4 heads, 2 KV heads) with Llama's head dim, 128, and every weight at least
+    256 KiB, so that the allocator's rounding of each tensor to 512 bytes is lost in the
+    memory checks; transformers' model of it on the GPU, in float32."""
+    path = str(tmp_path_factory.mktemp("cuda"))
+    return path, make_checkpoint(path, heads=4, kv_heads=2, hidden=512, intermediate=512).to("cuda")
+
+
+def disable_unfused_attention(worker):  # run in the workers: attention must now find a fused kernel
+    torch.backends.cuda.enable_math_sdp(False)
+
+
+def placement(worker):
+    return str(worker.device), dist.get_backend(), str(worker.model.embed_tokens.weight.device)
+
+
+def cuda_memory(worker) -> dict[str, int]:
+    """This rank's GPU memory, read before any step (the first matmul adds cuBLAS's workspace)."""
+    return {"allocated": torch.cuda.memory_allocated(worker.device),
+            "peak": torch.cuda.max_memory_allocated(worker.device),
+            "kv_cache": sum(t.nbytes for t in worker.kv_caches),
+            "rope_tables": sum(b.nbytes for b in worker.model.buffers())}
+
+
+def check_each_rank_holds_its_share(memory_per_rank: list[dict], hf_model, itemsize: int) -> None:
+    """Each rank's GPU holds 1/tp of the split weights plus the replicated norms, its KV
+    cache and rope tables, and nothing else; and it never held more (no whole weight on
+    the way to the GPU)."""
+    sizes = {name: p.numel() * itemsize for name, p in hf_model.named_parameters()}
+    replicated = sum(size for name, size in sizes.items() if "norm" in name)
+    expected = (sum(sizes.values()) - replicated) / len(memory_per_rank) + replicated
+    for rank, memory in enumerate(memory_per_rank):
+        weights = memory["allocated"] - memory["kv_cache"] - memory["rope_tables"]
+        assert abs(weights - expected) / expected < 0.01, f"rank {rank}: {memory}, expected {expected:,.0f} of weights"
+        assert memory["peak"] <= 1.01 * memory["allocated"], f"rank {rank}: {memory}"
+
+
+def check_seeded_sampling_agrees(llm: LLM) -> None:
+    """The same seed gives the same tokens in a second run, on every rank; another seed, others."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    first = llm.generate(PROMPTS, params)
+    per_rank = llm.collective_rpc(request_token_ids)  # finished requests stay until the next step
+    assert all(ranks == per_rank[0] for ranks in per_rank)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in first]
+    other_seed = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
+    assert [o.token_ids for o in other_seed] != [o.token_ids for o in first]
+
+
+@pytest.fixture(scope="module")
+def cuda_tp1(cuda_checkpoint):
+    """tp=1 on GPU 0 over nccl, float32, the unfused attention kernel switched off; its
+    memory as read before any step."""
+    path, _ = cuda_checkpoint
+    with LLM(path, tensor_parallel_size=1, device="cuda", dtype="float32", max_model_len=64) as llm:
+        memory = llm.collective_rpc(cuda_memory)
+        llm.collective_rpc(disable_unfused_attention)
+        yield llm, memory
+
+
+class EveryRankOnGPU0(tinytp.Executor):
+    """The Executor, with init_device told "cuda:0" instead of "cuda": every rank on GPU 0,
+    and so over gloo, since nccl refuses two ranks on one GPU (see Worker.init_device)."""
+
+    def collective_rpc(self, method, timeout=None, *args, **kwargs):
+        if method == "init_device":
+            args = ("cuda:0", *args[1:])
+        return super().collective_rpc(method, timeout, *args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def cuda_tp2_one_gpu(cuda_checkpoint):
+    """tp=2 with both ranks on GPU 0: the driver is told of two GPUs (it refuses tp=2 on
+    one), the workers share the one."""
+    path, _ = cuda_checkpoint
+    with mock.patch.object(tinytp, "Executor", EveryRankOnGPU0), mock.patch.object(torch.cuda, "device_count",
+                                                                                    return_value=2):
+        llm = LLM(path, tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=64)
+    with llm:
+        memory = llm.collective_rpc(cuda_memory)
+        llm.collective_rpc(disable_unfused_attention)
+        yield llm, memory
+
+
+@NEEDS_CUDA
+def test_cuda_tp1_nccl_float32_tokens_equal_transformers_on_the_gpu(cuda_checkpoint, cuda_tp1):
+    _, hf_model = cuda_checkpoint
+    llm, _ = cuda_tp1
+    assert llm.collective_rpc(placement) == [("cuda:0", "nccl", "cuda:0")]
+    check_greedy_against_hf(llm, hf_model)  # five prompts of different lengths, by a fused attention kernel
+
+
+@NEEDS_CUDA
+def test_cuda_seeded_sampling_repeats_across_runs(cuda_tp1):
+    check_seeded_sampling_agrees(cuda_tp1[0])
+
+
+@NEEDS_CUDA
+def test_cuda_each_rank_holds_its_share_of_the_weights(cuda_checkpoint, cuda_tp1, cuda_tp2_one_gpu):
+    _, hf_model = cuda_checkpoint
+    for _, memory_per_rank in (cuda_tp1, cuda_tp2_one_gpu):
+        check_each_rank_holds_its_share(memory_per_rank, hf_model, itemsize=4)
+
+
+@NEEDS_CUDA
+def test_cuda_bfloat16_teacher_forced_within_transformers_own_bfloat16_error(cuda_checkpoint):
+    """bfloat16 rounds, so tinytp's greedy tokens may part from float32's. The tolerance,
+    stated: every logit of tinytp's last step, and the float32 logit of every token it
+    picked, are within twice transformers' own bfloat16 error (its largest difference from
+    its float32 logits, on the same tokens) of float32."""
+    path, hf_model = cuda_checkpoint
+    hf_bfloat16 = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    with LLM(path, tensor_parallel_size=1, device="cuda", dtype="bfloat16", max_model_len=64) as llm:
+        check_each_rank_holds_its_share(llm.collective_rpc(cuda_memory), hf_model, itemsize=2)
+        llm.collective_rpc(disable_unfused_attention)
+        llm.collective_rpc(record_logits)
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        last_step = llm.collective_rpc(last_logits)[0].float()
+    for prompt, output, logits in zip(PROMPTS, outputs, last_step):
+        token_ids = prompt + output.token_ids
+        reference = teacher_forced_logits(hf_model, token_ids)
+        tolerance = 2 * (teacher_forced_logits(hf_bfloat16, token_ids) - reference).abs().max().item()
+        assert (logits - reference[-2]).abs().max().item() <= tolerance
+        assert_tokens_match_hf(hf_model, prompt, output.token_ids, tolerance)
+
+
+@NEEDS_CUDA
+def test_cuda_tp2_on_one_gpu_gloo_carries_cuda_tensors(cuda_checkpoint, cuda_tp2_one_gpu):
+    """What this proves: the tensor-parallel model on CUDA tensors (each rank's slices on
+    the GPU, the masked embedding, the all-reduces and the all-gather of CUDA tensors,
+    ranks agreeing on logits and seeded CUDA sampling). What it does not: nccl, a second
+    GPU, or speed (gloo copies every collective through the host)."""
+    _, hf_model = cuda_checkpoint
+    llm, _ = cuda_tp2_one_gpu
+    assert llm.collective_rpc(placement) == [("cuda:0", "gloo", "cuda:0")] * 2
+    check_greedy_against_hf(llm, hf_model)
+    llm.collective_rpc(record_logits)
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    rank0, rank1 = llm.collective_rpc(last_logits)
+    assert torch.equal(rank0, rank1)
+    check_seeded_sampling_agrees(llm)
+
+
+@NEEDS_CUDA
+@NEEDS_TWO_GPUS
+def test_cuda_tp2_nccl_on_two_gpus(cuda_checkpoint):
+    path, hf_model = cuda_checkpoint
+    with LLM(path, tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=64) as llm:
+        check_each_rank_holds_its_share(llm.collective_rpc(cuda_memory), hf_model, itemsize=4)
+        llm.collective_rpc(disable_unfused_attention)
+        assert llm.collective_rpc(placement) == [("cuda:0", "nccl", "cuda:0"), ("cuda:1", "nccl", "cuda:1")]
+        check_greedy_against_hf(llm, hf_model)
+        check_seeded_sampling_agrees(llm)
+
+
+# --------------------------------------------------------------------------------------
 # The command line, as the README runs it
 # --------------------------------------------------------------------------------------
 
@@ -968,6 +1127,29 @@ def test_cli_dead_worker_is_one_line_and_exit_1(cli_env):
                         err.strip().splitlines()[-1]) and "Traceback" not in err
     assert all(process_gone(pid) for pid in workers)
     assert not shm_entries(program.pid)
+
+
+def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
+    """.ci/gpu's logic where CI can run it: the same steps on CPU with a tiny model (its
+    CUDA tests are all skipped here, each saying why)."""
+    if not torch.cuda.is_available():
+        refused = subprocess.run([sys.executable, ".ci/gpu"], cwd=HERE, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and refused.stderr.startswith(".ci/gpu: error: torch sees no CUDA GPU here")
+    done = subprocess.run([sys.executable, ".ci/gpu", "--device", "cpu"], cwd=HERE, capture_output=True, text=True,
+                          env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["tests"]["returncode"] == 0 and re.fullmatch(r"\d+ skipped, \d+ deselected in .*", report["tests"]["summary"])
+    runs, figures, bandwidth = report["runs"], report["figures"], report["read_bandwidth_gbps"] * 1e9
+    assert [(name, run["backend"], run["dtype"]) for name, run in runs.items()] == [
+        ("tinytp", "tinytp", "float32"), ("launch floor", "tinytp", "float32"), ("transformers", "hf", "float32")]
+    for name, run in runs.items():
+        step = run["decode_step_seconds"]
+        assert figures[name]["roofline_of_read_bandwidth"] == pytest.approx(run["weight_bytes_per_decode_step"] / step / bandwidth)
+        assert figures[name]["latency_over_hf"] == pytest.approx(run["avg_latency"] / runs["transformers"]["avg_latency"])
+    assert report["table"] in done.stdout and "launch floor:" in report["table"]
+    assert sorted(os.listdir(tmp_path)) == ["gpu.json", "launch-floor.log", "tests.log", "tinytp.log", "transformers.log"]
 
 
 @pytest.mark.parametrize("when", ["loading", "generating"])

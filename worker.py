@@ -404,16 +404,19 @@ class Worker:
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int,
                     collective_block: str | None = None) -> None:
         """Pick the device and join the process group through the driver's TCP store:
-        no torchrun and no environment variables. With a collective block (CPU, tp > 1),
-        the layers' collectives go through shared memory instead of gloo."""
+        no torchrun and no environment variables. "cuda" puts rank r on GPU r, over nccl;
+        "cuda:N" puts every rank on GPU N (tp > 1 on one GPU, for tests), over gloo, which
+        carries CUDA tensors through the host: nccl refuses two ranks on one GPU. With a
+        collective block (CPU, tp > 1), the layers' collectives go through shared memory."""
         torch.set_num_threads(num_threads)
-        self.device = torch.device(device, self.tp.rank if device == "cuda" else None)
-        if device == "cuda":
-            torch.cuda.set_device(self.device)
+        self.device = torch.device(device, self.tp.rank) if device == "cuda" else torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # before the process group, which binds to it
         self.dtype = getattr(torch, dtype)
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store,
-                                rank=self.tp.rank, world_size=self.tp.size)
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=self.tp.rank, world_size=self.tp.size,
+                                device_id=self.device if backend == "nccl" else None)  # nccl: connect now, not lazily
         if collective_block is not None:
             model_code.collectives = SharedMemoryCollectives(collective_block, self.tp)
 
