@@ -303,7 +303,7 @@ class ModelInputs:
     positions: torch.Tensor  # [B, T] position of each token in its sequence
     slot_ids: torch.Tensor  # [B] the KV-cache slot of each sequence
     slots: slice | torch.Tensor  # the same slots, as a slice when contiguous (no copy)
-    attn_mask: torch.Tensor  # [B, 1, T, L] True where a query may see a cached key
+    attn_mask: torch.Tensor  # [B, 1, T, L] True where a query may see a cached key; L: the longest context
     last_index: torch.Tensor  # [B] the index in T of each sequence's last real token
 
 
@@ -347,8 +347,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaAttention(nn.Module):
     """Self-attention with this rank's heads: q/k/v column-parallel, o_proj row-parallel.
 
-    When tp > num_kv_heads, rank r keeps KV head r * n_kv // tp, the one its query heads
-    use: KV heads are replicated, as in vLLM.
+    Rank r's query heads start at head r * nh / tp, and each KV head serves nh / n_kv query
+    heads, so its first KV head is r * n_kv // tp: a block of n_kv / tp of them, or, when
+    tp > n_kv, the one KV head that tp / n_kv ranks share. Those ranks each keep a copy of it
+    (weights and KV cache): replicated, as in vLLM.
     """
 
     def __init__(self, config: ModelConfig, tp: TPGroup, prefix: str):
@@ -378,7 +380,9 @@ class LlamaAttention(nn.Module):
         # Write this step's keys and values at (slot, position), then attend over the
         # slot's cache up to the longest context: the mask hides later positions and
         # whatever an earlier request left in the slot.
-        k_cache, v_cache = kv_cache  # each [slots, kv_heads, max_model_len, hd]
+        k_cache, v_cache = kv_cache  # each [slots, kv_heads, max_model_len + 1 (a spare), hd]
+        # slot_ids [B, 1] and positions [B, T] pick one cache row per token; NumPy's rule for
+        # index arrays split by a slice puts their dims first: [B, T, kv_heads, hd].
         where = (inputs.slot_ids[:, None], slice(None), inputs.positions)
         k_cache[where] = k.transpose(1, 2)
         v_cache[where] = v.transpose(1, 2)

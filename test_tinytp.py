@@ -113,6 +113,12 @@ def last_logits(worker):
     return worker.last_logits.cpu()
 
 
+def q_rows(worker):  # README, exercise 5
+    qkv = worker.model.layers[0].self_attn.qkv_proj
+    weight = qkv.weight if qkv.packed_weight is None else qkv.packed_weight.to_dense()
+    return weight[: qkv.output_sizes[0]]  # q's rows come first, then k's and v's
+
+
 def request_token_ids(worker):
     return {request_id: request.token_ids for request_id, request in worker.requests.items()}
 
@@ -389,6 +395,11 @@ def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_chec
         for row, prompt, output in zip(per_rank[0], prompts, outputs):
             expected = teacher_forced_logits(hf_model, prompt + output.token_ids)[-2]
             assert torch.allclose(row, expected, atol=1e-4)
+
+        # README exercise 5: rank 1 holds rows 32..63 of q_proj (2 of the 4 heads of 16), and
+        # its weights can be looked at on every path, packed or not.
+        q_proj = hf_model.model.layers[0].self_attn.q_proj.weight
+        assert torch.equal(llm.collective_rpc(q_rows)[1], q_proj[32:64])
 
         # Memory: each rank holds half of the split weights plus the replicated norms.
         sizes = {n: p.numel() * 4 for n, p in hf_model.named_parameters()}
