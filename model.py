@@ -302,7 +302,7 @@ class ModelInputs:
     input_ids: torch.Tensor  # [B, T]
     positions: torch.Tensor  # [B, T] position of each token in its sequence
     slot_ids: torch.Tensor  # [B] the KV-cache slot of each sequence
-    slots: slice | torch.Tensor  # the same slots, as a slice when contiguous (no copy)
+    slot_index: slice | torch.Tensor  # slot_ids again, as a slice when contiguous (indexing copies nothing)
     attn_mask: torch.Tensor  # [B, 1, T, L] True where a query may see a cached key; L: the longest context
     last_index: torch.Tensor  # [B] the index in T of each sequence's last real token
 
@@ -387,8 +387,8 @@ class LlamaAttention(nn.Module):
         k_cache[where] = k.transpose(1, 2)
         v_cache[where] = v.transpose(1, 2)
         context = inputs.attn_mask.shape[-1]
-        keys = k_cache[inputs.slots, :, :context]
-        values = v_cache[inputs.slots, :, :context]
+        keys = k_cache[inputs.slot_index, :, :context]
+        values = v_cache[inputs.slot_index, :, :context]
         # Grouped-query attention as plain attention: the query heads that share a KV head go
         # in as one longer query. With a mask, enable_gqa=True can send CUDA (torch 2.11) to the
         # unfused math kernel, which copies the keys and values once per query head.

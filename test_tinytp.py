@@ -32,7 +32,7 @@ from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHea
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
 import tinytp
 from tinytp import LLM, SamplingParams, WorkerError, byte_level_tokenizer, explain
-from worker import (CHUNK_HEADER, COLLECTIVE_SLOT_BYTES, MessageQueue, NewRequest, SchedulerOutput,
+from worker import (CHUNK_HEADER, COLLECTIVE_BUFFER_BYTES, MessageQueue, NewRequest, SchedulerOutput,
                     SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -205,7 +205,7 @@ def run_layer_checks(rank: int, world_size: int, store_path: str, block_name: st
     try:
         assert torch.allclose(row(column(x)), F.linear(expected, full["row"]), atol=1e-5)
         assert torch.equal(head(x), logits)
-        for size in (3, COLLECTIVE_SLOT_BYTES // 4 + 1):
+        for size in (3, COLLECTIVE_BUFFER_BYTES // 4 + 1):
             mine = torch.full((size,), float(rank + 1))
             model_code.collectives.all_reduce(mine)
             assert torch.equal(mine, torch.full((size,), 3.0))

@@ -321,35 +321,35 @@ class MessageQueue:
 
 
 # Collectives through shared memory, for ranks on one CPU machine ----------------------
-COLLECTIVE_SLOT_BYTES = 1 << 20  # larger tensors (long prefills) take torch.distributed's way
+COLLECTIVE_BUFFER_BYTES = 1 << 20  # larger tensors (long prefills) take torch.distributed's way
 
 
 def collective_block_bytes(world_size: int) -> int:
-    return 8 * world_size + 2 * world_size * COLLECTIVE_SLOT_BYTES
+    return 8 * world_size + 2 * world_size * COLLECTIVE_BUFFER_BYTES
 
 
 class SharedMemoryCollectives(Collectives):
     """All-reduce and all-gather through one shared block, for CPU ranks on one machine
     (gloo's TCP path took 0.3 to 7 ms per all-reduce on 2 busy cores, 17 a step). Each rank
-    copies its tensor into its slot, publishes the step's generation number, waits until
-    every rank has, and reads all slots; all ranks sum them in the same order, so agree.
-    Two sets of slots alternate: once everyone has published g, everyone has finished
+    copies its tensor into its buffer, publishes the step's generation number, waits until
+    every rank has, and reads all buffers; all ranks sum them in the same order, so agree.
+    Two sets of buffers alternate: once everyone has published g, everyone has finished
     reading g-1's set, which g+1 reuses. The same store-order caveat as MessageQueue's."""
 
     def __init__(self, block_name: str, tp: TPGroup):
         self.tp = tp
         self.shm = attach_shared_memory(block_name)
         self.published = torch.frombuffer(self.shm.buf, dtype=torch.int64, count=tp.size)
-        self.slots = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=8 * tp.size,
-                                      count=2 * tp.size * COLLECTIVE_SLOT_BYTES).view(2, tp.size, -1)
+        self.buffers = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=8 * tp.size,
+                                      count=2 * tp.size * COLLECTIVE_BUFFER_BYTES).view(2, tp.size, -1)
         self.generation = 0
 
     def exchange(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor`, stacked: [world_size, *tensor.shape], read in place."""
         data = tensor.contiguous().view(-1).view(torch.uint8)
         self.generation += 1
-        generation, slots = self.generation, self.slots[self.generation % 2]
-        slots[self.tp.rank, : data.numel()].copy_(data)
+        generation, buffers = self.generation, self.buffers[self.generation % 2]
+        buffers[self.tp.rank, : data.numel()].copy_(data)
         self.published[self.tp.rank] = generation  # after the data: the same store order
 
         def everyone_published() -> bool:
@@ -358,20 +358,20 @@ class SharedMemoryCollectives(Collectives):
         if not everyone_published():  # checked first: 17 times a step, skip building the message
             wait_until(everyone_published, 60,
                        f"rank {self.tp.rank}: a shared-memory collective waited for the other ranks")
-        return slots[:, : data.numel()].view(tensor.dtype).view(self.tp.size, *tensor.shape)
+        return buffers[:, : data.numel()].view(tensor.dtype).view(self.tp.size, *tensor.shape)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        if tensor.nbytes > COLLECTIVE_SLOT_BYTES:
+        if tensor.nbytes > COLLECTIVE_BUFFER_BYTES:
             return super().all_reduce(tensor)
         torch.sum(self.exchange(tensor), dim=0, out=tensor)
 
     def all_gather(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
-        if tensor.nbytes > COLLECTIVE_SLOT_BYTES:
+        if tensor.nbytes > COLLECTIVE_BUFFER_BYTES:
             return super().all_gather(tensor, world_size)
         return torch.cat(self.exchange(tensor).unbind(0), dim=-1)
 
     def close(self, unlink: bool) -> None:
-        del self.published, self.slots  # they view the block: release it before closing
+        del self.published, self.buffers  # they view the block: release it before closing
         self.shm.close()
         if unlink:
             self.shm.unlink()
@@ -466,7 +466,7 @@ class Worker:
             input_ids=torch.tensor(ids, device=self.device),
             positions=positions_t,
             slot_ids=slot_ids,
-            slots=slice(slots[0], slots[0] + len(slots)) if contiguous else slot_ids,
+            slot_index=slice(slots[0], slots[0] + len(slots)) if contiguous else slot_ids,
             attn_mask=(torch.arange(context, device=self.device) <= positions_t[:, None, :, None]),
             last_index=torch.tensor([len(t) - 1 for t in new_tokens], device=self.device),
         )
