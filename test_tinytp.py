@@ -200,7 +200,7 @@ def run_layer_checks(rank: int, world_size: int, store_path: str, block_name: st
     assert logits.shape == (3, 5, 11)  # every rank holds the full, unpadded vocabulary
     assert torch.allclose(logits, F.linear(x, full["emb"]), atol=1e-5)
 
-    # The same through shared memory, and a tensor too big for a slot (back to gloo).
+    # The same through shared memory, and a tensor too big for a buffer (back to gloo).
     model_code.collectives = SharedMemoryCollectives(block_name, tp)
     try:
         assert torch.allclose(row(column(x)), F.linear(expected, full["row"]), atol=1e-5)
