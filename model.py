@@ -499,39 +499,41 @@ def checkpoint_files(checkpoint_dir: str) -> dict[str, str]:
     return names
 
 
-# What config.json says each tensor's dimensions are, to name the keys when they disagree.
-SHAPE_FROM_CONFIG = {"q_proj": "num_attention_heads x head_dim, hidden_size",
-                     "k_proj": "num_key_value_heads x head_dim, hidden_size",
-                     "v_proj": "num_key_value_heads x head_dim, hidden_size",
-                     "o_proj": "hidden_size, num_attention_heads x head_dim",
+# Each tensor's dimensions in config.json's keys, to name the keys when the shapes disagree.
+QUERY_ROWS, KV_ROWS = "num_attention_heads x head_dim", "num_key_value_heads x head_dim"
+SHAPE_FROM_CONFIG = {"q_proj": f"{QUERY_ROWS}, hidden_size", "k_proj": f"{KV_ROWS}, hidden_size",
+                     "v_proj": f"{KV_ROWS}, hidden_size", "o_proj": f"hidden_size, {QUERY_ROWS}",
                      "gate_proj": "intermediate_size, hidden_size", "up_proj": "intermediate_size, hidden_size",
                      "down_proj": "hidden_size, intermediate_size", "norm": "hidden_size",
                      "embed_tokens": "vocab_size, hidden_size", "lm_head": "vocab_size, hidden_size"}
 CONFIG_FIELDS = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads"}  # the others: same name
 
 
-def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
-    """Compare every checkpoint tensor's full shape (from the safetensors headers: no data
-    is read) with the shape config.json implies, which is the shape of the tp=1 model's
-    parameter. Done in the driver before any worker starts: a config that disagrees with
-    its weights would otherwise load slices that fit and compute wrong tokens."""
+def checkpoint_shapes(config: ModelConfig) -> dict[str, list[int]]:
+    """The full shape of every checkpoint tensor, as config.json implies it: the shapes of
+    the tp=1 model's parameters, built on the "meta" device (shapes, no memory)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, TPGroup(0, 1), max_model_len=1)
-    shapes = {}
+    return {shard.name: [*param.shape[:shard.dim], shard.size, *param.shape[shard.dim + 1:]]
+            for param in model.parameters() for shard in param.shards}  # at tp=1 a shard is a whole tensor
+
+
+def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
+    """Compare every checkpoint tensor's shape (from the safetensors headers: no data is
+    read) with the shape config.json implies. Done in the driver before any worker starts:
+    a config that disagrees with its weights would otherwise load slices that fit and
+    compute wrong tokens."""
+    found = {}
     for path in set(checkpoint_files(checkpoint_dir).values()):
         with safe_open(path, framework="pt") as f:
-            shapes.update({name: f.get_slice(name).get_shape() for name in f.keys()})
-    for param in model.parameters():
-        for shard in param.shards:  # at tp=1, each shard is a whole checkpoint tensor
-            expected = list(param.shape)
-            expected[shard.dim] = shard.size
-            if shard.name not in shapes:
-                raise ValueError(f"{checkpoint_dir} has no tensor {shard.name!r}")
-            if shapes[shard.name] != expected:
-                formula = next(f for part, f in SHAPE_FROM_CONFIG.items() if part in shard.name)
-                keys = re.sub(r"\w+_\w+", lambda m: f"{m[0]}={getattr(config, CONFIG_FIELDS.get(m[0], m[0]))}", formula)
-                raise ValueError(f"{shard.name} has shape {shapes[shard.name]} in the checkpoint; "
-                                 f"config.json implies {expected} ({keys})")
+            found.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    for name, expected in checkpoint_shapes(config).items():
+        if name not in found:
+            raise ValueError(f"{checkpoint_dir} has no tensor {name!r}")
+        if found[name] != expected:
+            formula = next(f for part, f in SHAPE_FROM_CONFIG.items() if part in name)
+            keys = re.sub(r"\w+_\w+", lambda m: f"{m[0]}={getattr(config, CONFIG_FIELDS.get(m[0], m[0]))}", formula)
+            raise ValueError(f"{name} has shape {found[name]} in the checkpoint; config.json implies {expected} ({keys})")
 
 
 def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) -> None:

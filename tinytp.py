@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model import (LlamaForCausalLM, ModelConfig, TPGroup, check_checkpoint, check_tensor_parallel_size,
-                   token_id_list, vocab_rows_per_rank)
+                   checkpoint_shapes, token_id_list, vocab_rows_per_rank)
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams,
                     SchedulerOutput, collective_block_bytes, is_integer, new_shared_memory, wait_until, worker_main)
 
@@ -540,21 +540,20 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
 
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
-    whole = {s.name: (p.shape, s) for p in build(0, 1).parameters() for s in p.shards}
+    whole = checkpoint_shapes(config)
     lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
              f"{'rank 0 slice':>14}  split"]
     for param in build(0, tp).parameters():
         for shard in param.shards:
             if ".layers." in shard.name and ".layers.0." not in shard.name:
                 continue  # every layer is cut alike
-            full_shape, full = whole[shard.name]
-            full_shape = list(full_shape)
-            full_shape[full.dim] = full.size
+            full_shape = whole[shard.name]
+            full_size = full_shape[shard.dim]
             mine = list(param.shape)
             mine[shard.dim] = shard.size
-            how = f"dim {shard.dim}" if shard.size < full.size else "replicated"
-            if shard.size < full.size < shard.size * tp:  # the parts overlap or overhang
-                how += f", vocab padded to {padded_vocab}" if full.size == config.vocab_size else ", KV heads replicated"
+            how = f"dim {shard.dim}" if shard.size < full_size else "replicated"
+            if shard.size < full_size < shard.size * tp:  # the parts overlap or overhang
+                how += f", vocab padded to {padded_vocab}" if full_size == config.vocab_size else ", KV heads replicated"
             lines.append(f"{shard.name:<48}{str(full_shape):>14}{str(mine):>14}  {how}")
     lines.append("")
     for rank in range(tp):
