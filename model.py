@@ -86,10 +86,10 @@ def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
         kv_ok = config.num_kv_heads % n == 0 or n % config.num_kv_heads == 0
         return config.num_heads % n == 0 and kv_ok
 
-    if tp < 1 or not fits(tp):
+    if not isinstance(tp, int) or tp < 1 or not fits(tp):
         valid = [n for n in range(1, config.num_heads + 1) if fits(n)]
         raise ValueError(
-            f"tensor parallel size {tp} does not fit this model: it must divide "
+            f"tensor parallel size {tp} does not fit this model: it must be an int that divides "
             f"num_attention_heads={config.num_heads}, and divide or be a multiple of "
             f"num_key_value_heads={config.num_kv_heads}; valid sizes: {valid}"
         )

@@ -586,6 +586,102 @@ def test_bad_prompts_reject_the_whole_call(mha_checkpoint):
 
 
 # --------------------------------------------------------------------------------------
+# Lifecycle and concurrency: orphans, cut-off messages, callers, forks, /dev/shm, load
+# --------------------------------------------------------------------------------------
+
+
+def kill_if_alive(pids: list[int]) -> None:
+    """For tests that kill or stop processes: leave none behind, whatever happened."""
+    for pid in pids:
+        if not process_gone(pid):
+            os.kill(pid, signal.SIGKILL)  # a stopped process dies too
+
+
+def test_driver_killed_while_its_workers_start_leaves_nothing(mha_checkpoint):
+    """The driver dies while its workers still import torch, before worker_main runs: by
+    then os.getppid() is already another process, so they must be told the driver's pid."""
+    path, _ = mha_checkpoint
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, path], cwd=HERE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        assert wait_for(lambda: len(spawned_workers_of(driver.pid)) == 2, 60)
+        workers = spawned_workers_of(driver.pid)
+        driver.terminate()  # SIGTERM, as `timeout` sends it: Python exits without its exit hooks
+        driver.communicate(timeout=30)  # ends when nothing holds its pipes: workers and resource tracker gone
+        assert all(process_gone(pid) for pid in workers)
+        assert wait_for(lambda: not shm_entries(driver.pid), 5)
+    finally:
+        driver.kill()
+        kill_if_alive(workers)
+
+
+FORKING_DRIVER = """
+import os, sys
+from tinytp import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", max_model_len=64)
+child = os.fork()  # as a data loader or a multiprocessing fork pool does
+if child == 0:
+    sys.exit(0)  # a normal exit: the exit hooks it inherited run
+os.waitpid(child, 0)
+print(len(llm.generate([[256, 1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids))
+"""
+
+
+def test_a_forked_child_that_exits_leaves_the_parents_workers_alone(mha_checkpoint):
+    path, _ = mha_checkpoint
+    run = subprocess.run([sys.executable, "-c", FORKING_DRIVER, path], cwd=HERE, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout == "3\n" and "Traceback" not in run.stderr, run.stderr
+
+
+def test_a_bad_size_or_a_failed_set_up_leaves_no_shared_memory(mha_checkpoint):
+    path, _ = mha_checkpoint
+    with pytest.raises(ValueError, match=r"tensor parallel size 2.0 does not fit this model: it must be an int"):
+        LLM(path, tensor_parallel_size=2.0, device="cpu")
+    assert not shm_entries()
+    # /dev/shm out of files (inodes) at the last block: the blocks made before it go too.
+    with mock.patch.object(tinytp, "new_shared_memory", side_effect=OSError(28, "No space left on device")):
+        with pytest.raises(OSError, match="No space left"):
+            LLM(path, tensor_parallel_size=2, device="cpu")
+    assert not shm_entries()
+
+
+def test_too_little_dev_shm_is_one_clear_line(mha_checkpoint):
+    path, _ = mha_checkpoint
+    small = os.statvfs_result((4096, 4096, 16, 16, 16, 1000, 1000, 1000, 0, 255))  # 64 KiB free: a tiny tmpfs
+    with mock.patch.object(os, "statvfs", return_value=small):
+        with pytest.raises(RuntimeError, match=r"^/dev/shm has 0.06 MiB free; tinytp needs 14.0 MiB: .* --shm-size"):
+            LLM(path, tensor_parallel_size=2, device="cpu")
+    assert not shm_entries()
+
+
+def memory_and_files(pid: int) -> tuple[int, int]:
+    """Resident memory (KiB) and open file descriptors of a process."""
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_200_calls_keep_memory_and_files_flat_and_shutdown_frees_the_semaphores(mha_checkpoint):
+    path, _ = mha_checkpoint
+    params = SamplingParams(temperature=0, max_tokens=1)  # one step a call: the executor's path, repeated
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        pids = [os.getpid(), llm.executor.workers[0].pid]
+        semaphores = [f"/dev/shm/sem.{bell._semlock.name.lstrip('/')}"
+                      for bell in (llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells)]
+        assert all(os.path.exists(name) for name in semaphores)
+        for i in range(250):
+            if i == 50:  # after a warm-up: allocator pools, caches
+                before = [memory_and_files(pid) for pid in pids]
+            llm.generate([[256, i % 256, 7]], params)
+        after = [memory_and_files(pid) for pid in pids]
+    for (rss_before, fds_before), (rss_after, fds_after) in zip(before, after):
+        assert fds_after == fds_before and rss_after - rss_before < 8 << 10, (before, after)
+    assert not any(os.path.exists(name) for name in semaphores)  # at shutdown, not when llm is collected
+
+
+# --------------------------------------------------------------------------------------
 # The command line, as the README runs it
 # --------------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import atexit
 import heapq
 import itertools
 import json
+import multiprocessing
 import os
 import pickle
 import random
@@ -33,8 +34,8 @@ import torch.multiprocessing as mp
 
 from model import (LlamaForCausalLM, ModelConfig, TPGroup, check_tensor_parallel_size, token_id_list,
                    vocab_rows_per_rank)
-from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams,
-                    SchedulerOutput, collective_block_bytes, new_shared_memory, wait_until, worker_main)
+from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams, SchedulerOutput,
+                    check_free_shared_memory, collective_block_bytes, new_shared_memory, wait_until, worker_main)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
@@ -180,24 +181,30 @@ class Executor:
         self.failure: str | None = None
         self.trace_next_decode = False  # set it to get a timeline of the next decode step
         self.trace_report: str | None = None
+        self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop our workers
+        self.workers, self.responses, self.collective_block = [], [], None  # made in the try below, freed if it fails
         self.broadcast = MessageQueue.create(num_readers=tp)
-        # One doorbell for all the reply queues: we wait on all of them at once.
-        context = mp.get_context("spawn")
-        self.doorbell = context.Semaphore(0)
-        self.responses = [MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0,
-                                              doorbells=[self.doorbell]) for _ in range(tp)]
-        self.collective_block = new_shared_memory(collective_block_bytes(tp)) if device == "cpu" and tp > 1 else None
-        # The workers meet in a TCP store that we host on a port the OS picks: no
-        # torchrun, no MASTER_PORT, and no race for a "free" port.
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.workers = [context.Process(target=worker_main, name=f"tinytp-rank{rank}", daemon=True,
-                                        args=(rank, tp, self.broadcast.handle, self.responses[rank].handle))
-                        for rank in range(tp)]
         atexit.register(self.shutdown)
         try:
+            # One doorbell for all the reply queues: we wait on all of them at once.
+            context = mp.get_context("spawn")
+            self.doorbell = context.Semaphore(0)
+            for _ in range(tp):
+                self.responses.append(MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0,
+                                                          doorbells=[self.doorbell]))
+            self.collective_block = new_shared_memory(collective_block_bytes(tp)) if device == "cpu" and tp > 1 else None
+            check_free_shared_memory([self.collective_block, *(q.shm for q in [self.broadcast, *self.responses])])
+            # The workers meet in a TCP store that we host on a port the OS picks: no
+            # torchrun, no MASTER_PORT, and no race for a "free" port.
+            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self.workers = [context.Process(target=worker_main, name=f"tinytp-rank{rank}", daemon=True, args=(
+                                rank, tp, self.broadcast.handle, self.responses[rank].handle, self.creator))
+                            for rank in range(tp)]
             with sigint_ignored():  # inherited: Ctrl-C reaches the driver, not N workers mid-import
                 for process in self.workers:
                     process.start()
+            # Off multiprocessing's list, whose exit hook (in a forked child too) would kill them.
+            multiprocessing.process._children.difference_update(self.workers)
             # Initialization goes through collective_rpc too, as in the seed.
             self.collective_rpc("init_device", None, device, dtype, self.store.port, threads_per_rank(tp),
                                 self.collective_block and self.collective_block.name)
@@ -291,8 +298,9 @@ class Executor:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Stop the workers (politely, then by force) and free every shared-memory block."""
-        if not self.workers:
+        """Stop the workers (politely, then by force) and free every shared-memory block and
+        semaphore. Only in the process that made them: not in a forked child at its exit."""
+        if self.broadcast.buf is None or os.getpid() != self.creator:  # done already, or not ours
             return
         workers = [process for process in self.workers if process.pid is not None]  # the started ones
         self.workers = []
@@ -314,7 +322,7 @@ class Executor:
         if self.collective_block is not None:
             self.collective_block.close()
             self.collective_block.unlink()
-        self.store = None
+        self.store = self.doorbell = None  # the last reference to the doorbells: multiprocessing removes them
 
 
 class sigint_ignored:
@@ -620,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # a worker failed or died: not the user's doing, but say it plainly
+    except (RuntimeError, OSError) as e:  # a worker failed or died, /dev/shm is full: not the user's doing
         print(f"tinytp: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

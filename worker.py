@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Callable
 
@@ -161,6 +162,17 @@ def new_shared_memory(size: int) -> shared_memory.SharedMemory:
     return shared_memory.SharedMemory(name=f"tinytp_{os.getpid()}_{os.urandom(4).hex()}", create=True, size=size)
 
 
+def check_free_shared_memory(blocks: list[shared_memory.SharedMemory | None]) -> None:
+    """New blocks are sparse: tmpfs hands out a page when it is first touched, and when
+    /dev/shm is full that touch is a SIGBUS ("Bus error") that kills the process. So a
+    creator checks that all its blocks fit before it uses them."""
+    needed = sum(block.size for block in blocks if block is not None)
+    stat = os.statvfs("/dev/shm")
+    if stat.f_bavail * stat.f_frsize < needed:
+        raise RuntimeError(f"/dev/shm has {stat.f_bavail * stat.f_frsize / 2**20:.2f} MiB free; tinytp needs "
+                           f"{needed / 2**20:.1f} MiB: free some, or give a container more (docker run --shm-size=1g)")
+
+
 def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
     """Attach to another process's block without registering it with Python 3.11's resource
     tracker, which would unlink it under the creator's feet (and warn of a "leak") at exit."""
@@ -229,8 +241,8 @@ class MessageQueue:
                reader: int | None = None, doorbells: list | None = None) -> MessageQueue:
         """A new queue. Readers may share a doorbell with other queues (the driver has one
         for all the reply queues it polls); by default each reader gets its own."""
-        shm = new_shared_memory(num_chunks * (1 + num_readers + chunk_bytes))  # zero-filled: no flags set
         doorbells = doorbells or [multiprocessing.get_context("spawn").Semaphore(0) for _ in range(num_readers)]
+        shm = new_shared_memory(num_chunks * (1 + num_readers + chunk_bytes))  # zero-filled: no flags set
         handle = QueueHandle(shm.name, num_readers, num_chunks, chunk_bytes, tuple(doorbells))
         return cls(handle, shm, reader, owner=True)
 
@@ -293,8 +305,9 @@ class MessageQueue:
                 return message if size == total else decode(memoryview(self.receive_buffer)[:total])
 
     def close(self) -> None:
-        """Detach; the creator also removes the block from /dev/shm."""
-        self.buf = None
+        """Detach; the creator also removes the block from /dev/shm (and, when nothing holds
+        them any more, multiprocessing removes the doorbells)."""
+        self.buf = self.handle = None
         self.shm.close()
         if self.owner:
             try:
@@ -394,7 +407,8 @@ class Worker:
         if device == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, dtype)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+        # For a driver that died meanwhile (NCCL's first get waits this long too: ranks come together).
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store,
                                 rank=self.tp.rank, world_size=self.tp.size)
         if collective_block is not None:
@@ -529,10 +543,11 @@ class DriverGone(Exception):
     """The driver process exited without shutting us down."""
 
 
-def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: QueueHandle) -> None:
+def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: QueueHandle, driver_pid: int) -> None:
     """The loop of one worker process: take the next step or call from the broadcast
     queue, run it, reply. Nothing else happens here (seed discussion: workers "sit in a very
-    tight model execution loop" of model execution and termination)."""
+    tight model execution loop" of model execution and termination). driver_pid is passed
+    in: a driver that died while we imported torch has re-parented us before we could look."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     # tqdm's default lock is a named semaphore that the resource tracker watches: a killed
     # worker could not remove it, and the tracker would report it "leaked" at exit. Only
@@ -541,7 +556,6 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
     calls = MessageQueue.attach(broadcast, reader=rank)
     replies = MessageQueue.attach(response)
     worker = Worker(rank, world_size)
-    driver_pid = os.getppid()
     driver_gone = False
 
     def driver_alive() -> None:
@@ -549,6 +563,7 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
             raise DriverGone
 
     try:
+        driver_alive()  # its first message may be waiting: dequeue checks only while it waits
         while True:
             message: SchedulerOutput | RPCCall = calls.dequeue(check=driver_alive)
             received = time.perf_counter()
