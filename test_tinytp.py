@@ -616,6 +616,42 @@ def test_driver_killed_while_its_workers_start_leaves_nothing(mha_checkpoint):
         kill_if_alive(workers)
 
 
+def length_of(worker, data):
+    return len(data)
+
+
+def test_a_message_cut_off_part_way_fails_the_llm_clearly(mha_checkpoint):
+    path, _ = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        with pytest.raises(TimeoutError):
+            llm.collective_rpc(sleep_in_worker, 0.1, 1.0)  # the worker is busy for a second
+        with pytest.raises(TimeoutError, match="writer waited"):  # 8 of its 20 chunks fill the ring
+            llm.collective_rpc(length_of, 0.3, b"x" * 20_000_000)
+        with pytest.raises(RuntimeError, match=r"workers are gone \(a message to them was cut off part-way"):
+            llm.collective_rpc(length_of, 5, b"y")
+        with pytest.raises(RuntimeError, match="workers are gone"):
+            llm.generate([[256, 1, 2]])
+    assert not shm_entries()
+
+
+def test_queue_interrupted_part_way_through_a_message_is_marked_cut_off():
+    writer = MessageQueue.create(num_readers=1, num_chunks=2, chunk_bytes=64)
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # nobody reads: the ring is full after 2 of its 10 chunks
+        writer.enqueue(b"z" * 500, check=ctrl_c)
+    assert writer.cut_off
+    writer.close()
+    writer = MessageQueue.create(num_readers=1, num_chunks=1, chunk_bytes=64)
+    writer.enqueue("a")
+    with pytest.raises(TimeoutError):
+        writer.enqueue("b", timeout=0.01)
+    assert not writer.cut_off  # nothing of "b" went out: the queue is sound
+    writer.close()
+
+
 FORKING_DRIVER = """
 import os, sys
 from tinytp import LLM, SamplingParams

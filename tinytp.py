@@ -257,6 +257,8 @@ class Executor:
               name: str) -> list:
         """Broadcast `message` and wait for the replies of `ranks` (RPCResults' values, or
         rank 0's ModelRunnerOutput for a step)."""
+        if self.broadcast.cut_off and self.failure is None:  # a timeout or Ctrl-C part-way through sending
+            self._fail("a message to them was cut off part-way, and they would misread what follows")
         if self.failure is not None:
             raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
         results: dict[int, object] = {}

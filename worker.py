@@ -233,6 +233,7 @@ class MessageQueue:
         self.who_waits = (f"queue {handle.name}: the writer waited for readers to free a chunk" if reader is None
                           else f"queue {handle.name}: reader {reader} waited for a message")  # built once
         self.next_chunk = 0  # the writer's or this reader's position in the ring
+        self.cut_off = False  # the writer gave up part-way through a message (see enqueue)
         # Kept between multi-chunk messages: a new 16 MiB buffer each costs more in page faults.
         self.receive_buffer = bytearray()
 
@@ -261,7 +262,9 @@ class MessageQueue:
         return self.buf[self.my_read_flag[i]] == 0 and self.buf[self.written_flag[i]] == 1  # this order
 
     def enqueue(self, obj: Any, timeout: float | None = None, check: Callable[[], None] | None = None) -> int:
-        """Send obj to every reader; return its size in bytes, encoded."""
+        """Send obj to every reader; return its size in bytes, encoded. A timeout or Ctrl-C
+        after a message's first chunk leaves `cut_off` set: the readers hold part of it and
+        would read the next message as its rest, so the queue is of no more use."""
         data = memoryview(encode(obj))
         buf, sent = self.buf, 0
         while True:  # at least one chunk, even for an empty message
@@ -276,10 +279,11 @@ class MessageQueue:
             CHUNK_HEADER.pack_into(buf, self.chunk_start[i], len(part), len(data))
             buf[start: start + len(part)] = part
             buf[self.written_flag[i]] = 1  # published: set only after the chunk is complete
+            self.next_chunk = (i + 1) % self.handle.num_chunks
+            self.cut_off = sent < len(data)
             for doorbell in self.handle.doorbells:
                 doorbell.release()
-            self.next_chunk = (i + 1) % self.handle.num_chunks
-            if sent >= len(data):
+            if not self.cut_off:
                 return len(data)
 
     def dequeue(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> Any:
