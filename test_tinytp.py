@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from unittest import mock
 
@@ -650,6 +651,48 @@ def test_queue_interrupted_part_way_through_a_message_is_marked_cut_off():
         writer.enqueue("b", timeout=0.01)
     assert not writer.cut_off  # nothing of "b" went out: the queue is sound
     writer.close()
+
+
+def test_one_caller_at_a_time_the_second_is_refused_and_nothing_is_lost(mha_checkpoint):
+    path, _ = mha_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    busy = r"this LLM is busy with another generate\(\) or an unfinished stream\(\)"
+    with LLM(path, device="cpu", max_model_len=256) as llm:
+        expected = [llm.generate([prompt], greedy)[0].text for prompt in PROMPTS[:2]]
+        # A stream paused while another call comes: that call is refused, the stream goes on.
+        stream = llm.stream(PROMPTS[0], greedy)
+        first = next(stream)
+        with pytest.raises(RuntimeError, match=busy):
+            llm.generate([PROMPTS[1]], greedy)
+        with pytest.raises(RuntimeError, match=busy):
+            next(llm.stream(PROMPTS[1], greedy))
+        assert first + "".join(stream) == expected[0]
+        # A stream closed early (a client that disconnects) leaves the LLM to the next caller.
+        stream = llm.stream(PROMPTS[0], greedy)
+        next(stream)
+        stream.close()
+        assert llm.generate([PROMPTS[1]], greedy)[0].text == expected[1]
+        assert not llm.scheduler.running and not llm.scheduler.waiting
+        # Two threads at once: each gets its text or is refused; neither waits forever.
+        long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        alone = [llm.generate([prompt], long)[0].text for prompt in PROMPTS[:2]]
+        results = {}
+
+        def call(i):
+            try:
+                results[i] = llm.generate([PROMPTS[i]], long)[0].text
+            except RuntimeError as e:
+                results[i] = str(e)
+
+        threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert not any(thread.is_alive() for thread in threads)
+        assert alone[0] in results.values() or alone[1] in results.values()
+        assert all(results[i] == alone[i] or re.match(busy, results[i]) for i in (0, 1)), results
+        assert llm.generate([PROMPTS[1]], greedy)[0].text == expected[1]
 
 
 FORKING_DRIVER = """

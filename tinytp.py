@@ -432,6 +432,7 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if has_tokenizer(self.model_dir) else None
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids())
         self.request_ids = itertools.count()
+        self.busy = threading.Lock()  # held by the one generate() or stream() that runs (see _run)
         self.executor = Executor(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format)
 
     def end_of_sequence_ids(self) -> set[int]:
@@ -499,16 +500,24 @@ class LLM:
         return Request(next(self.request_ids), prompt if isinstance(prompt, str) else None, token_ids, params, seed)
 
     def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
-        """Step until these requests are done; yield the requests finished at each step."""
+        """Step until these requests are done; yield the requests finished at each step.
+
+        One caller at a time; a second is refused, not made to wait (it could wait for a
+        stream its own thread has paused): callers sharing the batch would finish each
+        other's requests, and one interrupted mid-step would leave the others' tokens unknown."""
+        if not self.busy.acquire(blocking=False):
+            raise RuntimeError("this LLM is busy with another generate() or an unfinished stream(): one at a time")
         self.scheduler.waiting.extend(requests)
-        try:  # until these are done (another caller's requests may be in the scheduler too)
+        try:
             while any(request.finish_reason is None for request in requests):
                 scheduler_output = self.scheduler.schedule()
                 runner_output = self.executor.execute_model(scheduler_output)
                 yield self.scheduler.update(scheduler_output, runner_output)
         except BaseException:
-            self.scheduler.abort_all()
+            self.scheduler.abort_all()  # all of them are this caller's
             raise
+        finally:
+            self.busy.release()
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, *args, **kwargs) -> list:
         return self.executor.collective_rpc(method, timeout, *args, **kwargs)
