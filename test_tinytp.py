@@ -735,6 +735,26 @@ def test_too_little_dev_shm_is_one_clear_line(mha_checkpoint):
     assert not shm_entries()
 
 
+def shorten_the_collective_timeout(worker):
+    sys.modules["worker"].COLLECTIVE_TIMEOUT = 1.0  # for this test: 60 s by default
+
+
+def test_a_stopped_worker_is_named(mha_checkpoint):
+    path, _ = mha_checkpoint
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64)
+    pids = [p.pid for p in llm.executor.workers]
+    try:
+        llm.collective_rpc(shorten_the_collective_timeout)
+        os.kill(pids[1], signal.SIGSTOP)
+        with pytest.raises(WorkerError, match=r"(?s)worker rank 0 failed in execute_model.*"
+                                              r"rank 0 waited in a collective for ranks \[1\]: nothing after 1 s"):
+            llm.generate([[256, 1, 2]])
+        assert all(process_gone(pid) for pid in pids) and not shm_entries()
+    finally:
+        kill_if_alive(pids)
+        llm.shutdown()
+
+
 def memory_and_files(pid: int) -> tuple[int, int]:
     """Resident memory (KiB) and open file descriptors of a process."""
     with open(f"/proc/{pid}/status") as f:

@@ -131,17 +131,18 @@ MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
 DOORBELL_SLEEP = 50e-3
 
 
-def wait_until(ready: Callable[[], bool], timeout: float | None, what: str,
+def wait_until(ready: Callable[[], bool], timeout: float | None, what: str | Callable[[], str],
                check: Callable[[], None] | None = None, doorbell=None) -> None:
-    """Return once ready() is true. Raise TimeoutError naming `what` after `timeout`
-    seconds. Once polling is over, call check(), which raises if waiting is pointless (a
-    worker or the driver died), then sleep; a `doorbell` (a semaphore that the writer
-    releases after each chunk) ends the sleep as soon as a message is written."""
+    """Return once ready() is true. Raise TimeoutError naming `what` (or what(), a message
+    worth building only then) after `timeout` seconds. Once polling is over, call check(),
+    which raises if waiting is pointless (a worker or the driver died), then sleep; a
+    `doorbell` (a semaphore that the writer releases after each chunk) ends the sleep as
+    soon as a message is written."""
     start = time.perf_counter()
     while not ready():
         waited = time.perf_counter() - start
         if timeout is not None and waited > timeout:
-            raise TimeoutError(f"{what}: nothing after {timeout:g} s")
+            raise TimeoutError(f"{what if isinstance(what, str) else what()}: nothing after {timeout:g} s")
         if waited < YIELD_SECONDS:
             os.sched_yield()
             continue
@@ -322,6 +323,8 @@ class MessageQueue:
 
 # Collectives through shared memory, for ranks on one CPU machine ----------------------
 COLLECTIVE_SLOT_BYTES = 1 << 20  # larger tensors (long prefills) take torch.distributed's way
+# Ranks do the same work, so a minute's wait in one collective means a rank is stopped or stuck.
+COLLECTIVE_TIMEOUT = 60.0
 
 
 def collective_block_bytes(world_size: int) -> int:
@@ -356,8 +359,8 @@ class SharedMemoryCollectives(Collectives):
             return min(self.published.tolist()) >= generation
 
         if not everyone_published():  # checked first: 17 times a step, skip building the message
-            wait_until(everyone_published, 60,
-                       f"rank {self.tp.rank}: a shared-memory collective waited for the other ranks")
+            wait_until(everyone_published, COLLECTIVE_TIMEOUT, lambda: f"rank {self.tp.rank} waited in a collective"
+                       f" for ranks {[r for r, seen in enumerate(self.published.tolist()) if seen < generation]}")
         return slots[:, : data.numel()].view(tensor.dtype).view(self.tp.size, *tensor.shape)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
