@@ -1074,6 +1074,200 @@ def test_cuda_tp2_nccl_on_two_gpus(cuda_checkpoint):
 
 
 # --------------------------------------------------------------------------------------
+# Lifecycle and concurrency: orphans, cut-off messages, callers, forks, /dev/shm, load
+# --------------------------------------------------------------------------------------
+
+
+def kill_if_alive(pids: list[int]) -> None:
+    """For tests that kill or stop processes: leave none behind, whatever happened."""
+    for pid in pids:
+        if not process_gone(pid):
+            os.kill(pid, signal.SIGKILL)  # a stopped process dies too
+
+
+def test_driver_killed_while_its_workers_start_leaves_nothing(mha_checkpoint):
+    """The driver dies while its workers still import torch, before worker_main runs: by
+    then os.getppid() is already another process, so they must be told the driver's pid."""
+    path, _ = mha_checkpoint
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, path], cwd=HERE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        assert wait_for(lambda: len(spawned_workers_of(driver.pid)) == 2, 60)
+        workers = spawned_workers_of(driver.pid)
+        driver.terminate()  # SIGTERM, as `timeout` sends it: Python exits without its exit hooks
+        driver.communicate(timeout=30)  # ends when nothing holds its pipes: workers and resource tracker gone
+        assert all(process_gone(pid) for pid in workers)
+        assert wait_for(lambda: not shm_entries(driver.pid), 5)
+    finally:
+        driver.kill()
+        kill_if_alive(workers)
+
+
+def length_of(worker, data):
+    return len(data)
+
+
+def test_a_message_cut_off_part_way_fails_the_llm_clearly(mha_checkpoint):
+    path, _ = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        with pytest.raises(TimeoutError):
+            llm.collective_rpc(sleep_in_worker, 0.1, 1.0)  # the worker is busy for a second
+        with pytest.raises(TimeoutError, match="writer waited"):  # 8 of its 20 chunks fill the ring
+            llm.collective_rpc(length_of, 0.3, b"x" * 20_000_000)
+        with pytest.raises(RuntimeError, match=r"workers are gone \(a message to them was cut off part-way"):
+            llm.collective_rpc(length_of, 5, b"y")
+        with pytest.raises(RuntimeError, match="workers are gone"):
+            llm.generate([[256, 1, 2]])
+    assert not shm_entries()
+
+
+def test_queue_interrupted_part_way_through_a_message_is_marked_cut_off():
+    writer = MessageQueue.create(num_readers=1, num_chunks=2, chunk_bytes=64)
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # nobody reads: the ring is full after 2 of its 10 chunks
+        writer.enqueue(b"z" * 500, check=ctrl_c)
+    assert writer.cut_off
+    writer.close()
+    writer = MessageQueue.create(num_readers=1, num_chunks=1, chunk_bytes=64)
+    writer.enqueue("a")
+    with pytest.raises(TimeoutError):
+        writer.enqueue("b", timeout=0.01)
+    assert not writer.cut_off  # nothing of "b" went out: the queue is sound
+    writer.close()
+
+
+def test_one_caller_at_a_time_the_second_is_refused_and_nothing_is_lost(mha_checkpoint):
+    path, _ = mha_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    busy = r"this LLM is busy with another generate\(\) or an unfinished stream\(\)"
+    with LLM(path, device="cpu", max_model_len=256) as llm:
+        expected = [llm.generate([prompt], greedy)[0].text for prompt in PROMPTS[:2]]
+        # A stream paused while another call comes: that call is refused, the stream goes on.
+        stream = llm.stream(PROMPTS[0], greedy)
+        first = next(stream)
+        with pytest.raises(RuntimeError, match=busy):
+            llm.generate([PROMPTS[1]], greedy)
+        with pytest.raises(RuntimeError, match=busy):
+            next(llm.stream(PROMPTS[1], greedy))
+        assert first + "".join(stream) == expected[0]
+        # A stream closed early (a client that disconnects) leaves the LLM to the next caller.
+        stream = llm.stream(PROMPTS[0], greedy)
+        next(stream)
+        stream.close()
+        assert llm.generate([PROMPTS[1]], greedy)[0].text == expected[1]
+        assert not llm.scheduler.running and not llm.scheduler.waiting
+        # Two threads at once: each gets its text or is refused; neither waits forever.
+        long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        alone = [llm.generate([prompt], long)[0].text for prompt in PROMPTS[:2]]
+        results = {}
+
+        def call(i):
+            try:
+                results[i] = llm.generate([PROMPTS[i]], long)[0].text
+            except RuntimeError as e:
+                results[i] = str(e)
+
+        threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert not any(thread.is_alive() for thread in threads)
+        assert alone[0] in results.values() or alone[1] in results.values()
+        assert all(results[i] == alone[i] or re.match(busy, results[i]) for i in (0, 1)), results
+        assert llm.generate([PROMPTS[1]], greedy)[0].text == expected[1]
+
+
+FORKING_DRIVER = """
+import os, sys
+from tinytp import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", max_model_len=64)
+child = os.fork()  # as a data loader or a multiprocessing fork pool does
+if child == 0:
+    sys.exit(0)  # a normal exit: the exit hooks it inherited run
+os.waitpid(child, 0)
+print(len(llm.generate([[256, 1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids))
+"""
+
+
+def test_a_forked_child_that_exits_leaves_the_parents_workers_alone(mha_checkpoint):
+    path, _ = mha_checkpoint
+    run = subprocess.run([sys.executable, "-c", FORKING_DRIVER, path], cwd=HERE, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout == "3\n" and "Traceback" not in run.stderr, run.stderr
+
+
+def test_a_bad_size_or_a_failed_set_up_leaves_no_shared_memory(mha_checkpoint):
+    path, _ = mha_checkpoint
+    with pytest.raises(ValueError, match=r"tensor parallel size 2.0 does not fit this model: it must be an int"):
+        LLM(path, tensor_parallel_size=2.0, device="cpu")
+    assert not shm_entries()
+    # /dev/shm out of files (inodes) at the last block: the blocks made before it go too.
+    with mock.patch.object(tinytp, "new_shared_memory", side_effect=OSError(28, "No space left on device")):
+        with pytest.raises(OSError, match="No space left"):
+            LLM(path, tensor_parallel_size=2, device="cpu")
+    assert not shm_entries()
+
+
+def test_too_little_dev_shm_is_one_clear_line(mha_checkpoint):
+    path, _ = mha_checkpoint
+    small = os.statvfs_result((4096, 4096, 16, 16, 16, 1000, 1000, 1000, 0, 255))  # 64 KiB free: a tiny tmpfs
+    with mock.patch.object(os, "statvfs", return_value=small):
+        with pytest.raises(RuntimeError, match=r"^/dev/shm has 0.06 MiB free; tinytp needs 14.0 MiB: .* --shm-size"):
+            LLM(path, tensor_parallel_size=2, device="cpu")
+    assert not shm_entries()
+
+
+def shorten_the_collective_timeout(worker):
+    sys.modules["worker"].COLLECTIVE_TIMEOUT = 1.0  # for this test: 60 s by default
+
+
+def test_a_stopped_worker_is_named(mha_checkpoint):
+    path, _ = mha_checkpoint
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64)
+    pids = [p.pid for p in llm.executor.workers]
+    try:
+        llm.collective_rpc(shorten_the_collective_timeout)
+        os.kill(pids[1], signal.SIGSTOP)
+        with pytest.raises(WorkerError, match=r"(?s)worker rank 0 failed in execute_model.*"
+                                              r"rank 0 waited in a collective for ranks \[1\]: nothing after 1 s"):
+            llm.generate([[256, 1, 2]])
+        assert all(process_gone(pid) for pid in pids) and not shm_entries()
+    finally:
+        kill_if_alive(pids)
+        llm.shutdown()
+
+
+def memory_and_files(pid: int) -> tuple[int, int]:
+    """Resident memory (KiB) and open file descriptors of a process."""
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_200_calls_keep_memory_and_files_flat_and_shutdown_frees_the_semaphores(mha_checkpoint):
+    path, _ = mha_checkpoint
+    params = SamplingParams(temperature=0, max_tokens=1)  # one step a call: the executor's path, repeated
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        pids = [os.getpid(), llm.executor.workers[0].pid]
+        semaphores = [f"/dev/shm/sem.{bell._semlock.name.lstrip('/')}"
+                      for bell in (llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells)]
+        assert all(os.path.exists(name) for name in semaphores)
+        for i in range(250):
+            if i == 50:  # after a warm-up: allocator pools, caches
+                before = [memory_and_files(pid) for pid in pids]
+            llm.generate([[256, i % 256, 7]], params)
+        after = [memory_and_files(pid) for pid in pids]
+    for (rss_before, fds_before), (rss_after, fds_after) in zip(before, after):
+        assert fds_after == fds_before and rss_after - rss_before < 8 << 10, (before, after)
+    assert not any(os.path.exists(name) for name in semaphores)  # at shutdown, not when llm is collected
+
+
+# --------------------------------------------------------------------------------------
 # The command line, as the README runs it
 # --------------------------------------------------------------------------------------
 

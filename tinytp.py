@@ -15,6 +15,7 @@ import atexit
 import heapq
 import itertools
 import json
+import multiprocessing
 import os
 import pickle
 import random
@@ -34,7 +35,7 @@ import torch.multiprocessing as mp
 from model import (LlamaForCausalLM, ModelConfig, TPGroup, check_checkpoint, check_tensor_parallel_size,
                    checkpoint_shapes, token_id_list, vocab_rows_per_rank)
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams,
-                    SchedulerOutput, collective_block_bytes, is_integer, new_shared_memory, wait_until, worker_main)
+                    SchedulerOutput, check_free_shared_memory, collective_block_bytes, is_integer, new_shared_memory, wait_until, worker_main)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
@@ -181,24 +182,30 @@ class Executor:
         self.failure: str | None = None
         self.trace_next_decode = False  # set it to get a timeline of the next decode step
         self.trace_report: str | None = None
+        self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop our workers
+        self.workers, self.responses, self.collective_block = [], [], None  # made in the try below, freed if it fails
         self.broadcast = MessageQueue.create(num_readers=tp)
-        # One doorbell for all the reply queues: we wait on all of them at once.
-        context = mp.get_context("spawn")
-        self.doorbell = context.Semaphore(0)
-        self.responses = [MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0,
-                                              doorbells=[self.doorbell]) for _ in range(tp)]
-        self.collective_block = new_shared_memory(collective_block_bytes(tp)) if device == "cpu" and tp > 1 else None
-        # The workers meet in a TCP store that we host on a port the OS picks: no
-        # torchrun, no MASTER_PORT, and no race for a "free" port.
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.workers = [context.Process(target=worker_main, name=f"tinytp-rank{rank}", daemon=True,
-                                        args=(rank, tp, self.broadcast.handle, self.responses[rank].handle))
-                        for rank in range(tp)]
         atexit.register(self.shutdown)
         try:
+            # One doorbell for all the reply queues: we wait on all of them at once.
+            context = mp.get_context("spawn")
+            self.doorbell = context.Semaphore(0)
+            for _ in range(tp):
+                self.responses.append(MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0,
+                                                          doorbells=[self.doorbell]))
+            self.collective_block = new_shared_memory(collective_block_bytes(tp)) if device == "cpu" and tp > 1 else None
+            check_free_shared_memory([self.collective_block, *(q.shm for q in [self.broadcast, *self.responses])])
+            # The workers meet in a TCP store that we host on a port the OS picks: no
+            # torchrun, no MASTER_PORT, and no race for a "free" port.
+            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self.workers = [context.Process(target=worker_main, name=f"tinytp-rank{rank}", daemon=True, args=(
+                                rank, tp, self.broadcast.handle, self.responses[rank].handle, self.creator))
+                            for rank in range(tp)]
             with sigint_ignored():  # inherited: Ctrl-C reaches the driver, not N workers mid-import
                 for process in self.workers:
                     process.start()
+            # Off multiprocessing's list, whose exit hook (in a forked child too) would kill them.
+            multiprocessing.process._children.difference_update(self.workers)
             # Initialization goes through collective_rpc too, as in the design discussion.
             self.collective_rpc("init_device", None, device, dtype, self.store.port, threads_per_rank(tp),
                                 self.collective_block and self.collective_block.name)
@@ -251,6 +258,8 @@ class Executor:
               name: str) -> list:
         """Broadcast `message` and wait for the replies of `ranks` (RPCResults' values, or
         rank 0's ModelRunnerOutput for a step)."""
+        if self.broadcast.cut_off and self.failure is None:  # a timeout or Ctrl-C part-way through sending
+            self._fail("a message to them was cut off part-way, and they would misread what follows")
         if self.failure is not None:
             raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
         results: dict[int, object] = {}
@@ -292,8 +301,9 @@ class Executor:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Stop the workers (politely, then by force) and free every shared-memory block."""
-        if not self.workers:
+        """Stop the workers (politely, then by force) and free every shared-memory block and
+        semaphore. Only in the process that made them: not in a forked child at its exit."""
+        if self.broadcast.buf is None or os.getpid() != self.creator:  # done already, or not ours
             return
         workers = [process for process in self.workers if process.pid is not None]  # the started ones
         self.workers = []
@@ -315,7 +325,7 @@ class Executor:
         if self.collective_block is not None:
             self.collective_block.close()
             self.collective_block.unlink()
-        self.store = None
+        self.store = self.doorbell = None  # the last reference to the doorbells: multiprocessing removes them
 
 
 class sigint_ignored:
@@ -428,6 +438,7 @@ class LLM:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if has_tokenizer(self.model_dir) else None
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids())
         self.request_ids = itertools.count()
+        self.busy = threading.Lock()  # held by the one generate() or stream() that runs (see _run)
         self.executor = Executor(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format)
 
     def end_of_sequence_ids(self) -> set[int]:
@@ -505,16 +516,24 @@ class LLM:
         return Request(next(self.request_ids), prompt if isinstance(prompt, str) else None, token_ids, params, seed)
 
     def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
-        """Step until these requests are done; yield the requests finished at each step."""
+        """Step until these requests are done; yield the requests finished at each step.
+
+        One caller at a time; a second is refused, not made to wait (it could wait for a
+        stream its own thread has paused): callers sharing the batch would finish each
+        other's requests, and one interrupted mid-step would leave the others' tokens unknown."""
+        if not self.busy.acquire(blocking=False):
+            raise RuntimeError("this LLM is busy with another generate() or an unfinished stream(): one at a time")
         self.scheduler.waiting.extend(requests)
-        try:  # until these are done (another caller's requests may be in the scheduler too)
+        try:
             while any(request.finish_reason is None for request in requests):
                 scheduler_output = self.scheduler.schedule()
                 runner_output = self.executor.execute_model(scheduler_output)
                 yield self.scheduler.update(scheduler_output, runner_output)
         except BaseException:
-            self.scheduler.abort_all()
+            self.scheduler.abort_all()  # all of them are this caller's
             raise
+        finally:
+            self.busy.release()
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, *args, **kwargs) -> list:
         return self.executor.collective_rpc(method, timeout, *args, **kwargs)
@@ -636,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # a worker failed or died: not the user's doing, but say it plainly
+    except (RuntimeError, OSError) as e:  # a worker failed or died, /dev/shm is full: not the user's doing
         print(f"tinytp: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

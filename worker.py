@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Callable
 
@@ -147,17 +148,18 @@ MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
 DOORBELL_SLEEP = 50e-3
 
 
-def wait_until(ready: Callable[[], bool], timeout: float | None, what: str,
+def wait_until(ready: Callable[[], bool], timeout: float | None, what: str | Callable[[], str],
                check: Callable[[], None] | None = None, doorbell=None) -> None:
-    """Return once ready() is true. Raise TimeoutError naming `what` after `timeout`
-    seconds. Once polling is over, call check(), which raises if waiting is pointless (a
-    worker or the driver died), then sleep; a `doorbell` (a semaphore that the writer
-    releases after each chunk) ends the sleep as soon as a message is written."""
+    """Return once ready() is true. Raise TimeoutError naming `what` (or what(), a message
+    worth building only then) after `timeout` seconds. Once polling is over, call check(),
+    which raises if waiting is pointless (a worker or the driver died), then sleep; a
+    `doorbell` (a semaphore that the writer releases after each chunk) ends the sleep as
+    soon as a message is written."""
     start = time.perf_counter()
     while not ready():
         waited = time.perf_counter() - start
         if timeout is not None and waited > timeout:
-            raise TimeoutError(f"{what}: nothing after {timeout:g} s")
+            raise TimeoutError(f"{what if isinstance(what, str) else what()}: nothing after {timeout:g} s")
         if waited < YIELD_SECONDS:
             os.sched_yield()
             continue
@@ -176,6 +178,17 @@ def wait_until(ready: Callable[[], bool], timeout: float | None, what: str,
 def new_shared_memory(size: int) -> shared_memory.SharedMemory:
     """A new block, zero-filled, named after this process so leftovers are easy to trace."""
     return shared_memory.SharedMemory(name=f"tinytp_{os.getpid()}_{os.urandom(4).hex()}", create=True, size=size)
+
+
+def check_free_shared_memory(blocks: list[shared_memory.SharedMemory | None]) -> None:
+    """New blocks are sparse: tmpfs hands out a page when it is first touched, and when
+    /dev/shm is full that touch is a SIGBUS ("Bus error") that kills the process. So a
+    creator checks that all its blocks fit before it uses them."""
+    needed = sum(block.size for block in blocks if block is not None)
+    stat = os.statvfs("/dev/shm")
+    if stat.f_bavail * stat.f_frsize < needed:
+        raise RuntimeError(f"/dev/shm has {stat.f_bavail * stat.f_frsize / 2**20:.2f} MiB free; tinytp needs "
+                           f"{needed / 2**20:.1f} MiB: free some, or give a container more (docker run --shm-size=1g)")
 
 
 def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
@@ -238,16 +251,20 @@ class MessageQueue:
         self.who_waits = (f"queue {handle.name}: the writer waited for readers to free a chunk" if reader is None
                           else f"queue {handle.name}: reader {reader} waited for a message")  # built once
         self.next_chunk = 0  # the writer's or this reader's position in the ring
+        self.cut_off = False  # the writer gave up part-way through a message (see enqueue)
         # Kept between multi-chunk messages: a new 16 MiB buffer each costs more in page faults.
         self.receive_buffer = bytearray()
 
+    # Sizes: vLLM's ring is 10 chunks of up to 16-24 MiB (it carries images). A step here is
+    # ~50 bytes, a prefill of 8 prompts of 4096 tokens ~130 KB: 8 chunks of 1 MiB hold a few
+    # calls whole, larger ones stream through. Replies, rank 0's tokens, get 4 x 256 KiB.
     @classmethod
     def create(cls, num_readers: int, num_chunks: int = 8, chunk_bytes: int = 1 << 20,
                reader: int | None = None, doorbells: list | None = None) -> MessageQueue:
         """A new queue. Readers may share a doorbell with other queues (the driver has one
         for all the reply queues it polls); by default each reader gets its own."""
-        shm = new_shared_memory(num_chunks * (1 + num_readers + chunk_bytes))  # zero-filled: no flags set
         doorbells = doorbells or [multiprocessing.get_context("spawn").Semaphore(0) for _ in range(num_readers)]
+        shm = new_shared_memory(num_chunks * (1 + num_readers + chunk_bytes))  # zero-filled: no flags set
         handle = QueueHandle(shm.name, num_readers, num_chunks, chunk_bytes, tuple(doorbells))
         return cls(handle, shm, reader, owner=True)
 
@@ -266,7 +283,9 @@ class MessageQueue:
         return self.buf[self.my_read_flag[i]] == 0 and self.buf[self.written_flag[i]] == 1  # this order
 
     def enqueue(self, obj: Any, timeout: float | None = None, check: Callable[[], None] | None = None) -> int:
-        """Send obj to every reader; return its size in bytes, encoded."""
+        """Send obj to every reader; return its size in bytes, encoded. A timeout or Ctrl-C
+        after a message's first chunk leaves `cut_off` set: the readers hold part of it and
+        would read the next message as its rest, so the queue is of no more use."""
         data = memoryview(encode(obj))
         buf, sent = self.buf, 0
         while True:  # at least one chunk, even for an empty message
@@ -281,10 +300,11 @@ class MessageQueue:
             CHUNK_HEADER.pack_into(buf, self.chunk_start[i], len(part), len(data))
             buf[start: start + len(part)] = part
             buf[self.written_flag[i]] = 1  # published: set only after the chunk is complete
+            self.next_chunk = (i + 1) % self.handle.num_chunks
+            self.cut_off = sent < len(data)
             for doorbell in self.handle.doorbells:
                 doorbell.release()
-            self.next_chunk = (i + 1) % self.handle.num_chunks
-            if sent >= len(data):
+            if not self.cut_off:
                 return len(data)
 
     def dequeue(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> Any:
@@ -310,8 +330,9 @@ class MessageQueue:
                 return message if size == total else decode(memoryview(self.receive_buffer)[:total])
 
     def close(self) -> None:
-        """Detach; the creator also removes the block from /dev/shm."""
-        self.buf = None
+        """Detach; the creator also removes the block from /dev/shm (and, when nothing holds
+        them any more, multiprocessing removes the doorbells)."""
+        self.buf = self.handle = None
         self.shm.close()
         if self.owner:
             try:
@@ -322,6 +343,8 @@ class MessageQueue:
 
 # Collectives through shared memory, for ranks on one CPU machine ----------------------
 COLLECTIVE_BUFFER_BYTES = 1 << 20  # larger tensors (long prefills) take torch.distributed's way
+# Ranks do the same work, so a minute's wait in one collective means a rank is stopped or stuck.
+COLLECTIVE_TIMEOUT = 60.0
 
 
 def collective_block_bytes(world_size: int) -> int:
@@ -356,8 +379,8 @@ class SharedMemoryCollectives(Collectives):
             return min(self.published.tolist()) >= generation
 
         if not everyone_published():  # checked first: 17 times a step, skip building the message
-            wait_until(everyone_published, 60,
-                       f"rank {self.tp.rank}: a shared-memory collective waited for the other ranks")
+            wait_until(everyone_published, COLLECTIVE_TIMEOUT, lambda: f"rank {self.tp.rank} waited in a collective"
+                       f" for ranks {[r for r, seen in enumerate(self.published.tolist()) if seen < generation]}")
         return buffers[:, : data.numel()].view(tensor.dtype).view(self.tp.size, *tensor.shape)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -413,7 +436,8 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before the process group, which binds to it
         self.dtype = getattr(torch, dtype)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+        # For a driver that died meanwhile (NCCL's first get waits this long too: ranks come together).
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
         backend = "nccl" if device == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=self.tp.rank, world_size=self.tp.size,
                                 device_id=self.device if backend == "nccl" else None)  # nccl: connect now, not lazily
@@ -549,10 +573,11 @@ class DriverGone(Exception):
     """The driver process exited without shutting us down."""
 
 
-def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: QueueHandle) -> None:
+def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: QueueHandle, driver_pid: int) -> None:
     """The loop of one worker process: take the next step or call from the broadcast
     queue, run it, reply. Nothing else happens here (design discussion: workers "sit in a very
-    tight model execution loop" of model execution and termination)."""
+    tight model execution loop" of model execution and termination). driver_pid is passed
+    in: a driver that died while we imported torch has re-parented us before we could look."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     # tqdm's default lock is a named semaphore that the resource tracker watches: a killed
     # worker could not remove it, and the tracker would report it "leaked" at exit. Only
@@ -561,7 +586,6 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
     calls = MessageQueue.attach(broadcast, reader=rank)
     replies = MessageQueue.attach(response)
     worker = Worker(rank, world_size)
-    driver_pid = os.getppid()
     driver_gone = False
 
     def driver_alive() -> None:
@@ -569,6 +593,7 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
             raise DriverGone
 
     try:
+        driver_alive()  # its first message may be waiting: dequeue checks only while it waits
         while True:
             message: SchedulerOutput | RPCCall = calls.dequeue(check=driver_alive)
             received = time.perf_counter()
