@@ -1381,8 +1381,8 @@ def test_cli_piped_into_head_ends_quietly(cli_env):
     assert program.stdout.read(len("Prompt: 'hi'\nOutput: ")).endswith("Output: ")
     program.stdout.close()  # what `| head -c 20` does once it has its bytes
     err = program.stderr.read()
-    assert program.wait(timeout=30) != 0
-    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert program.wait(timeout=30) == 141  # 128 + SIGPIPE, and no message: the reader chose to stop
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "Broken pipe" not in err, err
     assert not shm_entries(program.pid)
 
 

@@ -655,15 +655,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `yes | head` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else exit's flush fails again
+        return 141  # 128 + SIGPIPE, as a shell reports it
     except (RuntimeError, OSError) as e:  # a worker failed or died, /dev/shm is full: not the user's doing
         print(f"tinytp: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("tinytp: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `yes | head` does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else exit's flush fails again
-        return 141  # 128 + SIGPIPE, as a shell reports it
     return 0
 
 
