@@ -460,7 +460,9 @@ class Worker:
             size = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
                        if f.endswith(".safetensors"))
             load_checkpoint(self.model, model_dir, show_progress=self.tp.rank == 0 and size > 1 << 30)
-        if self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        # oneDNN packs float32 on any CPU, bfloat16 where it supports it (AVX-512 CPUs and newer).
+        packable = {torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported()}
+        if self.device.type == "cpu" and torch.backends.mkldnn.is_available() and packable.get(self.dtype):
             pack_for_cpu(self.model)
 
     def init_kv_cache(self, max_num_seqs: int) -> None:
