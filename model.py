@@ -212,8 +212,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, shards: list[Shard]):
         super().__init__()
-        self.output_sizes = [s.size for s in shards]
-        self.weight = new_parameter(sum(self.output_sizes), in_features, shards=shards)
+        self.weight = new_parameter(sum(s.size for s in shards), in_features, shards=shards)
         self.packed_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -303,7 +302,8 @@ class ModelInputs:
     positions: torch.Tensor  # [B, T] position of each token in its sequence
     slot_ids: torch.Tensor  # [B] the KV-cache slot of each sequence
     slot_index: slice | torch.Tensor  # slot_ids again, as a slice when contiguous (indexing copies nothing)
-    attn_mask: torch.Tensor  # [B, 1, T, L] True where a query may see a cached key; L: the longest context
+    attn_mask: torch.Tensor | None  # [B, 1, T, L] True where a query may see a cached key; L: the longest
+    # context. None for a prefill from position 0, which is causal attention over its own keys.
     last_index: torch.Tensor  # [B] the index in T of each sequence's last real token
 
 
@@ -369,32 +369,35 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # [B, heads, T, hd]
-        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qkv = self.qkv_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, q, k and v heads, T, hd]
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        qk = qk * cos + rotate_half(qk) * sin  # RoPE on the query and key heads at once
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
-        # Write this step's keys and values at (slot, position), then attend over the
-        # slot's cache up to the longest context: the mask hides later positions and
-        # whatever an earlier request left in the slot.
+        # Write this step's keys and values at (slot, position).
         k_cache, v_cache = kv_cache  # each [slots, kv_heads, max_model_len + 1 (a spare), hd]
         # slot_ids [B, 1] and positions [B, T] pick one cache row per token; NumPy's rule for
         # index arrays split by a slice puts their dims first: [B, T, kv_heads, hd].
         where = (inputs.slot_ids[:, None], slice(None), inputs.positions)
         k_cache[where] = k.transpose(1, 2)
         v_cache[where] = v.transpose(1, 2)
-        context = inputs.attn_mask.shape[-1]
-        keys = k_cache[inputs.slot_index, :, :context]
-        values = v_cache[inputs.slot_index, :, :context]
-        # Grouped-query attention as plain attention: the query heads that share a KV head go
-        # in as one longer query. With a mask, enable_gqa=True can send CUDA (torch 2.11) to the
-        # unfused math kernel, which copies the keys and values once per query head.
-        group = self.num_heads // self.num_kv_heads
-        q = q.reshape(B, self.num_kv_heads, group * T, self.head_dim)
-        mask = inputs.attn_mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)  # a view when T is 1
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if inputs.attn_mask is None:
+            # A prefill from position 0: its own keys are the whole context, and causal
+            # attention needs no [T, L] mask (an 8k-token prompt: the upper half skipped).
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            # Attend over the slot's cache up to the longest context: the mask hides later
+            # positions and whatever an earlier request left in the slot.
+            context = inputs.attn_mask.shape[-1]
+            keys = k_cache[inputs.slot_index, :, :context]
+            values = v_cache[inputs.slot_index, :, :context]
+            # Grouped-query attention as plain attention: the query heads that share a KV head
+            # go in as one longer query. With a mask, enable_gqa=True can send CUDA (torch 2.11)
+            # to the unfused math kernel, which copies the keys and values once per query head.
+            group = self.num_heads // self.num_kv_heads
+            q = q.reshape(B, self.num_kv_heads, group * T, self.head_dim)
+            mask = inputs.attn_mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)  # a view when T is 1
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.o_proj(out.reshape(B, self.num_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
 
 

@@ -116,7 +116,7 @@ def last_logits(worker):
 def q_rows(worker):  # README, exercise 5
     qkv = worker.model.layers[0].self_attn.qkv_proj
     weight = qkv.weight if qkv.packed_weight is None else qkv.packed_weight.to_dense()
-    return weight[: qkv.output_sizes[0]]  # q's rows come first, then k's and v's
+    return weight[: qkv.weight.shards[0].size]  # q's rows come first (its shard), then k's and v's
 
 
 def request_token_ids(worker):

@@ -493,7 +493,8 @@ class Worker:
             positions=positions_t,
             slot_ids=slot_ids,
             slot_index=slice(slots[0], slots[0] + len(slots)) if contiguous else slot_ids,
-            attn_mask=(torch.arange(context, device=self.device) <= positions_t[:, None, :, None]),
+            attn_mask=None if all(r.num_computed == 0 for r in scheduled)  # a prefill: causal (see attention)
+            else torch.arange(context, device=self.device) <= positions_t[:, None, :, None],
             last_index=torch.tensor([len(t) - 1 for t in new_tokens], device=self.device),
         )
 
