@@ -310,13 +310,18 @@ class InProcessExecutor:
         self.collective_rpc("init_kv_cache", None, max_num_seqs)
 
     def collective_rpc(self, method, timeout=None, *args, **kwargs):
-        return [getattr(self.worker, method)(*args, **kwargs)]
+        call = method if callable(method) else getattr(Worker, method)
+        return [call(self.worker, *args, **kwargs)]
 
     def execute_model(self, scheduler_output):
         return self.worker.execute_model(scheduler_output)
 
     def shutdown(self):
         self.worker.close()
+
+
+def lm_head_is_packed(worker: Worker) -> bool:  # run in the workers, through collective_rpc
+    return worker.model.lm_head.packed_weight is not None
 
 
 class EngineBackend:
@@ -342,6 +347,10 @@ class EngineBackend:
             return output
         self.llm.executor.execute_model = timed_step  # shadows the method for LLM's loop
         self.parameter_bytes = max(self.llm.collective_rpc("parameter_bytes"))
+        # A tied head packed for the CPU has a copy of its own (pack_for_cpu): the table then
+        # serves only the embedding's few rows.
+        tied = self.llm.config.tie_word_embeddings
+        self.head_reads_table = tied and not all(self.llm.collective_rpc(lm_head_is_packed))
         self.threads = (f"1 process (the worker in-process) x {CORES} torch threads" if inprocess else
                         f"{args.tp} worker process(es) x {tinytp.threads_per_rank(args.tp)} torch threads")
 
@@ -380,6 +389,7 @@ class HFBackend:
         self.model.register_forward_pre_hook(lambda module, inputs: self.starts.append(time.perf_counter()))
         self.steps: list[Step] = []
         self.parameter_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.head_reads_table = self.model.config.tie_word_embeddings
         self.threads = f"1 process x {CORES} torch threads"
 
     def generate(self) -> list[int]:
@@ -417,10 +427,11 @@ def copy_bandwidth(device: str, size: int = 512 << 20, repeats: int = 5) -> floa
     return size / best
 
 
-def decode_weight_bytes(parameter_bytes: int, config: ModelConfig, tp: int, dtype: str) -> int:
+def decode_weight_bytes(parameter_bytes: int, config: ModelConfig, tp: int, dtype: str,
+                        head_reads_table: bool) -> int:
     """Bytes of weights one rank reads in a decode step: all it holds but the embedding
-    table, of which a step reads only one row per sequence (unless the LM head shares it)."""
-    if config.tie_word_embeddings:
+    table, of which a step reads only one row per sequence (unless the LM head reads it)."""
+    if head_reads_table:
         return parameter_bytes
     embedding_bytes = vocab_rows_per_rank(config.vocab_size, tp) * config.hidden_size * getattr(torch, dtype).itemsize
     return parameter_bytes - embedding_bytes
@@ -476,7 +487,7 @@ def run_latency(args) -> dict:
                 latencies.append(time.perf_counter() - start)
                 if set(lengths) != {args.output_len}:
                     raise RuntimeError(f"generated {sorted(set(lengths))} tokens, not {args.output_len}")
-            weight_bytes = decode_weight_bytes(backend.parameter_bytes, config, args.tp, dtype)
+            weight_bytes = decode_weight_bytes(backend.parameter_bytes, config, args.tp, dtype, backend.head_reads_table)
         finally:
             backend.close()
     # The ranks on a CPU share one memory and its bandwidth; each GPU has its own.
