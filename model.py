@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import re
 from dataclasses import dataclass, field
@@ -97,6 +98,15 @@ class ModelConfig:
             raise ValueError(f"{path}: {e}") from None
 
 
+def is_integer(value) -> bool:
+    """An int (numpy's too), but not a bool, which Python counts as one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def positive(raw: dict, key: str, default: float | None = None, kind: type = int):
     """raw[key], or `default` where it is missing or null, checked to be a positive int (or,
     with kind=float, a finite positive number; bool, which Python counts as an int, is neither)."""
@@ -105,8 +115,8 @@ def positive(raw: dict, key: str, default: float | None = None, kind: type = int
         raise ValueError(f"{key} is missing")
     if value is None:
         return default
-    types = (int, float) if kind is float else int
-    if isinstance(value, bool) or not isinstance(value, types) or not 0 < value < math.inf:
+    valid = is_number(value) if kind is float else is_integer(value)
+    if not valid or not 0 < value < math.inf:
         raise ValueError(f"{key} must be a positive {'number' if kind is float else 'integer'}, got {value!r}")
     return kind(value)
 
@@ -114,7 +124,7 @@ def positive(raw: dict, key: str, default: float | None = None, kind: type = int
 def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
     """Config files give token ids such as eos_token_id as one int or a list."""
     ids = [] if value is None else [value] if isinstance(value, int) else value
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    if not isinstance(ids, list) or not all(is_integer(i) and i >= 0 for i in ids):
         raise ValueError(f"{key} must be a token id or a list of them, got {value!r}")
     return list(ids)
 
@@ -128,7 +138,7 @@ def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
         kv_ok = config.num_kv_heads % n == 0 or n % config.num_kv_heads == 0
         return config.num_heads % n == 0 and kv_ok and config.intermediate_size % n == 0
 
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or not fits(tp):
+    if not is_integer(tp) or tp < 1 or not fits(tp):
         valid = [n for n in range(1, config.num_heads + 1) if fits(n)]
         raise ValueError(
             f"tensor parallel size {tp!r} does not fit this model: it must divide "
@@ -513,11 +523,16 @@ SHAPE_FROM_CONFIG = {"q_proj": f"{QUERY_ROWS}, hidden_size", "k_proj": f"{KV_ROW
 CONFIG_FIELDS = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads"}  # the others: same name
 
 
+def meta_model(config: ModelConfig, tp: TPGroup) -> LlamaForCausalLM:
+    """A rank's model on the "meta" device: its parameters' shapes, and no memory."""
+    with torch.device("meta"):
+        return LlamaForCausalLM(config, tp, max_model_len=1)
+
+
 def checkpoint_shapes(config: ModelConfig) -> dict[str, list[int]]:
     """The full shape of every checkpoint tensor, as config.json implies it: the shapes of
-    the tp=1 model's parameters, built on the "meta" device (shapes, no memory)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, TPGroup(0, 1), max_model_len=1)
+    the tp=1 model's parameters."""
+    model = meta_model(config, TPGroup(0, 1))
     return {shard.name: [*param.shape[:shard.dim], shard.size, *param.shape[shard.dim + 1:]]
             for param in model.parameters() for shard in param.shards}  # at tp=1 a shard is a whole tensor
 
@@ -549,7 +564,8 @@ def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) 
     where = checkpoint_files(checkpoint_dir)
     shards = [(param, shard) for param in model.parameters() for shard in param.shards]
     handles = {}  # one open file per path; they close when dropped
-    for param, shard in tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress):
+    bar = tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress, delay=1)  # if slow
+    for param, shard in bar:
         path = where[shard.name]
         if path not in handles:
             handles[path] = safe_open(path, framework="pt")

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import (LlamaForCausalLM, ModelConfig, TPGroup, check_checkpoint, check_tensor_parallel_size,
-                   checkpoint_shapes, token_id_list, vocab_rows_per_rank)
-from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams,
-                    SchedulerOutput, check_free_shared_memory, collective_block_bytes, is_integer, new_shared_memory, wait_until, worker_main)
+from model import (ModelConfig, TPGroup, check_checkpoint, check_tensor_parallel_size,
+                   checkpoint_shapes, is_integer, meta_model, token_id_list, vocab_rows_per_rank)
+from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams, SchedulerOutput,
+                    check_free_shared_memory, collective_block_bytes, new_shared_memory, wait_until, worker_main)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 
@@ -157,9 +157,14 @@ class Executor:
             self.workers = [context.Process(target=worker_main, name=f"tinytp-rank{rank}", daemon=True, args=(
                                 rank, tp, self.broadcast.handle, self.responses[rank].handle, self.creator))
                             for rank in range(tp)]
-            with sigint_ignored():  # inherited: Ctrl-C reaches the driver, not N workers mid-import
+            # Ctrl-C blocked while they start: they inherit the mask, so it reaches the driver
+            # (when we unblock it) and never N workers mid-import; worker_main then ignores it.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
                 for process in self.workers:
                     process.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             # Off multiprocessing's list, whose exit hook (in a forked child too) would kill them.
             multiprocessing.process._children.difference_update(self.workers)
             # Initialization goes through collective_rpc too, as in the design discussion.
@@ -282,18 +287,6 @@ class Executor:
             self.collective_block.close()
             self.collective_block.unlink()
         self.store = self.doorbell = None  # the last reference to the doorbells: multiprocessing removes them
-
-
-class sigint_ignored:
-    """Ignore Ctrl-C for a moment (in the main thread only, where signals can be set)."""
-
-    def __enter__(self):
-        main = threading.current_thread() is threading.main_thread()
-        self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-
-    def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
 
 
 # The scheduler ------------------------------------------------------------------------
@@ -509,16 +502,12 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
     """Build every rank's model on the "meta" device (shapes, no memory) with the same
     code the workers run, and describe the cut: per checkpoint tensor its full shape,
     a rank's slice and the split dimension, then bytes per rank and the traffic per step."""
-    def build(rank: int, size: int) -> LlamaForCausalLM:
-        with torch.device("meta"):
-            return LlamaForCausalLM(config, TPGroup(rank, size), max_model_len=1)
-
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
     whole = checkpoint_shapes(config)
     lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
              f"{'rank 0 slice':>14}  split"]
-    for param in build(0, tp).parameters():
+    for param in meta_model(config, TPGroup(0, tp)).parameters():
         for shard in param.shards:
             if ".layers." in shard.name and ".layers.0." not in shard.name:
                 continue  # every layer is cut alike
@@ -532,7 +521,7 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
             lines.append(f"{shard.name:<48}{str(full_shape):>14}{str(mine):>14}  {how}")
     lines.append("")
     for rank in range(tp):
-        held = sum(p.numel() for p in build(rank, tp).parameters()) * itemsize
+        held = sum(p.numel() for p in meta_model(config, TPGroup(rank, tp)).parameters()) * itemsize
         lines.append(f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})")
     hidden = config.hidden_size * itemsize
     vocab = padded_vocab * itemsize

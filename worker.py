@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import math
 import multiprocessing
-import numbers
 import operator
 import os
 import pickle
@@ -25,8 +24,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import model as model_code  # for model_code.collectives, which init_device may replace
-from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, init_dummy_weights,
-                   load_checkpoint, pack_for_cpu)
+from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, init_dummy_weights, is_integer,
+                   is_number, load_checkpoint, pack_for_cpu)
 
 # Messages between the driver and the workers ------------------------------------------
 @dataclass
@@ -53,15 +52,6 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-
-
-def is_integer(value: Any) -> bool:
-    """An int (numpy's too), but not a bool, which Python counts as one."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass
@@ -457,9 +447,7 @@ class Worker:
         if load_format == "dummy":
             init_dummy_weights(self.model)
         else:
-            size = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
-                       if f.endswith(".safetensors"))
-            load_checkpoint(self.model, model_dir, show_progress=self.tp.rank == 0 and size > 1 << 30)
+            load_checkpoint(self.model, model_dir, show_progress=self.tp.rank == 0)
         # oneDNN packs float32 on any CPU, bfloat16 where it supports it (AVX-512 CPUs and newer).
         packable = {torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported()}
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available() and packable.get(self.dtype):
