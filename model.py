@@ -498,15 +498,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def checkpoint_files(checkpoint_dir: str) -> dict[str, str]:
-    """Map each tensor name to the safetensors file that holds it."""
-    index_path = os.path.join(checkpoint_dir, "model.safetensors.index.json")
-    if os.path.exists(index_path):  # a checkpoint split over several files
-        with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(checkpoint_dir, file) for name, file in weight_map.items()}
-    files = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
+    """Map each tensor name to the safetensors file that holds it, from the files' headers
+    (which model.safetensors.index.json, where there is one, only repeats)."""
     names = {}
-    for file in files:
+    for file in sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors")):
         path = os.path.join(checkpoint_dir, file)
         with safe_open(path, framework="pt") as f:
             names.update(dict.fromkeys(f.keys(), path))
