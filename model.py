@@ -168,7 +168,8 @@ collectives = Collectives()
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place in the tensor-parallel group (the default process group)."""
+    """This process's place in the tensor-parallel group (the default process group). The
+    layers call it `group`; elsewhere `tp` is the group's size, an int."""
 
     rank: int
     size: int
@@ -187,10 +188,10 @@ class Shard:
     offset: int = 0
 
 
-def split(name: str, full_size: int, tp: TPGroup, dim: int = 0) -> Shard:
+def split(name: str, full_size: int, group: TPGroup, dim: int = 0) -> Shard:
     """Rank r's r-th equal part of a dimension (the common case)."""
-    part = full_size // tp.size
-    return Shard(name, dim, tp.rank * part, part)
+    part = full_size // group.size
+    return Shard(name, dim, group.rank * part, part)
 
 
 def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
@@ -236,16 +237,16 @@ class RowParallelLinear(nn.Module):
     rank computes a partial sum of y, and one all-reduce adds them up.
     """
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, name: str):
+    def __init__(self, in_features: int, out_features: int, group: TPGroup, name: str):
         super().__init__()
-        self.tp = tp
-        shard = split(name, in_features, tp, dim=1)
+        self.group = group
+        shard = split(name, in_features, group, dim=1)
         self.weight = new_parameter(out_features, shard.size, shards=[shard])
         self.packed_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.packed_weight)
-        if self.tp.size > 1:
+        if self.group.size > 1:
             collectives.all_reduce(y)
         return y
 
@@ -264,18 +265,18 @@ class VocabParallelEmbedding(nn.Module):
     writes zeros for the rest, so an all-reduce (a sum) assembles every embedding.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, name: str):
+    def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup, name: str):
         super().__init__()
-        self.tp = tp
+        self.group = group
         self.vocab_size = vocab_size
-        self.rows_per_rank = vocab_rows_per_rank(vocab_size, tp.size)
-        self.vocab_start = tp.rank * self.rows_per_rank
+        self.rows_per_rank = vocab_rows_per_rank(vocab_size, group.size)
+        self.vocab_start = group.rank * self.rows_per_rank
         rows_in_checkpoint = max(0, min(vocab_size - self.vocab_start, self.rows_per_rank))
         shards = [Shard(name, 0, self.vocab_start, rows_in_checkpoint)] if rows_in_checkpoint else []
         self.weight = new_parameter(self.rows_per_rank, hidden_size, shards=shards)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
+        if self.group.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         mine = (local >= 0) & (local < self.rows_per_rank)
@@ -297,8 +298,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self.weight, self.packed_weight)
-        if self.tp.size > 1:
-            logits = collectives.all_gather(logits, self.tp.size)
+        if self.group.size > 1:
+            logits = collectives.all_gather(logits, self.group.size)
         return logits[..., : self.vocab_size]  # drop the padding rows' logits
 
 
@@ -362,19 +363,19 @@ class LlamaAttention(nn.Module):
     (weights and KV cache): replicated, as in vLLM.
     """
 
-    def __init__(self, config: ModelConfig, tp: TPGroup, prefix: str):
+    def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
         hd = config.head_dim
-        self.num_heads = config.num_heads // tp.size
-        self.num_kv_heads = max(1, config.num_kv_heads // tp.size)
-        first_kv_head = tp.rank * config.num_kv_heads // tp.size
+        self.num_heads = config.num_heads // group.size
+        self.num_kv_heads = max(1, config.num_kv_heads // group.size)
+        first_kv_head = group.rank * config.num_kv_heads // group.size
         q_rows, kv_rows = self.num_heads * hd, self.num_kv_heads * hd
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [
-            Shard(f"{prefix}.q_proj.weight", 0, tp.rank * q_rows, q_rows),
+            Shard(f"{prefix}.q_proj.weight", 0, group.rank * q_rows, q_rows),
             Shard(f"{prefix}.k_proj.weight", 0, first_kv_head * hd, kv_rows),
             Shard(f"{prefix}.v_proj.weight", 0, first_kv_head * hd, kv_rows),
         ])
-        self.o_proj = RowParallelLinear(config.num_heads * hd, config.hidden_size, tp, f"{prefix}.o_proj.weight")
+        self.o_proj = RowParallelLinear(config.num_heads * hd, config.hidden_size, group, f"{prefix}.o_proj.weight")
         self.head_dim = hd
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
@@ -404,9 +405,9 @@ class LlamaAttention(nn.Module):
             # Grouped-query attention as plain attention: the query heads that share a KV head
             # go in as one longer query. With a mask, enable_gqa=True can send CUDA (torch 2.11)
             # to the unfused math kernel, which copies the keys and values once per query head.
-            group = self.num_heads // self.num_kv_heads
-            q = q.reshape(B, self.num_kv_heads, group * T, self.head_dim)
-            mask = inputs.attn_mask[:, :, None].expand(-1, -1, group, -1, -1).flatten(2, 3)  # a view when T is 1
+            q_per_kv = self.num_heads // self.num_kv_heads
+            q = q.reshape(B, self.num_kv_heads, q_per_kv * T, self.head_dim)
+            mask = inputs.attn_mask[:, :, None].expand(-1, -1, q_per_kv, -1, -1).flatten(2, 3)  # a view when T is 1
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.o_proj(out.reshape(B, self.num_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
 
@@ -414,14 +415,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: gate and up fused in one column-parallel matmul, down row-parallel."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup, prefix: str):
+    def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [
-            split(f"{prefix}.gate_proj.weight", size, tp),
-            split(f"{prefix}.up_proj.weight", size, tp),
+            split(f"{prefix}.gate_proj.weight", size, group),
+            split(f"{prefix}.up_proj.weight", size, group),
         ])
-        self.down_proj = RowParallelLinear(size, config.hidden_size, tp, f"{prefix}.down_proj.weight")
+        self.down_proj = RowParallelLinear(size, config.hidden_size, group, f"{prefix}.down_proj.weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -431,13 +432,13 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Two all-reduces per layer: one after attention's o_proj, one after the MLP's down_proj."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup, prefix: str):
+    def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, f"{prefix}.input_layernorm.weight")
-        self.self_attn = LlamaAttention(config, tp, f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(config, group, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, f"{prefix}.post_attention_layernorm.weight")
-        self.mlp = LlamaMLP(config, tp, f"{prefix}.mlp")
+        self.mlp = LlamaMLP(config, group, f"{prefix}.mlp")
 
     def forward(self, x, cos, sin, kv_cache, inputs: ModelInputs) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, inputs)
@@ -447,15 +448,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Token ids in, full-vocabulary logits of each sequence's last token out, on every rank."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup, max_model_len: int):
+    def __init__(self, config: ModelConfig, group: TPGroup, max_model_len: int):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp, "model.embed_tokens.weight")
+            config.vocab_size, config.hidden_size, group, "model.embed_tokens.weight")
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, f"model.layers.{i}") for i in range(config.num_layers))
+            LlamaDecoderLayer(config, group, f"model.layers.{i}") for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight")
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, "lm_head.weight")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group, "lm_head.weight")
         if config.tie_word_embeddings:  # Llama 3.2: the LM head is the embedding table
             self.lm_head.weight = self.embed_tokens.weight
         # cos/sin of every position, computed once in float32 as transformers does.
@@ -518,10 +519,10 @@ SHAPE_FROM_CONFIG = {"q_proj": f"{QUERY_ROWS}, hidden_size", "k_proj": f"{KV_ROW
 CONFIG_FIELDS = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads"}  # the others: same name
 
 
-def meta_model(config: ModelConfig, tp: TPGroup) -> LlamaForCausalLM:
+def meta_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
     """A rank's model on the "meta" device: its parameters' shapes, and no memory."""
     with torch.device("meta"):
-        return LlamaForCausalLM(config, tp, max_model_len=1)
+        return LlamaForCausalLM(config, group, max_model_len=1)
 
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, list[int]]:

@@ -92,7 +92,8 @@ def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
     for name in ("config.json", "tokenizer.json"):
         with open(tmp_path / name) as new, open(os.path.join(tinytp.TINY_MODEL_DIR, name)) as shipped:
             assert {**json.load(new), "transformers_version": ""} == {**json.load(shipped), "transformers_version": ""}
-    new, shipped = (safetensors.torch.load_file(os.path.join(d, "model.safetensors")) for d in (tmp_path, tinytp.TINY_MODEL_DIR))
+    new, shipped = (safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
+                    for folder in (tmp_path, tinytp.TINY_MODEL_DIR))
     assert {k: (t.shape, t.dtype) for k, t in new.items()} == {k: (t.shape, t.dtype) for k, t in shipped.items()}
     tokenizer = AutoTokenizer.from_pretrained(tinytp.TINY_MODEL_DIR)
     assert tokenizer("hé!").input_ids == [256, *"hé!".encode()] and tokenizer.eos_token_id == 257
@@ -223,34 +224,34 @@ def load_from_full(module: torch.nn.Module, full: dict[str, torch.Tensor]) -> No
 
 def run_layer_checks(rank: int, world_size: int, store_path: str, block_name: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
-    tp = TPGroup(rank, world_size)
+    group = TPGroup(rank, world_size)
     torch.manual_seed(0)  # every rank draws the same full tensors
     x = torch.randn(3, 5, 16)
     full = {"col": torch.randn(24, 16), "row": torch.randn(7, 24), "emb": torch.randn(11, 16)}
 
-    column = ColumnParallelLinear(16, [split("col", 24, tp)])
+    column = ColumnParallelLinear(16, [split("col", 24, group)])
     load_from_full(column, full)
     expected = F.linear(x, full["col"])
     assert torch.allclose(column(x), expected.chunk(world_size, dim=-1)[rank], atol=1e-6)
 
-    row = RowParallelLinear(24, 7, tp, "row")  # fed the column layer's split output
+    row = RowParallelLinear(24, 7, group, "row")  # fed the column layer's split output
     load_from_full(row, full)
     assert torch.allclose(row(column(x)), F.linear(expected, full["row"]), atol=1e-5)
 
     ids = torch.tensor([[0, 5, 6, 10], [3, 9, 1, 2]])  # vocab 11: tp=2 pads it to 12
-    embedding = VocabParallelEmbedding(11, 16, tp, "emb")
+    embedding = VocabParallelEmbedding(11, 16, group, "emb")
     load_from_full(embedding, full)
     assert embedding.weight.shape == (6, 16)
     assert torch.allclose(embedding(ids), torch.nn.functional.embedding(ids, full["emb"]), atol=1e-6)
 
-    head = ParallelLMHead(11, 16, tp, "emb")
+    head = ParallelLMHead(11, 16, group, "emb")
     load_from_full(head, full)
     logits = head(x)
     assert logits.shape == (3, 5, 11)  # every rank holds the full, unpadded vocabulary
     assert torch.allclose(logits, F.linear(x, full["emb"]), atol=1e-5)
 
     # The same through shared memory, and a tensor too big for a buffer (back to gloo).
-    model_code.collectives = SharedMemoryCollectives(block_name, tp)
+    model_code.collectives = SharedMemoryCollectives(block_name, group)
     try:
         assert torch.allclose(row(column(x)), F.linear(expected, full["row"]), atol=1e-5)
         assert torch.equal(head(x), logits)
@@ -398,7 +399,7 @@ def test_queue_flag_order_never_reads_a_half_written_chunk():
     code, and every interleaving of the two sides is tried."""
     writer = MessageQueue.create(num_readers=1, num_chunks=1, chunk_bytes=64)
     reader = MessageQueue.attach(writer.handle, reader=0)
-    written, read = writer.written_flag[0], writer.read_flags[0]
+    written, read = writer.written_at[0], writer.read_flags_at[0]
     try:
         writer.buf = RecordingBuffer(len(writer.shm.buf))
         writer.enqueue("x")
@@ -406,7 +407,7 @@ def test_queue_flag_order_never_reads_a_half_written_chunk():
                         for op, key, value in writer.buf.log if op == "set"]
         reader.buf = RecordingBuffer(len(reader.shm.buf))
         reader.ready()
-        reader_flag_order = ["read" if key == reader.my_read_flag[0] else "written" for _, key, _ in reader.buf.log]
+        reader_flag_order = ["read" if key == reader.my_read_at[0] else "written" for _, key, _ in reader.buf.log]
     finally:
         writer.buf = reader.buf = None
         reader.close()
@@ -591,7 +592,7 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
 
 
 def raise_on_rank_1(worker):  # run in the workers through collective_rpc
-    if worker.tp.rank == 1:
+    if worker.group.rank == 1:
         raise ValueError("boom")
     return "fine"
 
@@ -606,7 +607,7 @@ def model_that_fails(*args):
 
 
 def break_the_model_on_rank_1(worker):  # its next step fails before the first collective
-    if worker.tp.rank == 1:
+    if worker.group.rank == 1:
         worker.model.forward = model_that_fails
 
 
@@ -657,7 +658,7 @@ def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoin
         assert llm.collective_rpc(sleep_in_worker, None, 0.0) == [0.0, 0.0]
         # A function the workers cannot import (its module is on the driver's path only,
         # added after they started) comes back as an error, and the workers stay up.
-        (tmp_path / "driver_only.py").write_text("def where(worker):\n    return worker.tp.rank\n")
+        (tmp_path / "driver_only.py").write_text("def where(worker):\n    return worker.group.rank\n")
         sys.path.insert(0, str(tmp_path))
         try:
             from driver_only import where

@@ -228,14 +228,14 @@ class MessageQueue:
         self.reader = reader  # None for the writer's side
         self.owner = owner  # the creator unlinks the block
         # The block: all the flags first, chunk i's at i * flags_bytes ("written", then one
-        # "read" per reader), then the chunks. The offsets are computed once: enqueue and
-        # dequeue run a few times a step, and each Python operation costs ~50 ns.
+        # "read" per reader), then the chunks. Where each lies (the *_at offset lists) is
+        # computed once: enqueue and dequeue run a few times a step, each Python operation ~50 ns.
         flags_bytes = 1 + handle.num_readers
-        self.written_flag = [i * flags_bytes for i in range(handle.num_chunks)]
-        self.read_flags = [slice(i * flags_bytes + 1, (i + 1) * flags_bytes) for i in range(handle.num_chunks)]
+        self.written_at = [i * flags_bytes for i in range(handle.num_chunks)]
+        self.read_flags_at = [slice(i * flags_bytes + 1, (i + 1) * flags_bytes) for i in range(handle.num_chunks)]
         if reader is not None:
-            self.my_read_flag = [i * flags_bytes + 1 + reader for i in range(handle.num_chunks)]
-        self.chunk_start = [handle.num_chunks * flags_bytes + i * handle.chunk_bytes for i in range(handle.num_chunks)]
+            self.my_read_at = [i * flags_bytes + 1 + reader for i in range(handle.num_chunks)]
+        self.chunk_at = [handle.num_chunks * flags_bytes + i * handle.chunk_bytes for i in range(handle.num_chunks)]
         self.capacity = handle.chunk_bytes - CHUNK_HEADER.size  # payload bytes per chunk
         self.no_reads, self.all_read = bytes(handle.num_readers), bytes([1] * handle.num_readers)
         self.who_waits = (f"queue {handle.name}: the writer waited for readers to free a chunk" if reader is None
@@ -265,12 +265,12 @@ class MessageQueue:
     def _chunk_free(self) -> bool:
         """May the writer fill its next chunk: never written, or read by every reader?"""
         i = self.next_chunk
-        return self.buf[self.written_flag[i]] == 0 or self.buf[self.read_flags[i]] == self.all_read
+        return self.buf[self.written_at[i]] == 0 or self.buf[self.read_flags_at[i]] == self.all_read
 
     def ready(self) -> bool:
         """Is there a message (or its next chunk) for this reader?"""
         i = self.next_chunk
-        return self.buf[self.my_read_flag[i]] == 0 and self.buf[self.written_flag[i]] == 1  # this order
+        return self.buf[self.my_read_at[i]] == 0 and self.buf[self.written_at[i]] == 1  # this order
 
     def enqueue(self, obj: Any, timeout: float | None = None, check: Callable[[], None] | None = None) -> int:
         """Send obj to every reader; return its size in bytes, encoded. A timeout or Ctrl-C
@@ -284,12 +284,12 @@ class MessageQueue:
             i = self.next_chunk
             part = data[sent: sent + self.capacity]
             sent += len(part)
-            buf[self.written_flag[i]] = 0  # not readable while we fill it
-            buf[self.read_flags[i]] = self.no_reads
-            start = self.chunk_start[i] + CHUNK_HEADER.size
-            CHUNK_HEADER.pack_into(buf, self.chunk_start[i], len(part), len(data))
+            buf[self.written_at[i]] = 0  # not readable while we fill it
+            buf[self.read_flags_at[i]] = self.no_reads
+            start = self.chunk_at[i] + CHUNK_HEADER.size
+            CHUNK_HEADER.pack_into(buf, self.chunk_at[i], len(part), len(data))
             buf[start: start + len(part)] = part
-            buf[self.written_flag[i]] = 1  # published: set only after the chunk is complete
+            buf[self.written_at[i]] = 1  # published: set only after the chunk is complete
             self.next_chunk = (i + 1) % self.handle.num_chunks
             self.cut_off = sent < len(data)
             for doorbell in self.handle.doorbells:
@@ -303,8 +303,8 @@ class MessageQueue:
             if not self.ready():
                 wait_until(self.ready, timeout, self.who_waits, check, self.handle.doorbells[self.reader])
             i = self.next_chunk
-            size, total = CHUNK_HEADER.unpack_from(self.buf, self.chunk_start[i])
-            start = self.chunk_start[i] + CHUNK_HEADER.size
+            size, total = CHUNK_HEADER.unpack_from(self.buf, self.chunk_at[i])
+            start = self.chunk_at[i] + CHUNK_HEADER.size
             payload = self.buf[start: start + size]
             if size == total:  # the common case: one chunk, decoded in place
                 message = decode(payload)
@@ -314,7 +314,7 @@ class MessageQueue:
                 self.receive_buffer[received: received + size] = payload
             received += size
             del payload  # release the view before the writer may reuse the chunk
-            self.buf[self.my_read_flag[i]] = 1  # done with this chunk
+            self.buf[self.my_read_at[i]] = 1  # done with this chunk
             self.next_chunk = (i + 1) % self.handle.num_chunks
             if received == total:
                 return message if size == total else decode(memoryview(self.receive_buffer)[:total])
@@ -349,12 +349,12 @@ class SharedMemoryCollectives(Collectives):
     Two sets of buffers alternate: once everyone has published g, everyone has finished
     reading g-1's set, which g+1 reuses. The same store-order caveat as MessageQueue's."""
 
-    def __init__(self, block_name: str, tp: TPGroup):
-        self.tp = tp
+    def __init__(self, block_name: str, group: TPGroup):
+        self.group = group
         self.shm = attach_shared_memory(block_name)
-        self.published = torch.frombuffer(self.shm.buf, dtype=torch.int64, count=tp.size)
-        self.buffers = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=8 * tp.size,
-                                      count=2 * tp.size * COLLECTIVE_BUFFER_BYTES).view(2, tp.size, -1)
+        self.published = torch.frombuffer(self.shm.buf, dtype=torch.int64, count=group.size)
+        self.buffers = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=8 * group.size,
+                                      count=2 * group.size * COLLECTIVE_BUFFER_BYTES).view(2, group.size, -1)
         self.generation = 0
 
     def exchange(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -362,16 +362,16 @@ class SharedMemoryCollectives(Collectives):
         data = tensor.contiguous().view(-1).view(torch.uint8)
         self.generation += 1
         generation, buffers = self.generation, self.buffers[self.generation % 2]
-        buffers[self.tp.rank, : data.numel()].copy_(data)
-        self.published[self.tp.rank] = generation  # after the data: the same store order
+        buffers[self.group.rank, : data.numel()].copy_(data)
+        self.published[self.group.rank] = generation  # after the data: the same store order
 
         def everyone_published() -> bool:
             return min(self.published.tolist()) >= generation
 
         if not everyone_published():  # checked first: 17 times a step, skip building the message
-            wait_until(everyone_published, COLLECTIVE_TIMEOUT, lambda: f"rank {self.tp.rank} waited in a collective"
+            wait_until(everyone_published, COLLECTIVE_TIMEOUT, lambda: f"rank {self.group.rank} waited in a collective"
                        f" for ranks {[r for r, seen in enumerate(self.published.tolist()) if seen < generation]}")
-        return buffers[:, : data.numel()].view(tensor.dtype).view(self.tp.size, *tensor.shape)
+        return buffers[:, : data.numel()].view(tensor.dtype).view(self.group.size, *tensor.shape)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         if tensor.nbytes > COLLECTIVE_BUFFER_BYTES:
@@ -410,7 +410,7 @@ class Worker:
     reached through the driver's collective_rpc."""
 
     def __init__(self, rank: int, world_size: int):
-        self.tp = TPGroup(rank, world_size)
+        self.group = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
         self.trace: list[tuple] | None = None  # (start, end, what, bytes) while tracing
 
@@ -422,17 +422,17 @@ class Worker:
         carries CUDA tensors through the host: nccl refuses two ranks on one GPU. With a
         collective block (CPU, tp > 1), the layers' collectives go through shared memory."""
         torch.set_num_threads(num_threads)
-        self.device = torch.device(device, self.tp.rank) if device == "cuda" else torch.device(device)
+        self.device = torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before the process group, which binds to it
         self.dtype = getattr(torch, dtype)
         # For a driver that died meanwhile (NCCL's first get waits this long too: ranks come together).
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
         backend = "nccl" if device == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=self.tp.rank, world_size=self.tp.size,
+        dist.init_process_group(backend, store=store, rank=self.group.rank, world_size=self.group.size,
                                 device_id=self.device if backend == "nccl" else None)  # nccl: connect now, not lazily
         if collective_block is not None:
-            model_code.collectives = SharedMemoryCollectives(collective_block, self.tp)
+            model_code.collectives = SharedMemoryCollectives(collective_block, self.group)
 
     def load_model(self, model_dir: str, max_model_len: int, load_format: str = "auto") -> None:
         """Build this rank's part of the model and fill it from the checkpoint (or with
@@ -442,12 +442,12 @@ class Worker:
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
             # One extra position: padding tokens write their keys there, where no one looks.
-            self.model = LlamaForCausalLM(self.config, self.tp, max_model_len + 1)
+            self.model = LlamaForCausalLM(self.config, self.group, max_model_len + 1)
         torch.set_default_dtype(torch.float32)
         if load_format == "dummy":
             init_dummy_weights(self.model)
         else:
-            load_checkpoint(self.model, model_dir, show_progress=self.tp.rank == 0)
+            load_checkpoint(self.model, model_dir, show_progress=self.group.rank == 0)
         # oneDNN packs float32 on any CPU, bfloat16 where it supports it (AVX-512 CPUs and newer).
         packable = {torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported()}
         if self.device.type == "cpu" and torch.backends.mkldnn.is_available() and packable.get(self.dtype):
@@ -564,7 +564,8 @@ class DriverGone(Exception):
     """The driver process exited without shutting us down."""
 
 
-def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: QueueHandle, driver_pid: int) -> None:
+def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, response_handle: QueueHandle,
+                driver_pid: int) -> None:
     """The loop of one worker process: take the next step or call from the broadcast
     queue, run it, reply. Nothing else happens here (design discussion: workers "sit in a very
     tight model execution loop" of model execution and termination). driver_pid is passed
@@ -574,8 +575,8 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
     # worker could not remove it, and the tracker would report it "leaked" at exit. Only
     # one thread here draws progress bars, so a thread lock does.
     tqdm.set_lock(threading.RLock())
-    calls = MessageQueue.attach(broadcast, reader=rank)
-    replies = MessageQueue.attach(response)
+    broadcast = MessageQueue.attach(broadcast_handle, reader=rank)  # the Executor's broadcast and our response queue
+    response = MessageQueue.attach(response_handle)
     worker = Worker(rank, world_size)
     driver_gone = False
 
@@ -586,7 +587,7 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
     try:
         driver_alive()  # its first message may be waiting: dequeue checks only while it waits
         while True:
-            message: SchedulerOutput | RPCCall = calls.dequeue(check=driver_alive)
+            message: SchedulerOutput | RPCCall = broadcast.dequeue(check=driver_alive)
             received = time.perf_counter()
             step = isinstance(message, SchedulerOutput)
             if not step and message.method == SHUTDOWN:
@@ -605,19 +606,19 @@ def worker_main(rank: int, world_size: int, broadcast: QueueHandle, response: Qu
                 worker.trace.append((received, time.perf_counter(), "got the step and ran execute_model", 0))
             if rank == 0 or isinstance(reply, RPCResult):  # every rank answers a call or reports an error
                 start = time.perf_counter()
-                size = replies.enqueue(reply, check=driver_alive)
+                size = response.enqueue(reply, check=driver_alive)
                 if tracing:
                     worker.trace.append((start, time.perf_counter(), "replied", size))
     except DriverGone:
         # Nobody else will unlink the blocks and doorbells now (which also keeps the dead
         # driver's resource tracker quiet): rank 0 the shared ones, each rank its reply block.
         driver_gone = True
-        calls.owner = rank == 0
-        replies.owner = True
+        broadcast.owner = rank == 0
+        response.owner = True
         if rank == 0:
-            for doorbell in (*calls.handle.doorbells, *replies.handle.doorbells):
+            for doorbell in (*broadcast.handle.doorbells, *response.handle.doorbells):
                 type(doorbell)._cleanup(doorbell._semlock.name)  # what the driver's exit would do
     finally:
         worker.close(unlink_collective_block=driver_gone and rank == 0)
-        calls.close()
-        replies.close()
+        broadcast.close()
+        response.close()
