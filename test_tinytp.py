@@ -1242,6 +1242,34 @@ def test_a_stopped_worker_is_named(mha_checkpoint):
         llm.shutdown()
 
 
+def test_a_stopped_worker_at_tp1_is_named(mha_checkpoint, monkeypatch):
+    """No peer waits for a tp=1 worker in a collective: the driver itself notices it is stopped."""
+    path, _ = mha_checkpoint
+    monkeypatch.setattr(tinytp, "STOPPED_GRACE", 1.0)  # for this test: a few seconds by default
+    llm = LLM(path, device="cpu", max_model_len=64)
+    pid, errors = llm.executor.workers[0].pid, []
+
+    def generate():
+        try:
+            llm.generate([[256, 1, 2]])
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        thread = threading.Thread(target=generate, daemon=True)  # a thread, so that a wait forever fails the test
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "generate is still waiting for the stopped worker"
+        assert time.monotonic() - start < 1.0 + 4  # the grace, then shutdown's 2 s of politeness before SIGKILL
+        assert re.fullmatch(rf"tinytp worker rank 0 \(pid {pid}\) is stopped \(SIGSTOP\?\).*", errors[0]), errors
+        assert process_gone(pid) and not shm_entries()
+    finally:
+        kill_if_alive([pid])  # also what lets today's waiting generate end
+        llm.shutdown()
+
+
 def memory_and_files(pid: int) -> tuple[int, int]:
     """Resident memory (KiB) and open file descriptors of a process."""
     with open(f"/proc/{pid}/status") as f:

@@ -163,6 +163,21 @@ def threads_per_rank(tp: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // tp)
 
 
+# A stopped worker (SIGSTOP, state T; t under a debugger) never answers, and no slowness
+# looks like it; at tp=1 no peer waits for it in a collective, so the driver gives up on it
+# after this long. Not at once: a debugger that attaches or a Ctrl-Z then fg stops it briefly.
+STOPPED_GRACE = 5.0
+
+
+def is_stopped(pid: int) -> bool:
+    """Is the process stopped? Read from /proc; without one (macOS), never."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")  # the state follows the name, "(...)"
+    except OSError:
+        return False
+
+
 class WorkerError(RuntimeError):
     """A worker method raised: names the rank and carries its traceback text."""
 
@@ -184,6 +199,7 @@ class Executor:
         self.trace_report: str | None = None
         self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop our workers
         self.workers, self.responses, self.collective_block = [], [], None  # made in the try below, freed if it fails
+        self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
         self.broadcast = MessageQueue.create(num_readers=tp)
         atexit.register(self.shutdown)
         try:
@@ -289,12 +305,19 @@ class Executor:
         return [results[rank] for rank in ranks]
 
     def _check_workers(self) -> None:
-        """Called while we wait: a dead worker means no answer will ever come."""
+        """Called while we wait: a dead worker, or one stopped for STOPPED_GRACE, means no
+        answer will ever come."""
         for rank, process in enumerate(self.workers):
             if process.exitcode is not None:
                 self._fail(f"worker rank {rank} exited with code {process.exitcode}")
                 raise RuntimeError(f"tinytp worker rank {rank} died (exit code {process.exitcode}); "
                                    "the other workers were stopped")
+            if not is_stopped(process.pid):
+                self.stopped_since.pop(rank, None)
+            elif time.monotonic() - self.stopped_since.setdefault(rank, time.monotonic()) > STOPPED_GRACE:
+                self._fail(f"worker rank {rank} was stopped")
+                raise RuntimeError(f"tinytp worker rank {rank} (pid {process.pid}) is stopped (SIGSTOP?), for "
+                                   f"{STOPPED_GRACE:g} s now; the workers were shut down")
 
     def _fail(self, reason: str) -> None:
         self.failure = reason
