@@ -8,6 +8,7 @@ prefix, is within 1e-3 of the best logit at that position.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import itertools
 import json
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import shared_memory
 from unittest import mock
 
 import pytest
@@ -1201,15 +1203,35 @@ def test_a_forked_child_that_exits_leaves_the_parents_workers_alone(mha_checkpoi
     assert run.returncode == 0 and run.stdout == "3\n" and "Traceback" not in run.stderr, run.stderr
 
 
-def test_a_bad_size_or_a_failed_set_up_leaves_no_shared_memory(mha_checkpoint):
+def test_a_bad_size_leaves_no_shared_memory(mha_checkpoint):
     path, _ = mha_checkpoint
     with pytest.raises(ValueError, match=r"tensor parallel size 2.0 does not fit this model"):
         LLM(path, tensor_parallel_size=2.0, device="cpu")
     assert not shm_entries()
-    # /dev/shm out of files (inodes) at the last block: the blocks made before it go too.
-    with mock.patch.object(tinytp, "new_shared_memory", side_effect=OSError(28, "No space left on device")):
-        with pytest.raises(OSError, match="No space left"):
+
+
+def shared_memory_full_at(block: int):
+    """Make /dev/shm run out of files (inodes) at the `block`th block created: ENOSPC, as shm_open says it."""
+    create, made = shared_memory.SharedMemory, itertools.count(1)
+
+    def out_of_files(*args, **kwargs):
+        if next(made) == block:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return create(*args, **kwargs)
+    return mock.patch.object(shared_memory, "SharedMemory", out_of_files)
+
+
+def test_dev_shm_out_of_files_is_one_clear_line_and_leaves_nothing(mha_checkpoint, capsys):
+    path, _ = mha_checkpoint
+    message = r"cannot create a shared-memory block in /dev/shm \(No space left on device\): .*\(ls /dev/shm\)"
+    for block in (1, 3, 4):  # the broadcast ring (made before the try that frees), a reply queue, the collectives'
+        with shared_memory_full_at(block), pytest.raises(RuntimeError, match=f"^{message}$"):
             LLM(path, tensor_parallel_size=2, device="cpu")
+        assert not shm_entries()  # the blocks made before it are gone too
+    capsys.readouterr()
+    with shared_memory_full_at(3):
+        assert tinytp.main(["--model", path, "--tp", "2", "--device", "cpu", "--prompt", "hi"]) == 1
+    assert re.fullmatch(f"tinytp: {message}\n", capsys.readouterr().err)
     assert not shm_entries()
 
 
