@@ -1184,6 +1184,22 @@ def test_one_caller_at_a_time_the_second_is_refused_and_nothing_is_lost(mha_chec
         assert llm.generate([PROMPTS[1]], greedy)[0].text == expected[1]
 
 
+def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(mha_checkpoint):
+    path, _ = mha_checkpoint
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with LLM(path, device="cpu", max_model_len=256) as llm:
+        alone = llm.generate([[256, 1, 2, 3]], long)[0].token_ids
+        during, answers = [], []
+        thread = threading.Thread(target=lambda: during.append(llm.generate([[256, 1, 2, 3]], long)[0].token_ids),
+                                  daemon=True)  # a thread: a generate whose reply was taken fails the test, not hangs it
+        thread.start()
+        while thread.is_alive() and len(answers) < 1000:  # between the steps of the generate
+            answers.append(llm.collective_rpc(length_of, 10, b"x" * len(answers)))
+        thread.join(timeout=30)
+        assert not thread.is_alive() and during == [alone]
+        assert len(answers) > 3 and answers == [[n] for n in range(len(answers))], answers[:10]
+
+
 FORKING_DRIVER = """
 import os, sys
 from tinytp import LLM, SamplingParams

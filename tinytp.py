@@ -200,6 +200,12 @@ class Executor:
         self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop our workers
         self.workers, self.responses, self.collective_block = [], [], None  # made in the try below, freed if it fails
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
+        # One call or step at a time, from any thread: replies are matched to the one call in
+        # flight, so two threads' calls would take or drop each other's. A second thread waits
+        # (a step takes milliseconds) rather than being refused as a second generate() is: it
+        # shares no batch, and the lock is never held between steps, so no paused stream can
+        # keep it waiting. Reentrant: a traced step makes calls of its own.
+        self.one_at_a_time = threading.RLock()
         self.broadcast = MessageQueue.create(num_readers=tp)
         atexit.register(self.shutdown)
         try:
@@ -238,19 +244,21 @@ class Executor:
         name = method if isinstance(method, str) else method.__name__
         if not isinstance(method, str):
             method = pickle.dumps(method)
-        return self._call(RPCCall(next(self.call_ids), method, args, kwargs), range(self.tp), timeout, name)
+        with self.one_at_a_time:
+            return self._call(RPCCall(next(self.call_ids), method, args, kwargs), range(self.tp), timeout, name)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank; only rank 0 replies. A failure here is fatal: the
         ranks may now disagree about the requests, so the workers are shut down."""
         scheduler_output.call_id = next(self.call_ids)
-        try:
-            if self.trace_next_decode and not scheduler_output.new_requests:
-                return self._traced_step(scheduler_output)
-            return self._call(scheduler_output, [0], None, "execute_model")[0]
-        except WorkerError as e:
-            self._fail(str(e).splitlines()[0])
-            raise
+        with self.one_at_a_time:
+            try:
+                if self.trace_next_decode and not scheduler_output.new_requests:
+                    return self._traced_step(scheduler_output)
+                return self._call(scheduler_output, [0], None, "execute_model")[0]
+            except WorkerError as e:
+                self._fail(str(e).splitlines()[0])
+                raise
 
     def _traced_step(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step with every process recording what it sends and when, and keep
