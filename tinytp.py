@@ -170,11 +170,10 @@ STOPPED_GRACE = 5.0
 
 
 def is_stopped(pid: int) -> bool:
-    """Is the process stopped? Read from /proc; without one (macOS), never."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")  # the state follows the name, "(...)"
-    except OSError:
+    except OSError:  # no /proc (macOS), or the process is gone: not stopped, as far as we can tell
         return False
 
 
@@ -313,8 +312,7 @@ class Executor:
         return [results[rank] for rank in ranks]
 
     def _check_workers(self) -> None:
-        """Called while we wait: a dead worker, or one stopped for STOPPED_GRACE, means no
-        answer will ever come."""
+        """Called while we wait: a worker dead, or stopped past STOPPED_GRACE, will never answer."""
         for rank, process in enumerate(self.workers):
             if process.exitcode is not None:
                 self._fail(f"worker rank {rank} exited with code {process.exitcode}")
