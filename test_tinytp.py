@@ -1186,7 +1186,7 @@ def test_one_caller_at_a_time_the_second_is_refused_and_nothing_is_lost(mha_chec
 
 def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(mha_checkpoint):
     path, _ = mha_checkpoint
-    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     with LLM(path, device="cpu", max_model_len=256) as llm:
         alone = llm.generate([[256, 1, 2, 3]], long)[0].token_ids
         during, answers = [], []
@@ -1300,7 +1300,7 @@ def test_a_stopped_worker_at_tp1_is_named(mha_checkpoint, monkeypatch):
         thread.start()
         thread.join(timeout=10)
         assert not thread.is_alive(), "generate is still waiting for the stopped worker"
-        assert time.monotonic() - start < 1.0 + 4  # the grace, then shutdown's 2 s of politeness before SIGKILL
+        assert time.monotonic() - start < 1.0 + 2 + 2  # the grace, shutdown's 2 s of politeness before SIGKILL, slack
         assert re.fullmatch(rf"tinytp worker rank 0 \(pid {pid}\) is stopped \(SIGSTOP\?\).*", errors[0]), errors
         assert process_gone(pid) and not shm_entries()
     finally:
