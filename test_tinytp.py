@@ -8,6 +8,7 @@ prefix, is within 1e-3 of the best logit at that position.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import itertools
 import json
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import shared_memory
 from unittest import mock
 
 import pytest
@@ -1253,6 +1255,22 @@ def test_one_caller_at_a_time_the_second_is_refused_and_nothing_is_lost(mha_chec
         assert llm.generate([PROMPTS[1]], greedy)[0].text == expected[1]
 
 
+def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(mha_checkpoint):
+    path, _ = mha_checkpoint
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    with LLM(path, device="cpu", max_model_len=256) as llm:
+        alone = llm.generate([[256, 1, 2, 3]], long)[0].token_ids
+        during, answers = [], []
+        thread = threading.Thread(target=lambda: during.append(llm.generate([[256, 1, 2, 3]], long)[0].token_ids),
+                                  daemon=True)  # a thread: a generate whose reply was taken fails the test, not hangs it
+        thread.start()
+        while thread.is_alive() and len(answers) < 1000:  # between the steps of the generate
+            answers.append(llm.collective_rpc(length_of, 10, b"x" * len(answers)))
+        thread.join(timeout=30)
+        assert not thread.is_alive() and during == [alone]
+        assert len(answers) > 3 and answers == [[n] for n in range(len(answers))], answers[:10]
+
+
 FORKING_DRIVER = """
 import os, sys
 from tinytp import LLM, SamplingParams
@@ -1272,15 +1290,35 @@ def test_a_forked_child_that_exits_leaves_the_parents_workers_alone(mha_checkpoi
     assert run.returncode == 0 and run.stdout == "3\n" and "Traceback" not in run.stderr, run.stderr
 
 
-def test_a_bad_size_or_a_failed_set_up_leaves_no_shared_memory(mha_checkpoint):
+def test_a_bad_size_leaves_no_shared_memory(mha_checkpoint):
     path, _ = mha_checkpoint
     with pytest.raises(ValueError, match=r"tensor parallel size 2.0 does not fit this model"):
         LLM(path, tensor_parallel_size=2.0, device="cpu")
     assert not shm_entries()
-    # /dev/shm out of files (inodes) at the last block: the blocks made before it go too.
-    with mock.patch.object(tinytp, "new_shared_memory", side_effect=OSError(28, "No space left on device")):
-        with pytest.raises(OSError, match="No space left"):
+
+
+def shared_memory_full_at(block: int):
+    """Make /dev/shm run out of files (inodes) at the `block`th block created: ENOSPC, as shm_open says it."""
+    create, made = shared_memory.SharedMemory, itertools.count(1)
+
+    def out_of_files(*args, **kwargs):
+        if next(made) == block:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return create(*args, **kwargs)
+    return mock.patch.object(shared_memory, "SharedMemory", out_of_files)
+
+
+def test_dev_shm_out_of_files_is_one_clear_line_and_leaves_nothing(mha_checkpoint, capsys):
+    path, _ = mha_checkpoint
+    message = r"cannot create a shared-memory block in /dev/shm \(No space left on device\): .*\(ls /dev/shm\)"
+    for block in (1, 3, 4):  # the broadcast ring (made before the try that frees), a reply queue, the collectives'
+        with shared_memory_full_at(block), pytest.raises(RuntimeError, match=f"^{message}$"):
             LLM(path, tensor_parallel_size=2, device="cpu")
+        assert not shm_entries()  # the blocks made before it are gone too
+    capsys.readouterr()
+    with shared_memory_full_at(3):
+        assert tinytp.main(["--model", path, "--tp", "2", "--device", "cpu", "--prompt", "hi"]) == 1
+    assert re.fullmatch(f"tinytp: {message}\n", capsys.readouterr().err)
     assert not shm_entries()
 
 
@@ -1310,6 +1348,34 @@ def test_a_stopped_worker_is_named(mha_checkpoint):
         assert all(process_gone(pid) for pid in pids) and not shm_entries()
     finally:
         kill_if_alive(pids)
+        llm.shutdown()
+
+
+def test_a_stopped_worker_at_tp1_is_named(mha_checkpoint, monkeypatch):
+    """No peer waits for a tp=1 worker in a collective: the driver itself notices it is stopped."""
+    path, _ = mha_checkpoint
+    monkeypatch.setattr(tinytp, "STOPPED_GRACE", 1.0)  # for this test: a few seconds by default
+    llm = LLM(path, device="cpu", max_model_len=64)
+    pid, errors = llm.executor.workers[0].pid, []
+
+    def generate():
+        try:
+            llm.generate([[256, 1, 2]])
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        thread = threading.Thread(target=generate, daemon=True)  # a thread, so that a wait forever fails the test
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "generate is still waiting for the stopped worker"
+        assert time.monotonic() - start < 1.0 + 2 + 2  # the grace, shutdown's 2 s of politeness before SIGKILL, slack
+        assert re.fullmatch(rf"tinytp worker rank 0 \(pid {pid}\) is stopped \(SIGSTOP\?\).*", errors[0]), errors
+        assert process_gone(pid) and not shm_entries()
+    finally:
+        kill_if_alive([pid])  # also what lets today's waiting generate end
         llm.shutdown()
 
 

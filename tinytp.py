@@ -119,6 +119,20 @@ def threads_per_rank(tp: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // tp)
 
 
+# A stopped worker (SIGSTOP, state T; t under a debugger) never answers, and no slowness
+# looks like it; at tp=1 no peer waits for it in a collective, so the driver gives up on it
+# after this long. Not at once: a debugger that attaches or a Ctrl-Z then fg stops it briefly.
+STOPPED_GRACE = 5.0
+
+
+def is_stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")  # the state follows the name, "(...)"
+    except OSError:  # no /proc (macOS), or the process is gone: not stopped, as far as we can tell
+        return False
+
+
 class WorkerError(RuntimeError):
     """A worker method raised: names the rank and carries its traceback text."""
 
@@ -140,6 +154,13 @@ class Executor:
         self.trace_report: str | None = None
         self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop our workers
         self.workers, self.responses, self.collective_block = [], [], None  # made in the try below, freed if it fails
+        self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
+        # One call or step at a time, from any thread: replies are matched to the one call in
+        # flight, so two threads' calls would take or drop each other's. A second thread waits
+        # (a step takes milliseconds) rather than being refused as a second generate() is: it
+        # shares no batch, and the lock is never held between steps, so no paused stream can
+        # keep it waiting. Reentrant: a traced step makes calls of its own.
+        self.one_at_a_time = threading.RLock()
         self.broadcast = MessageQueue.create(num_readers=tp)
         atexit.register(self.shutdown)
         try:
@@ -183,19 +204,21 @@ class Executor:
         name = method if isinstance(method, str) else method.__name__
         if not isinstance(method, str):
             method = pickle.dumps(method)
-        return self._call(RPCCall(next(self.call_ids), method, args, kwargs), range(self.tp), timeout, name)
+        with self.one_at_a_time:
+            return self._call(RPCCall(next(self.call_ids), method, args, kwargs), range(self.tp), timeout, name)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank; only rank 0 replies. A failure here is fatal: the
         ranks may now disagree about the requests, so the workers are shut down."""
         scheduler_output.call_id = next(self.call_ids)
-        try:
-            if self.trace_next_decode and not scheduler_output.new_requests:
-                return self._traced_step(scheduler_output)
-            return self._call(scheduler_output, [0], None, "execute_model")[0]
-        except WorkerError as e:
-            self._fail(str(e).splitlines()[0])
-            raise
+        with self.one_at_a_time:
+            try:
+                if self.trace_next_decode and not scheduler_output.new_requests:
+                    return self._traced_step(scheduler_output)
+                return self._call(scheduler_output, [0], None, "execute_model")[0]
+            except WorkerError as e:
+                self._fail(str(e).splitlines()[0])
+                raise
 
     def _traced_step(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step with every process recording what it sends and when, and keep
@@ -250,12 +273,18 @@ class Executor:
         return [results[rank] for rank in ranks]
 
     def _check_workers(self) -> None:
-        """Called while we wait: a dead worker means no answer will ever come."""
+        """Called while we wait: a worker dead, or stopped past STOPPED_GRACE, will never answer."""
         for rank, process in enumerate(self.workers):
             if process.exitcode is not None:
                 self._fail(f"worker rank {rank} exited with code {process.exitcode}")
                 raise RuntimeError(f"tinytp worker rank {rank} died (exit code {process.exitcode}); "
                                    "the other workers were stopped")
+            if not is_stopped(process.pid):
+                self.stopped_since.pop(rank, None)
+            elif time.monotonic() - self.stopped_since.setdefault(rank, time.monotonic()) > STOPPED_GRACE:
+                self._fail(f"worker rank {rank} was stopped")
+                raise RuntimeError(f"tinytp worker rank {rank} (pid {process.pid}) is stopped (SIGSTOP?), for "
+                                   f"{STOPPED_GRACE:g} s now; the workers were shut down")
 
     def _fail(self, reason: str) -> None:
         self.failure = reason

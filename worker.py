@@ -167,7 +167,11 @@ def wait_until(ready: Callable[[], bool], timeout: float | None, what: str | Cal
 # The shared-memory message queue ------------------------------------------------------
 def new_shared_memory(size: int) -> shared_memory.SharedMemory:
     """A new block, zero-filled, named after this process so leftovers are easy to trace."""
-    return shared_memory.SharedMemory(name=f"tinytp_{os.getpid()}_{os.urandom(4).hex()}", create=True, size=size)
+    try:
+        return shared_memory.SharedMemory(name=f"tinytp_{os.getpid()}_{os.urandom(4).hex()}", create=True, size=size)
+    except OSError as e:  # out of files (inodes), most likely: each block is one, however small
+        raise RuntimeError(f"cannot create a shared-memory block in /dev/shm ({e.strerror}): if it is out of "
+                           "files (df -i /dev/shm), remove leftovers of killed programs (ls /dev/shm)") from e
 
 
 def check_free_shared_memory(blocks: list[shared_memory.SharedMemory | None]) -> None:
