@@ -3,12 +3,13 @@ builds the same `LlamaForCausalLM`, but each parallel layer allocates only its o
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import numbers
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -198,11 +199,8 @@ def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
     """An inference parameter that remembers where its data comes from in the checkpoint.
     Zeros, not empty: padded vocab rows are never loaded and must stay zero."""
     param = nn.Parameter(torch.zeros(*shape), requires_grad=False)
-    offset = 0
-    param.shards = []
-    for shard in shards:  # stack the parts one after another along their dim
-        param.shards.append(Shard(shard.name, shard.dim, shard.start, shard.size, offset))
-        offset += shard.size
+    offsets = itertools.accumulate([0, *(shard.size for shard in shards)])  # the parts one after another
+    param.shards = [replace(shard, offset=offset) for shard, offset in zip(shards, offsets)]
     return param
 
 
@@ -525,12 +523,11 @@ def meta_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
         return LlamaForCausalLM(config, group, max_model_len=1)
 
 
-def checkpoint_shapes(config: ModelConfig) -> dict[str, list[int]]:
-    """The full shape of every checkpoint tensor, as config.json implies it: the shapes of
-    the tp=1 model's parameters."""
-    model = meta_model(config, TPGroup(0, 1))
+def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> dict[str, list[int]]:
+    """The shape of the part of each checkpoint tensor that `group`'s rank holds: at tp=1
+    (the default), where a shard is a whole tensor, the full shapes config.json implies."""
     return {shard.name: [*param.shape[:shard.dim], shard.size, *param.shape[shard.dim + 1:]]
-            for param in model.parameters() for shard in param.shards}  # at tp=1 a shard is a whole tensor
+            for param in meta_model(config, group).parameters() for shard in param.shards}
 
 
 def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:

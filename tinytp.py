@@ -533,21 +533,17 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
     a rank's slice and the split dimension, then bytes per rank and the traffic per step."""
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
-    whole = checkpoint_shapes(config)
+    whole, mine = checkpoint_shapes(config), checkpoint_shapes(config, TPGroup(0, tp))
     lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
              f"{'rank 0 slice':>14}  split"]
-    for param in meta_model(config, TPGroup(0, tp)).parameters():
-        for shard in param.shards:
-            if ".layers." in shard.name and ".layers.0." not in shard.name:
-                continue  # every layer is cut alike
-            full_shape = whole[shard.name]
-            full_size = full_shape[shard.dim]
-            mine = list(param.shape)
-            mine[shard.dim] = shard.size
-            how = f"dim {shard.dim}" if shard.size < full_size else "replicated"
-            if shard.size < full_size < shard.size * tp:  # the parts overlap or overhang
-                how += f", vocab padded to {padded_vocab}" if full_size == config.vocab_size else ", KV heads replicated"
-            lines.append(f"{shard.name:<48}{str(full_shape):>14}{str(mine):>14}  {how}")
+    for name, full_shape in whole.items():
+        if ".layers." in name and ".layers.0." not in name:
+            continue  # every layer is cut alike
+        split = [dim for dim, (full, part) in enumerate(zip(full_shape, mine[name])) if part < full]
+        how = f"dim {split[0]}" if split else "replicated"
+        if split and full_shape[split[0]] < mine[name][split[0]] * tp:  # the parts overlap or overhang
+            how += f", vocab padded to {padded_vocab}" if full_shape[0] == config.vocab_size else ", KV heads replicated"
+        lines.append(f"{name:<48}{str(full_shape):>14}{str(mine[name]):>14}  {how}")
     lines.append("")
     for rank in range(tp):
         held = sum(p.numel() for p in meta_model(config, TPGroup(rank, tp)).parameters()) * itemsize
