@@ -155,12 +155,9 @@ class Executor:
         self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop our workers
         self.workers, self.responses, self.collective_block = [], [], None  # made in the try below, freed if it fails
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
-        # One call or step at a time, from any thread: replies are matched to the one call in
-        # flight, so two threads' calls would take or drop each other's. A second thread waits
-        # (a step takes milliseconds) rather than being refused as a second generate() is: it
-        # shares no batch, and the lock is never held between steps, so no paused stream can
-        # keep it waiting. Reentrant: a traced step makes calls of its own.
-        self.one_at_a_time = threading.RLock()
+        # One call or step in flight, from any thread: replies are matched to the one call in
+        # flight, so two threads' calls would take or drop each other's. (See _call.)
+        self.one_at_a_time = threading.Lock()
         self.broadcast = MessageQueue.create(num_readers=tp)
         atexit.register(self.shutdown)
         try:
@@ -202,23 +199,20 @@ class Executor:
         callable (picklable: defined at module level) is called with the Worker first; it
         travels pickled on its own, so a worker that cannot import it answers with an error."""
         name = method if isinstance(method, str) else method.__name__
-        if not isinstance(method, str):
-            method = pickle.dumps(method)
-        with self.one_at_a_time:
-            return self._call(RPCCall(next(self.call_ids), method, args, kwargs), range(self.tp), timeout, name)
+        payload = method if isinstance(method, str) else pickle.dumps(method)
+        return self._call(RPCCall(next(self.call_ids), payload, args, kwargs), range(self.tp), timeout, name)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank; only rank 0 replies. A failure here is fatal: the
         ranks may now disagree about the requests, so the workers are shut down."""
         scheduler_output.call_id = next(self.call_ids)
-        with self.one_at_a_time:
-            try:
-                if self.trace_next_decode and not scheduler_output.new_requests:
-                    return self._traced_step(scheduler_output)
-                return self._call(scheduler_output, [0], None, "execute_model")[0]
-            except WorkerError as e:
-                self._fail(str(e).splitlines()[0])
-                raise
+        try:
+            if self.trace_next_decode and not scheduler_output.new_requests:
+                return self._traced_step(scheduler_output)
+            return self._call(scheduler_output, [0], None, "execute_model")[0]
+        except WorkerError as e:
+            self._fail(str(e).splitlines()[0])
+            raise
 
     def _traced_step(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step with every process recording what it sends and when, and keep
@@ -242,35 +236,38 @@ class Executor:
               name: str) -> list:
         """Broadcast `message` and wait for the replies of `ranks` (RPCResults' values, or
         rank 0's ModelRunnerOutput for a step)."""
-        if self.broadcast.cut_off and self.failure is None:  # a timeout or Ctrl-C part-way through sending
-            self._fail("a message to them was cut off part-way, and they would misread what follows")
-        if self.failure is not None:
-            raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
-        results: dict[int, object] = {}
+        # Another thread waits its turn (a step takes milliseconds), rather than being refused as
+        # a second generate() is: it shares no batch, and no paused stream holds the lock.
+        with self.one_at_a_time:
+            if self.broadcast.cut_off and self.failure is None:  # a timeout or Ctrl-C part-way through sending
+                self._fail("a message to them was cut off part-way, and they would misread what follows")
+            if self.failure is not None:
+                raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
+            results: dict[int, object] = {}
 
-        def poll() -> bool:
-            # Read every rank's queue, not only the ones that owe a reply: a rank that
-            # fails sends its error unasked, and another may be stuck waiting for it.
-            for rank, queue in enumerate(self.responses):
-                while queue.ready():
-                    reply = queue.dequeue(timeout, check=self._check_workers)  # may span chunks
-                    if reply.call_id != message.call_id:
-                        continue  # a late answer to a call that timed out or was interrupted
-                    if isinstance(reply, ModelRunnerOutput):
-                        results[rank] = reply
-                    elif reply.error is not None:
-                        self._check_workers()  # a dead peer is the root cause of a collective's error
-                        raise WorkerError(f"worker rank {rank} failed in {name}:\n{reply.error}")
-                    else:
-                        results[rank] = reply.value
-            return len(results) == len(ranks)
+            def poll() -> bool:
+                # Read every rank's queue, not only the ones that owe a reply: a rank that
+                # fails sends its error unasked, and another may be stuck waiting for it.
+                for rank, queue in enumerate(self.responses):
+                    while queue.ready():
+                        reply = queue.dequeue(timeout, check=self._check_workers)  # may span chunks
+                        if reply.call_id != message.call_id:
+                            continue  # a late answer to a call that timed out or was interrupted
+                        if isinstance(reply, ModelRunnerOutput):
+                            results[rank] = reply
+                        elif reply.error is not None:
+                            self._check_workers()  # a dead peer is the root cause of a collective's error
+                            raise WorkerError(f"worker rank {rank} failed in {name}:\n{reply.error}")
+                        else:
+                            results[rank] = reply.value
+                return len(results) == len(ranks)
 
-        start = time.perf_counter()
-        size = self.broadcast.enqueue(message, timeout, check=self._check_workers)
-        sent = time.perf_counter()
-        wait_until(poll, timeout, f"{name} on the workers", self._check_workers, self.doorbell)
-        self.last_call_times = (start, sent, time.perf_counter(), size)  # for --trace
-        return [results[rank] for rank in ranks]
+            start = time.perf_counter()
+            size = self.broadcast.enqueue(message, timeout, check=self._check_workers)
+            sent = time.perf_counter()
+            wait_until(poll, timeout, f"{name} on the workers", self._check_workers, self.doorbell)
+            self.last_call_times = (start, sent, time.perf_counter(), size)  # for --trace
+            return [results[rank] for rank in ranks]
 
     def _check_workers(self) -> None:
         """Called while we wait: a worker dead, or stopped past STOPPED_GRACE, will never answer."""
