@@ -496,15 +496,14 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         param.data.uniform_(-1e-3, 1e-3)
 
 
-def checkpoint_files(checkpoint_dir: str) -> dict[str, str]:
-    """Map each tensor name to the safetensors file that holds it, from the files' headers
-    (which model.safetensors.index.json, where there is one, only repeats)."""
-    names = {}
-    for file in sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors")):
-        path = os.path.join(checkpoint_dir, file)
-        with safe_open(path, framework="pt") as f:
-            names.update(dict.fromkeys(f.keys(), path))
-    return names
+def open_checkpoint(checkpoint_dir: str) -> dict:
+    """Map each tensor name to the open safetensors file that holds it (opening reads only
+    the header, which model.safetensors.index.json, where there is one, only repeats)."""
+    files = {}
+    for name in sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors")):
+        file = safe_open(os.path.join(checkpoint_dir, name), framework="pt")
+        files.update(dict.fromkeys(file.keys(), file))
+    return files
 
 
 # Each tensor's dimensions in config.json's keys, to name the keys when the shapes disagree.
@@ -535,10 +534,7 @@ def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
     read) with the shape config.json implies. Done in the driver before any worker starts:
     a config that disagrees with its weights would otherwise load slices that fit and
     compute wrong tokens."""
-    found = {}
-    for path in set(checkpoint_files(checkpoint_dir).values()):
-        with safe_open(path, framework="pt") as f:
-            found.update({name: f.get_slice(name).get_shape() for name in f.keys()})
+    found = {name: file.get_slice(name).get_shape() for name, file in open_checkpoint(checkpoint_dir).items()}
     for name, expected in checkpoint_shapes(config).items():
         if name not in found:
             raise ValueError(f"{checkpoint_dir} has no tensor {name!r}")
@@ -554,15 +550,11 @@ def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) 
     has checked every tensor's shape against the config: check_checkpoint.)"""
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 
-    where = checkpoint_files(checkpoint_dir)
+    files = open_checkpoint(checkpoint_dir)
     shards = [(param, shard) for param in model.parameters() for shard in param.shards]
-    handles = {}  # one open file per path; they close when dropped
     bar = tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress, delay=1)  # if slow
     for param, shard in bar:
-        path = where[shard.name]
-        if path not in handles:
-            handles[path] = safe_open(path, framework="pt")
-        tensor_slice = handles[path].get_slice(shard.name)
+        tensor_slice = files[shard.name].get_slice(shard.name)
         index = [slice(None)] * len(tensor_slice.get_shape())
         index[shard.dim] = slice(shard.start, shard.start + shard.size)
         param.data.narrow(shard.dim, shard.offset, shard.size).copy_(tensor_slice[tuple(index)])
