@@ -457,16 +457,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group, "lm_head.weight")
         if config.tie_word_embeddings:  # Llama 3.2: the LM head is the embedding table
             self.lm_head.weight = self.embed_tokens.weight
-        # cos/sin of every position, computed once in float32 as transformers does.
+        # cos and sin of every position, [2, positions, hd], computed once in float32 as transformers does.
         freqs = torch.outer(torch.arange(max_model_len).float(), rope_inverse_frequencies(config))
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_table", angles.cos(), persistent=False)
-        self.register_buffer("sin_table", angles.sin(), persistent=False)
+        self.register_buffer("rope_table", torch.stack((angles.cos(), angles.sin())), persistent=False)
 
     def forward(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         x = self.embed_tokens(inputs.input_ids)
-        cos = self.cos_table[inputs.positions].unsqueeze(1).to(x.dtype)  # [B, 1, T, hd]
-        sin = self.sin_table[inputs.positions].unsqueeze(1).to(x.dtype)
+        cos, sin = self.rope_table[:, inputs.positions].unsqueeze(2).to(x.dtype)  # each [B, 1, T, hd]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, inputs)
         last = x[torch.arange(x.shape[0], device=x.device), inputs.last_index]  # only these tokens are sampled
