@@ -448,7 +448,6 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, group: TPGroup, max_model_len: int):
         super().__init__()
-        self.config = config
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, group, "model.embed_tokens.weight")
         self.layers = nn.ModuleList(
