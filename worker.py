@@ -582,7 +582,6 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
     broadcast = MessageQueue.attach(broadcast_handle, reader=rank)  # the Executor's broadcast and our response queue
     response = MessageQueue.attach(response_handle)
     worker = Worker(rank, world_size)
-    driver_gone = False
 
     def driver_alive() -> None:
         if os.getppid() != driver_pid:  # we were re-parented: the driver is gone
@@ -616,13 +615,12 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
     except DriverGone:
         # Nobody else will unlink the blocks and doorbells now (which also keeps the dead
         # driver's resource tracker quiet): rank 0 the shared ones, each rank its reply block.
-        driver_gone = True
         broadcast.owner = rank == 0
         response.owner = True
         if rank == 0:
             for doorbell in (*broadcast.handle.doorbells, *response.handle.doorbells):
                 type(doorbell)._cleanup(doorbell._semlock.name)  # what the driver's exit would do
     finally:
-        worker.close(unlink_collective_block=driver_gone and rank == 0)
+        worker.close(unlink_collective_block=broadcast.owner)  # rank 0 owns the shared blocks once the driver is gone
         broadcast.close()
         response.close()
