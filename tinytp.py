@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import heapq
 import itertools
 import json
@@ -296,10 +297,8 @@ class Executor:
         self.workers = []
         atexit.unregister(self.shutdown)
         self.failure = self.failure or "shut down"
-        try:
+        with contextlib.suppress(TimeoutError):  # the ring is full: a worker is stuck, and gets killed below
             self.broadcast.enqueue(RPCCall(0, SHUTDOWN), timeout=1)
-        except TimeoutError:
-            pass  # the ring is full: a worker is stuck, and gets killed below
         deadline = time.monotonic() + 2  # an idle worker exits within milliseconds
         for process in workers:
             process.join(timeout=max(0.0, deadline - time.monotonic()))

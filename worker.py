@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import multiprocessing
@@ -329,10 +330,8 @@ class MessageQueue:
         self.buf = self.handle = None
         self.shm.close()
         if self.owner:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # a driver that died while shutting down got there first
                 self.shm.unlink()
-            except FileNotFoundError:  # a driver that died while shutting down got there first
-                pass
 
 
 # Collectives through shared memory, for ranks on one CPU machine ----------------------
