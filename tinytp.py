@@ -4,8 +4,7 @@
     python tinytp.py --tp 2 --model meta-llama/Llama-3.1-8B-Instruct --prompt "Hi"
 
 The driver: finding a checkpoint, the `Executor` (one worker process per rank, rank 0
-included: design discussion, "N worker processes rather than N-1"), the `Scheduler`, the
-`LLM` front end and the command line.
+included), the `Scheduler`, the `LLM` front end and the command line.
 """
 
 from __future__ import annotations
@@ -120,9 +119,8 @@ def threads_per_rank(tp: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // tp)
 
 
-# A stopped worker (SIGSTOP, state T; t under a debugger) never answers, and no slowness
-# looks like it; at tp=1 no peer waits for it in a collective, so the driver gives up on it
-# after this long. Not at once: a debugger that attaches or a Ctrl-Z then fg stops it briefly.
+# A stopped worker (SIGSTOP, state T; t under a debugger) never answers, and at tp=1 no peer
+# notices: the driver gives up after this long (not at once: a debugger's attach, Ctrl-Z, fg).
 STOPPED_GRACE = 5.0
 
 
@@ -139,12 +137,10 @@ class WorkerError(RuntimeError):
 
 
 class Executor:
-    """Spawns one worker process per rank and runs methods on all of them.
-
-    Calls go out through one shared-memory broadcast queue (one writer, N readers);
-    each worker answers through its own shared-memory queue. A step (execute_model) is
-    answered by rank 0 alone, since every rank sampled the same tokens.
-    """
+    """Spawns one worker process per rank, rank 0 included (design discussion: "N worker
+    processes rather than N-1"), and runs methods on all of them. Calls go out on one
+    shared-memory broadcast queue (one writer, N readers); each worker answers on its own
+    queue, and a step (execute_model) rank 0 alone, since every rank sampled the same tokens."""
 
     def __init__(self, model_dir: str, tp: int, device: str, dtype: str, max_num_seqs: int, max_model_len: int,
                  load_format: str = "auto"):
@@ -156,9 +152,7 @@ class Executor:
         self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop our workers
         self.workers, self.responses, self.collective_block = [], [], None  # made in the try below, freed if it fails
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
-        # One call or step in flight, from any thread: replies are matched to the one call in
-        # flight, so two threads' calls would take or drop each other's. (See _call.)
-        self.one_at_a_time = threading.Lock()
+        self.one_at_a_time = threading.Lock()  # one call or step in flight: replies are matched to it (see _call)
         self.broadcast = MessageQueue.create(num_readers=tp)
         atexit.register(self.shutdown)
         try:
@@ -316,12 +310,9 @@ class Executor:
 
 # The scheduler ------------------------------------------------------------------------
 class Scheduler:
-    """Continuous batching over a fixed number of KV-cache slots.
-
-    New requests take free slots and are prefilled in a step of their own; otherwise
-    every running request decodes one token. A finished request frees its slot at once,
-    and a waiting one takes it at the next step.
-    """
+    """Continuous batching over a fixed number of KV-cache slots: new requests take free
+    slots and are prefilled in a step of their own, otherwise every running request decodes
+    one token. A finished request frees its slot at once; a waiting one takes it next step."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int, eos_token_ids: set[int]):
         self.max_model_len = max_model_len
@@ -490,11 +481,9 @@ class LLM:
         return Request(next(self.request_ids), prompt if isinstance(prompt, str) else None, token_ids, params, seed)
 
     def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
-        """Step until these requests are done; yield the requests finished at each step.
-
-        One caller at a time; a second is refused, not made to wait (it could wait for a
-        stream its own thread has paused): callers sharing the batch would finish each
-        other's requests, and one interrupted mid-step would leave the others' tokens unknown."""
+        """Step until these requests are done; yield the requests finished at each step. One
+        caller at a time (callers sharing the batch would finish each other's requests); a
+        second is refused, not made to wait: it could wait for a stream its own thread paused."""
         if not self.busy.acquire(blocking=False):
             raise RuntimeError("this LLM is busy with another generate() or an unfinished stream(): one at a time")
         self.scheduler.waiting.extend(requests)
