@@ -131,10 +131,9 @@ def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
 
 
 def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
-    """Refuse a tp that cannot split this model evenly, naming the numbers and the choices.
-    Every dimension a rank splits must divide by tp: the query heads, the KV heads (or tp
-    must be a multiple of them, to replicate them), the MLP's intermediate features. (The
-    vocabulary is padded instead.)"""
+    """Refuse a tp that cannot split this model evenly, naming the numbers and the choices:
+    tp must divide the query heads, the KV heads (or be a multiple of them, which are then
+    replicated) and the MLP's intermediate features. (The vocabulary is padded instead.)"""
     def fits(n: int) -> bool:
         kv_ok = config.num_kv_heads % n == 0 or n % config.num_kv_heads == 0
         return config.num_heads % n == 0 and kv_ok and config.intermediate_size % n == 0
@@ -213,11 +212,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | 
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's rows (output features) split across ranks: no communication.
-
-    The rank's weight may stack several checkpoint tensors (q, k and v; gate and up), so
-    one matmul computes all of them: `shards` lists the rows this rank takes from each.
-    """
+    """y = x W^T with W's rows (output features) split across ranks: no communication. The
+    rank's weight may stack several checkpoint tensors (q, k and v; gate and up), so one
+    matmul computes all of them: `shards` lists the rows this rank takes from each."""
 
     def __init__(self, in_features: int, shards: list[Shard]):
         super().__init__()
@@ -229,11 +226,9 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's columns (input features) split across ranks.
-
-    Its input arrives already split (the output of a column-parallel layer), so each
-    rank computes a partial sum of y, and one all-reduce adds them up.
-    """
+    """y = x W^T with W's columns (input features) split across ranks. Its input arrives
+    already split (the output of a column-parallel layer), so each rank computes a partial
+    sum of y, and one all-reduce adds them up."""
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, name: str):
         super().__init__()
@@ -256,12 +251,9 @@ def vocab_rows_per_rank(vocab_size: int, tp: int) -> int:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table with its rows (the vocabulary) split across ranks.
-
-    The vocabulary is padded to a multiple of tp so every rank holds the same number of
-    rows; the padding rows stay zero. A rank looks up only the ids in its own slice and
-    writes zeros for the rest, so an all-reduce (a sum) assembles every embedding.
-    """
+    """Embedding table with its rows (the vocabulary) split across ranks, padded with zero
+    rows so that every rank holds as many. A rank looks up only the ids in its own slice and
+    writes zeros for the rest, so an all-reduce (a sum) assembles every embedding."""
 
     def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup, name: str):
         super().__init__()
@@ -383,10 +375,9 @@ class LlamaAttention(nn.Module):
         qk = qk * cos + rotate_half(qk) * sin  # RoPE on the query and key heads at once
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
-        # Write this step's keys and values at (slot, position).
+        # Write this step's keys and values at (slot, position), one cache row per token: index
+        # arrays split by a slice put their dims first (NumPy's rule), here [B, T, kv_heads, hd].
         k_cache, v_cache = kv_cache  # each [slots, kv_heads, max_model_len + 1 (a spare), hd]
-        # slot_ids [B, 1] and positions [B, T] pick one cache row per token; NumPy's rule for
-        # index arrays split by a slice puts their dims first: [B, T, kv_heads, hd].
         where = (inputs.slot_ids[:, None], slice(None), inputs.positions)
         k_cache[where] = k.transpose(1, 2)
         v_cache[where] = v.transpose(1, 2)
@@ -475,9 +466,8 @@ def pack_for_cpu(model: nn.Module) -> None:
     """Repack every matmul weight once into oneDNN's blocked layout (what torch.compile does
     on CPU): a decode step's few rows times a weight run 2-4x faster than F.linear's, same
     results to ~1e-6 relative. The packed copy replaces the plain one, except in a tied LM
-    head: the embedding still looks rows up in the plain table, so the head's packed copy
-    costs vocab x hidden more memory (113 MB for SmolLM2-135M in float32) for a head that
-    runs ~2x faster, the largest matmul of a small tied model."""
+    head, whose plain table the embedding still reads: vocab x hidden more memory (113 MB
+    for SmolLM2-135M in float32) for a head ~2x faster, a small tied model's largest matmul."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
@@ -528,9 +518,8 @@ def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> di
 
 def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
     """Compare every checkpoint tensor's shape (from the safetensors headers: no data is
-    read) with the shape config.json implies. Done in the driver before any worker starts:
-    a config that disagrees with its weights would otherwise load slices that fit and
-    compute wrong tokens."""
+    read) with the one config.json implies, in the driver before any worker starts: a config
+    that disagrees with its weights would load slices that fit and compute wrong tokens."""
     found = {name: file.get_slice(name).get_shape() for name, file in open_checkpoint(checkpoint_dir).items()}
     for name, expected in checkpoint_shapes(config).items():
         if name not in found:
