@@ -132,20 +132,18 @@ def decode(data: bytes | memoryview) -> Any:
 YIELD_SECONDS = 1e-3
 SLEEP_FRACTION = 0.05  # then, with no doorbell, sleep 5% of the time waited so far
 MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
-# With a doorbell, the ring ends the sleep, so its timeout only spaces the liveness checks.
-# It is long on purpose: the driver sleeps through every step, and each timed wake-up takes
-# a core from a rank for a moment (naps of 5% woke it ~40 times in an 8 ms step; measured
-# with bench.py, the long nap made tp=1 8% and tp=2 14% faster).
+# With a doorbell, the ring ends the sleep, and its timeout only spaces the liveness checks:
+# long, since each timed wake-up of the driver takes a core from a rank (naps of 5% woke it
+# ~40 times in an 8 ms step; measured with bench.py, this nap made tp=1 8% and tp=2 14% faster).
 DOORBELL_SLEEP = 50e-3
 
 
 def wait_until(ready: Callable[[], bool], timeout: float | None, what: str | Callable[[], str],
                check: Callable[[], None] | None = None, doorbell=None) -> None:
-    """Return once ready() is true. Raise TimeoutError naming `what` (or what(), a message
-    worth building only then) after `timeout` seconds. Once polling is over, call check(),
-    which raises if waiting is pointless (a worker or the driver died), then sleep; a
-    `doorbell` (a semaphore that the writer releases after each chunk) ends the sleep as
-    soon as a message is written."""
+    """Return once ready() is true; after `timeout` seconds, raise TimeoutError naming `what`
+    (or what(), a message worth building only then). Past the polling, call check(), which
+    raises if waiting is pointless (a worker or the driver died), then sleep; a `doorbell` (a
+    semaphore the writer releases after each chunk) ends the sleep once a message is written."""
     start = time.perf_counter()
     while not ready():
         waited = time.perf_counter() - start
@@ -232,9 +230,8 @@ class MessageQueue:
         self.buf = shm.buf
         self.reader = reader  # None for the writer's side
         self.owner = owner  # the creator unlinks the block
-        # The block: all the flags first, chunk i's at i * flags_bytes ("written", then one
-        # "read" per reader), then the chunks. Where each lies (the *_at offset lists) is
-        # computed once: enqueue and dequeue run a few times a step, each Python operation ~50 ns.
+        # The block (README, "Two pictures"): all chunks' flags, then the chunks. The *_at offsets
+        # are computed once: enqueue and dequeue run a few times a step, each Python operation ~50 ns.
         flags_bytes = 1 + handle.num_readers
         self.written_at = [i * flags_bytes for i in range(handle.num_chunks)]
         self.read_flags_at = [slice(i * flags_bytes + 1, (i + 1) * flags_bytes) for i in range(handle.num_chunks)]
@@ -419,11 +416,10 @@ class Worker:
 
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int,
                     collective_block: str | None = None) -> None:
-        """Pick the device and join the process group through the driver's TCP store:
-        no torchrun and no environment variables. "cuda" puts rank r on GPU r, over nccl;
-        "cuda:N" puts every rank on GPU N (tp > 1 on one GPU, for tests), over gloo, which
-        carries CUDA tensors through the host: nccl refuses two ranks on one GPU. With a
-        collective block (CPU, tp > 1), the layers' collectives go through shared memory."""
+        """Pick the device and join the process group through the driver's TCP store. "cuda"
+        puts rank r on GPU r, over nccl; "cuda:N" puts every rank on GPU N (tp > 1 on one GPU,
+        for tests) over gloo, which carries CUDA tensors through the host: nccl refuses two
+        ranks on one GPU. With a collective block (CPU, tp > 1), collectives use shared memory."""
         torch.set_num_threads(num_threads)
         self.device = torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
         if self.device.type == "cuda":
@@ -574,9 +570,8 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
     tight model execution loop" of model execution and termination). driver_pid is passed
     in: a driver that died while we imported torch has re-parented us before we could look."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    # tqdm's default lock is a named semaphore that the resource tracker watches: a killed
-    # worker could not remove it, and the tracker would report it "leaked" at exit. Only
-    # one thread here draws progress bars, so a thread lock does.
+    # tqdm's default lock is a named semaphore, which the resource tracker reports "leaked" when
+    # a killed worker leaves it behind. One thread here draws progress bars: a thread lock does.
     tqdm.set_lock(threading.RLock())
     broadcast = MessageQueue.attach(broadcast_handle, reader=rank)  # the Executor's broadcast and our response queue
     response = MessageQueue.attach(response_handle)
