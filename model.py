@@ -277,12 +277,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection, split by vocabulary rows like the embedding.
-
-    Each rank computes the logits of its own vocabulary slice; an all-gather (not a
-    gather to rank 0) gives every rank the full logits, because every rank samples (design
-    discussion: "the logits_processor has an AllGather instead of a Gather").
-    """
+    """The output projection, split by vocabulary rows like the embedding. Each rank computes
+    the logits of its own vocabulary slice; an all-gather (not a gather to rank 0) gives every
+    rank the full logits, because every rank samples (design discussion: "the logits_processor
+    has an AllGather instead of a Gather")."""
 
     packed_weight = None
 

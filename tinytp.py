@@ -420,9 +420,8 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]], sampling_params: SamplingParams | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate a completion for each prompt (a bare string is one prompt); outputs come
-        back in prompt order. Every prompt is checked before any runs: one bad prompt
-        rejects the whole call."""
+        """Generate a completion for each prompt (a bare string is one prompt), in prompt
+        order. Every prompt is checked before any runs: one bad prompt rejects the whole call."""
         from tqdm import tqdm
 
         params = sampling_params or SamplingParams()
