@@ -558,7 +558,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--num-iters", type=int, default=30)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if tp GPUs are visible")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                        help="auto: the checkpoint's dtype on cuda, float32 on cpu")
+                        help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)")
     parser.add_argument("--backend", choices=["tinytp", "hf", "inprocess"], default="tinytp",
                         help="inprocess: tinytp's worker in this process, no executor (tp=1)")
     parser.add_argument("--output-json", default=None, help="write the results to this file")

@@ -204,6 +204,15 @@ def test_config_reads_old_and_new_rope_keys():
         ModelConfig.from_dict({**LLAMA_31_8B, "model_type": "mistral"})
 
 
+@pytest.mark.parametrize("checkpoint_dtype", ["float32", "bfloat16", "float16"])
+def test_dtype_auto_is_the_checkpoints_except_on_a_cpu_without_native_bfloat16(checkpoint_dtype):
+    config = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 258, "hidden_size": 64, "intermediate_size": 176,
+                                    "num_hidden_layers": 2, "num_attention_heads": 4, "torch_dtype": checkpoint_dtype})
+    native = checkpoint_dtype == "bfloat16" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert tinytp.choose_device_and_dtype(config, 1, "cpu", "auto") == ("cpu", checkpoint_dtype if native else "float32")
+    assert tinytp.choose_device_and_dtype(config, 1, "cpu", "float16") == ("cpu", "float16")  # asked for: as asked
+
+
 def test_bad_tensor_parallel_size_names_the_numbers():
     config = ModelConfig.from_dict(LLAMA_31_8B)
     for tp in (1, 2, 4, 8, 16, 32):

