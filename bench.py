@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -507,45 +508,56 @@ RATIOS = [("tinytp tp=1", "hf", 0.5), ("tinytp tp=1", "inprocess", 1.02), ("tiny
 
 def compare(argv: list[str]) -> dict:
     """Run each backend on the same settings, each in a fresh process of its own (nothing
-    left behind by the one before: threads, memory, process groups), then sum them up."""
+    left behind by the one before: threads, memory, process groups), all of them in turn,
+    --rounds times (A B C D A B C D ...), so that a machine whose speed drifts slows each
+    round's backends alike; then sum them up: each figure is the median over the rounds,
+    and each ratio the median of the rounds' own ratios."""
     settings = [a for a in argv if a != "--compare"]
     args = parse_args(settings)
     config = (ModelConfig.from_file(args.config) if args.config else ModelConfig.from_dict(DEFAULT_CONFIG)
               if not args.model else
               ModelConfig.from_file(os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json")))
-    runs, left_out = {}, {}
+    rounds, left_out = {}, {}  # name: that backend's result in each round
     with tempfile.TemporaryDirectory(prefix="tinytp-compare-") as tmp:
-        for name, (backend, tp) in COMPARE_RUNS.items():
-            try:  # a model that tp=2 cannot split is compared at the sizes it can
-                check_tensor_parallel_size(config, tp)
-            except ValueError as e:
-                left_out[name] = str(e)
-                continue
-            print(f"\n=== {name} ===", flush=True)
-            path = os.path.join(tmp, f"{backend}-{tp}.json")
-            subprocess.run([sys.executable, os.path.abspath(__file__), *settings, "--backend", backend,
-                            "--tp", str(tp), "--output-json", path], check=True)
-            with open(path) as f:
-                runs[name] = json.load(f)
-    print(f"\n{'':12}{'avg latency':>13}{'prefill':>11}{'decode step':>13}{'overhead':>11}{'roofline':>10}")
+        for round_number in range(1, args.rounds + 1):
+            for name, (backend, tp) in COMPARE_RUNS.items():
+                try:  # a model that tp=2 cannot split is compared at the sizes it can
+                    check_tensor_parallel_size(config, tp)
+                except ValueError as e:
+                    left_out[name] = str(e)
+                    continue
+                print(f"\n=== {name}, round {round_number} of {args.rounds} ===", flush=True)
+                path = os.path.join(tmp, f"{backend}-{tp}.json")
+                subprocess.run([sys.executable, os.path.abspath(__file__), *settings, "--backend", backend,
+                                "--tp", str(tp), "--output-json", path], check=True)
+                with open(path) as f:
+                    rounds.setdefault(name, []).append(json.load(f))
+    runs = {name: {key: statistics.median(r[key] for r in results) if results[0][key] is not None else None
+                   for key in ("avg_latency", "prefill_seconds", "decode_step_seconds", "executor_overhead_us",
+                               "roofline_fraction")} for name, results in rounds.items()}
+    print(f"\n{'':12}{'avg latency':>13}{'prefill':>11}{'decode step':>13}{'overhead':>11}{'roofline':>10}"
+          f"   (medians of {args.rounds} rounds)")
     for name, r in runs.items():
         overhead = "-" if r["executor_overhead_us"] is None else f"{r['executor_overhead_us']:.0f} us"
         print(f"{name:12}{r['avg_latency']:11.3f} s{r['prefill_seconds'] * 1e3:8.1f} ms"
               f"{r['decode_step_seconds'] * 1e3:10.2f} ms{overhead:>11}{r['roofline_fraction']:10.0%}")
     ratios = {}
     for a, b, target in RATIOS:
-        if a in runs and b in runs:
-            ratios[f"{a} / {b}"] = runs[a]["avg_latency"] / runs[b]["avg_latency"]
-            print(f"{a} / {b}: {ratios[f'{a} / {b}']:.3f} (target <= {target})")
+        if a in rounds and b in rounds:
+            each = [x["avg_latency"] / y["avg_latency"] for x, y in zip(rounds[a], rounds[b])]
+            ratios[f"{a} / {b}"] = statistics.median(each)
+            print(f"{a} / {b}: {ratios[f'{a} / {b}']:.3f} (target <= {target}; rounds: "
+                  f"{', '.join(f'{ratio:.3f}' for ratio in each)})")
     for name, reason in left_out.items():
         print(f"left out: {name}: {reason}")
-    return {"runs": runs, "ratios": ratios, "left_out": left_out}
+    return {"runs": runs, "rounds": rounds, "ratios": ratios, "left_out": left_out}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--ipc", action="store_true", help="benchmark the IPC transports, not the model")
     parser.add_argument("--compare", action="store_true", help="tinytp tp=1 and 2, inprocess and hf, in turn")
+    parser.add_argument("--rounds", type=int, default=3, help="with --compare: how many times to run them all in turn")
     parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: a ~56M Llama)")
     parser.add_argument("--config", default=None, help="a config.json to run with dummy weights")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default=None,
@@ -563,7 +575,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="inprocess: tinytp's worker in this process, no executor (tp=1)")
     parser.add_argument("--output-json", default=None, help="write the results to this file")
     args = parser.parse_args(argv)
-    for name, least in [("batch_size", 1), ("input_len", 1), ("output_len", 2), ("num_iters", 1)]:
+    for name, least in [("batch_size", 1), ("input_len", 1), ("output_len", 2), ("num_iters", 1), ("rounds", 1)]:
         if getattr(args, name) < least:  # output_len 2: at least one decode step to time
             parser.error(f"--{name.replace('_', '-')} must be at least {least}")
     return args

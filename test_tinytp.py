@@ -1548,7 +1548,7 @@ def test_a_script_without_a_main_guard_is_told_why(mha_checkpoint, tmp_path):
     assert "bootstrapping phase" not in result.stderr  # not multiprocessing's own traceback from the worker
 
 
-def test_bench_compare_runs_only_the_tp_sizes_the_model_allows(tmp_path, capsys):
+def test_bench_compare_interleaves_rounds_of_the_tp_sizes_the_model_allows(tmp_path, capsys):
     import bench
 
     config = tmp_path / "config.json"
@@ -1558,13 +1558,16 @@ def test_bench_compare_runs_only_the_tp_sizes_the_model_allows(tmp_path, capsys)
 
     def fake_run(command, check):  # each backend's process: record it, write its result file
         ran.append(command[command.index("--backend") + 1] + " tp=" + command[command.index("--tp") + 1])
-        result = {"avg_latency": 1.0, "prefill_seconds": 0.1, "decode_step_seconds": 0.01,
+        hf_latency = 2.0 * ran.count("hf tp=1")  # 2 s in round 1, 4 s in round 2; the others 1 s
+        result = {"avg_latency": hf_latency if ran[-1] == "hf tp=1" else 1.0, "prefill_seconds": 0.1,
+                  "decode_step_seconds": 0.01,
                   "executor_overhead_us": None, "roofline_fraction": 0.5}
         with open(command[command.index("--output-json") + 1], "w") as f:
             json.dump(result, f)
 
     with mock.patch.object(bench.subprocess, "run", fake_run):
-        result = bench.compare(["--compare", "--config", str(config)])
-    assert ran == ["tinytp tp=1", "inprocess tp=1", "hf tp=1"]
-    assert list(result["ratios"]) == ["tinytp tp=1 / hf", "tinytp tp=1 / inprocess"]
+        result = bench.compare(["--compare", "--config", str(config), "--rounds", "2"])
+    assert ran == ["tinytp tp=1", "inprocess tp=1", "hf tp=1"] * 2  # in turn, round after round
+    assert result["ratios"] == {"tinytp tp=1 / hf": (0.5 + 0.25) / 2, "tinytp tp=1 / inprocess": 1.0}  # of the rounds
+    assert result["runs"]["hf"]["avg_latency"] == 3.0  # the median of 2 s and 4 s
     assert "left out: tinytp tp=2: tensor parallel size 2 does not fit" in capsys.readouterr().out
