@@ -469,13 +469,14 @@ def pack_for_cpu(model: nn.Module) -> None:
     which replaces the plain copy, except in a tied head, whose table the embedding still
     reads: vocab x hidden more memory (113 MB for SmolLM2-135M in float32)."""
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and weight.dtype == torch.float32:
-            module.weight.data = weight.detach().t().contiguous().t()  # the same W; F.linear reads W^T in order
-        elif isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-            if weight is not model.embed_tokens.weight:
-                module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            weight = module.weight.detach()
+            if weight.dtype == torch.float32 and not isinstance(module, ParallelLMHead):
+                module.weight.data = weight.t().contiguous().t()  # the same W; F.linear reads W^T in order
+            else:
+                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+                if module.weight is not model.embed_tokens.weight:
+                    module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
