@@ -517,15 +517,17 @@ def compare(argv: list[str]) -> dict:
     config = (ModelConfig.from_file(args.config) if args.config else ModelConfig.from_dict(DEFAULT_CONFIG)
               if not args.model else
               ModelConfig.from_file(os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json")))
-    rounds, left_out = {}, {}  # name: that backend's result in each round
+    runnable, left_out = {}, {}
+    for name, (backend, tp) in COMPARE_RUNS.items():
+        try:  # a model that tp=2 cannot split is compared at the sizes it can
+            check_tensor_parallel_size(config, tp)
+            runnable[name] = (backend, tp)
+        except ValueError as e:
+            left_out[name] = str(e)
+    rounds = {}  # name: that backend's result in each round
     with tempfile.TemporaryDirectory(prefix="tinytp-compare-") as tmp:
         for round_number in range(1, args.rounds + 1):
-            for name, (backend, tp) in COMPARE_RUNS.items():
-                try:  # a model that tp=2 cannot split is compared at the sizes it can
-                    check_tensor_parallel_size(config, tp)
-                except ValueError as e:
-                    left_out[name] = str(e)
-                    continue
+            for name, (backend, tp) in runnable.items():
                 print(f"\n=== {name}, round {round_number} of {args.rounds} ===", flush=True)
                 path = os.path.join(tmp, f"{backend}-{tp}.json")
                 subprocess.run([sys.executable, os.path.abspath(__file__), *settings, "--backend", backend,
