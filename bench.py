@@ -4,6 +4,7 @@
     python bench.py                               # latency of a default model, random weights
     python bench.py --tp 2 --input-len 128 --output-len 256
     python bench.py --compare                     # tinytp tp=1, tp=2, in-process, transformers
+    python bench.py --write-gguf bench.gguf       # the same model for llama.cpp (needs gguf)
     python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B shapes, random weights
 
 The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: the same
@@ -14,7 +15,7 @@ decode step comes to the memory-bandwidth limit.
 
 Reads top to bottom: the IPC benchmark (one writer, two reader processes, four
 transports), then the latency benchmark (the model, the backends, the roofline, the
-report), then `--compare` and the command line.
+report), the same model written for llama.cpp, then `--compare` and the command line.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 import tinytp
-from model import ModelConfig, check_tensor_parallel_size, init_dummy_weights, vocab_rows_per_rank
+from model import ModelConfig, check_tensor_parallel_size, checkpoint_shapes, init_dummy_weights, vocab_rows_per_rank
 from worker import MessageQueue, ModelRunnerOutput, SamplingParams, SchedulerOutput, Worker, decode, encode
 
 CORES = len(os.sched_getaffinity(0))
@@ -498,6 +499,82 @@ def run_latency(args) -> dict:
 
 
 # --------------------------------------------------------------------------------------
+# The peer: the same shapes for llama.cpp
+# --------------------------------------------------------------------------------------
+
+
+def settings_config(args) -> ModelConfig:
+    """The config a run of these settings would use: --config, --model's, or the default."""
+    if args.config:
+        return ModelConfig.from_file(args.config)
+    if args.model:
+        return ModelConfig.from_file(os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json"))
+    return ModelConfig.from_dict(DEFAULT_CONFIG)
+
+
+# llama.cpp's names for a Llama checkpoint's tensors (as its convert_hf_to_gguf.py maps them).
+GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+              "model.layers.": "blk.", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf(args) -> dict:
+    """Write the benchmark's model (the default, --config's or --model's shapes) with random
+    weights as a GGUF file that llama.cpp runs, and print the llama-batched-bench command for
+    these settings: llama.cpp on the very shapes tinytp ran, with no checkpoint to convert.
+    No tokenizer (llama.cpp's vocab type "none"; the benchmark feeds token ids) and no RoPE
+    scaling tensor (plain RoPE costs the same). Needs `pip install gguf`."""
+    try:
+        import gguf
+    except ImportError:
+        raise ValueError("--write-gguf needs the gguf package: pip install gguf") from None
+    config = settings_config(args)
+    dtype = tinytp.choose_device_and_dtype(config, 1, "cpu", args.dtype)[1]
+    matrix_dtype = getattr(torch, dtype)
+    ggml_types = {torch.float32: gguf.GGMLQuantizationType.F32, torch.bfloat16: gguf.GGMLQuantizationType.BF16,
+                  torch.float16: gguf.GGMLQuantizationType.F16}
+    writer = gguf.GGUFWriter(args.write_gguf, "llama")
+    hyperparameters = {"context_length": config.max_position_embeddings, "embedding_length": config.hidden_size,
+                       "block_count": config.num_layers, "feed_forward_length": config.intermediate_size,
+                       "head_count": config.num_heads, "head_count_kv": config.num_kv_heads,
+                       "key_length": config.head_dim, "value_length": config.head_dim,
+                       "rope_dimension_count": config.head_dim, "rope_freq_base": config.rope_theta,
+                       "layer_norm_rms_eps": config.rms_norm_eps, "vocab_size": config.vocab_size}
+    for key, value in hyperparameters.items():  # each under its llama.cpp key, e.g. llama.block_count
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tokenizer_model("none")
+    writer.add_file_type({torch.float32: gguf.LlamaFileType.ALL_F32, torch.bfloat16: gguf.LlamaFileType.MOSTLY_BF16,
+                          torch.float16: gguf.LlamaFileType.MOSTLY_F16}[matrix_dtype])
+    tensors = {}  # GGUF name: (shape, dtype); norms stay float32, as llama.cpp's converter keeps them
+    for name, shape in checkpoint_shapes(config).items():
+        for theirs, ours in GGUF_NAMES.items():
+            name = name.replace(theirs, ours)
+        tensors[name] = (shape, matrix_dtype if len(shape) == 2 else torch.float32)
+    for name, (shape, tensor_dtype) in tensors.items():  # its bytes as ints of that width: numpy has no bfloat16
+        width = tensor_dtype.itemsize
+        writer.add_tensor_info(name, shape, np.dtype(f"int{8 * width}"), math.prod(shape) * width,
+                               ggml_types[tensor_dtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    generator = torch.Generator().manual_seed(0)
+    for shape, tensor_dtype in tqdm(tensors.values(), desc="writing", unit="tensor", delay=1):
+        # One tensor at a time (an 8B model's would not fit in memory at once); uniform in
+        # +-1e-3, as the dummy weights of tinytp and transformers here.
+        tensor = torch.empty(shape).uniform_(-1e-3, 1e-3, generator=generator).to(tensor_dtype)
+        writer.write_tensor_data(tensor.view(getattr(torch, f"int{8 * tensor.itemsize}")).numpy())
+    writer.close()
+    context = args.batch_size * (args.input_len + args.output_len)  # every sequence's own KV cache
+    print(f"wrote {args.write_gguf}: {dtype}, random weights; time llama.cpp on it with\n"
+          f"  llama-batched-bench -m {args.write_gguf} -c {context} -b 2048 -ub 512 -npp {args.input_len} "
+          f"-ntg {args.output_len} -npl {args.batch_size} -t {CORES}\n"
+          f"(decode step = T_TG s / {args.output_len}; prefill = T_PP s)")
+    return {"gguf": args.write_gguf, "dtype": dtype}
+
+
+# --------------------------------------------------------------------------------------
 # --compare, and the command line
 # --------------------------------------------------------------------------------------
 
@@ -514,9 +591,7 @@ def compare(argv: list[str]) -> dict:
     and each ratio the median of the rounds' own ratios."""
     settings = [a for a in argv if a != "--compare"]
     args = parse_args(settings)
-    config = (ModelConfig.from_file(args.config) if args.config else ModelConfig.from_dict(DEFAULT_CONFIG)
-              if not args.model else
-              ModelConfig.from_file(os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json")))
+    config = settings_config(args)
     runnable, left_out = {}, {}
     for name, (backend, tp) in COMPARE_RUNS.items():
         try:  # a model that tp=2 cannot split is compared at the sizes it can
@@ -559,6 +634,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--ipc", action="store_true", help="benchmark the IPC transports, not the model")
     parser.add_argument("--compare", action="store_true", help="tinytp tp=1 and 2, inprocess and hf, in turn")
+    parser.add_argument("--write-gguf", metavar="PATH", default=None,
+                        help="write the benchmark's model, random weights, as a GGUF for llama.cpp, and exit")
     parser.add_argument("--rounds", type=int, default=3, help="with --compare: how many times to run them all in turn")
     parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: a ~56M Llama)")
     parser.add_argument("--config", default=None, help="a config.json to run with dummy weights")
@@ -587,7 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
-        result = run_ipc() if args.ipc else compare(argv) if args.compare else run_latency(args)
+        result = (run_ipc() if args.ipc else compare(argv) if args.compare else
+                  write_gguf(args) if args.write_gguf else run_latency(args))
     except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2

@@ -1548,6 +1548,37 @@ def test_a_script_without_a_main_guard_is_told_why(mha_checkpoint, tmp_path):
     assert "bootstrapping phase" not in result.stderr  # not multiprocessing's own traceback from the worker
 
 
+def test_bench_writes_its_model_as_a_gguf_that_names_every_tensor_as_llama_cpp_does(tmp_path, capsys):
+    """llama.cpp's side of the comparison runs the benchmark's own shapes (bench.py --write-gguf)."""
+    if importlib.util.find_spec("gguf") is None:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("--write-gguf needs gguf: pip install gguf")
+    import bench
+    import gguf
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**bench.DEFAULT_CONFIG, "hidden_size": 64, "intermediate_size": 96,
+                                  "num_hidden_layers": 2, "vocab_size": 100, "tie_word_embeddings": True}))
+    path = tmp_path / "model.gguf"
+    assert bench.main(["--write-gguf", str(path), "--config", str(config), "--dtype", "bfloat16",
+                       "--batch-size", "2", "--input-len", "5", "--output-len", "7"]) == 0
+    assert f"llama-batched-bench -m {path} -c 24 -b 2048 -ub 512 -npp 5 -ntg 7 -npl 2" in capsys.readouterr().out
+    reader = gguf.GGUFReader(str(path))
+    field = lambda key: reader.fields[key].contents()
+    assert (field("general.architecture"), field("llama.block_count"), field("llama.attention.head_count_kv"),
+            field("tokenizer.ggml.model"), field("llama.vocab_size")) == ("llama", 2, 4, "none", 100)
+    tensors = {t.name: (list(reversed(t.shape.tolist())), t.tensor_type.name) for t in reader.tensors}
+    kv_rows = 4 * 64 // 8  # KV heads x head_dim
+    layer = {"attn_norm": [64], "attn_q": [64, 64], "attn_k": [kv_rows, 64], "attn_v": [kv_rows, 64],
+             "attn_output": [64, 64], "ffn_norm": [64], "ffn_gate": [96, 64], "ffn_up": [96, 64], "ffn_down": [64, 96]}
+    assert tensors == {  # tied: no output.weight, llama.cpp then reads token_embd
+        "token_embd.weight": ([100, 64], "BF16"), "output_norm.weight": ([64], "F32"),
+        **{f"blk.{i}.{name}.weight": (shape, "BF16" if len(shape) == 2 else "F32")
+           for i in range(2) for name, shape in layer.items()}}
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    embedding = torch.from_numpy(embedding.data.copy()).view(torch.bfloat16).float()
+    assert embedding.abs().max() <= 1e-3 and embedding.std() > 1e-4  # random, in the dummy weights' range
+
+
 def test_bench_compare_interleaves_rounds_of_the_tp_sizes_the_model_allows(tmp_path, capsys):
     import bench
 
