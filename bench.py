@@ -535,7 +535,8 @@ def write_gguf(args) -> dict:
     matrix_dtype = getattr(torch, dtype)
     ggml_types = {torch.float32: gguf.GGMLQuantizationType.F32, torch.bfloat16: gguf.GGMLQuantizationType.BF16,
                   torch.float16: gguf.GGMLQuantizationType.F16}
-    writer = gguf.GGUFWriter(args.write_gguf, "llama")
+    partial = args.write_gguf + ".partial"  # renamed once complete: never half a model under its name
+    writer = gguf.GGUFWriter(partial, "llama")
     hyperparameters = {"context_length": config.max_position_embeddings, "embedding_length": config.hidden_size,
                        "block_count": config.num_layers, "feed_forward_length": config.intermediate_size,
                        "head_count": config.num_heads, "head_count_kv": config.num_kv_heads,
@@ -556,16 +557,21 @@ def write_gguf(args) -> dict:
         width = tensor_dtype.itemsize
         writer.add_tensor_info(name, shape, np.dtype(f"int{8 * width}"), math.prod(shape) * width,
                                ggml_types[tensor_dtype])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    generator = torch.Generator().manual_seed(0)
-    for shape, tensor_dtype in tqdm(tensors.values(), desc="writing", unit="tensor", delay=1):
-        # One tensor at a time (an 8B model's would not fit in memory at once); uniform in
-        # +-1e-3, as the dummy weights of tinytp and transformers here.
-        tensor = torch.empty(shape).uniform_(-1e-3, 1e-3, generator=generator).to(tensor_dtype)
-        writer.write_tensor_data(tensor.view(getattr(torch, f"int{8 * tensor.itemsize}")).numpy())
-    writer.close()
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        generator = torch.Generator().manual_seed(0)
+        for shape, tensor_dtype in tqdm(tensors.values(), desc="writing", unit="tensor", delay=1):
+            # One tensor at a time (an 8B model's would not fit in memory at once); uniform in
+            # +-1e-3, as the dummy weights of tinytp and transformers here.
+            tensor = torch.empty(shape).uniform_(-1e-3, 1e-3, generator=generator).to(tensor_dtype)
+            writer.write_tensor_data(tensor.view(getattr(torch, f"int{8 * tensor.itemsize}")).numpy())
+        writer.close()
+        os.replace(partial, args.write_gguf)
+    finally:  # interrupted or failed: no partial file left behind
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
     context = args.batch_size * (args.input_len + args.output_len)  # every sequence's own KV cache
     print(f"wrote {args.write_gguf}: {dtype}, random weights; time llama.cpp on it with\n"
           f"  llama-batched-bench -m {args.write_gguf} -c {context} -b 2048 -ub 512 -npp {args.input_len} "

@@ -1577,6 +1577,10 @@ def test_bench_writes_its_model_as_a_gguf_that_names_every_tensor_as_llama_cpp_d
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     embedding = torch.from_numpy(embedding.data.copy()).view(torch.bfloat16).float()
     assert embedding.abs().max() <= 1e-3 and embedding.std() > 1e-4  # random, in the dummy weights' range
+    with mock.patch.object(gguf.GGUFWriter, "write_tensor_data", side_effect=KeyboardInterrupt), \
+            pytest.raises(KeyboardInterrupt):
+        bench.main(["--write-gguf", str(tmp_path / "cut.gguf"), "--config", str(config)])
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.gguf"]  # nothing half-written is left
 
 
 def test_bench_compare_interleaves_rounds_of_the_tp_sizes_the_model_allows(tmp_path, capsys):
