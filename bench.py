@@ -284,6 +284,15 @@ def model_source(args, workdir: str) -> tuple[str, str]:
     return workdir, load_format
 
 
+def settings_config(args) -> ModelConfig:
+    """The config a run of these settings would use: --config, --model's, or the default."""
+    if args.config:
+        return ModelConfig.from_file(args.config)
+    if args.model:
+        return ModelConfig.from_file(os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json"))
+    return ModelConfig.from_dict(DEFAULT_CONFIG)
+
+
 # --------------------------------------------------------------------------------------
 # The latency benchmark: backends
 # --------------------------------------------------------------------------------------
@@ -501,15 +510,6 @@ def run_latency(args) -> dict:
 # --------------------------------------------------------------------------------------
 # The peer: the same shapes for llama.cpp
 # --------------------------------------------------------------------------------------
-
-
-def settings_config(args) -> ModelConfig:
-    """The config a run of these settings would use: --config, --model's, or the default."""
-    if args.config:
-        return ModelConfig.from_file(args.config)
-    if args.model:
-        return ModelConfig.from_file(os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json"))
-    return ModelConfig.from_dict(DEFAULT_CONFIG)
 
 
 # llama.cpp's names for a Llama checkpoint's tensors (as its convert_hf_to_gguf.py maps them).
