@@ -102,8 +102,8 @@ def has_tokenizer(model_dir: str) -> bool:
 def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dtype: str) -> tuple[str, str]:
     """The device (default: cuda when tp GPUs are visible, else cpu) and the dtype ("auto":
     the checkpoint's; on cpu bfloat16 only where oneDNN runs it natively (AVX-512 and newer:
-    measured on SmolLM2 against float32, decode 1.1x faster at batch 1 and 1.6x at batch 8,
-    prefill 1.9x, half the memory), float32 otherwise, float16 included: slow on CPUs)."""
+    on SmolLM2 against float32, decode 1.6-1.7x faster at batch 8, prefill 1.9-2.9x, half the
+    memory, batch 1 about even), float32 otherwise, float16 included: slow on CPUs)."""
     device = device or ("cuda" if torch.cuda.device_count() >= tp else "cpu")
     if device == "cuda" and torch.cuda.device_count() < tp:
         raise ValueError(f"--device cuda with tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
