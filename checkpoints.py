@@ -95,7 +95,8 @@ def llama_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         layer = f"model.layers.{i}"
         shapes |= {f"{layer}.input_layernorm.weight": (hidden,), f"{layer}.self_attn.q_proj.weight": (q, hidden),
                    f"{layer}.self_attn.k_proj.weight": (kv, hidden), f"{layer}.self_attn.v_proj.weight": (kv, hidden),
-                   f"{layer}.self_attn.o_proj.weight": (hidden, q), f"{layer}.post_attention_layernorm.weight": (hidden,),
+                   f"{layer}.self_attn.o_proj.weight": (hidden, q),
+                   f"{layer}.post_attention_layernorm.weight": (hidden,),
                    f"{layer}.mlp.gate_proj.weight": (inter, hidden), f"{layer}.mlp.up_proj.weight": (inter, hidden),
                    f"{layer}.mlp.down_proj.weight": (hidden, inter)}
     shapes["model.norm.weight"] = (hidden,)
@@ -164,10 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="checkpoints.py", description=__doc__.split("\n")[0])
     kinds = parser.add_subparsers(dest="kind", required=True)
     kinds.add_parser("tiny", help="tiny-llama/: 2 layers, hidden 64, the byte tokenizer").add_argument("dir")
-    kinds.add_parser("smollm2", help=f"SmolLM2-135M-Instruct in float32 (needs: {REAL_MODEL_INSTALL})").add_argument("dir")
+    kinds.add_parser("smollm2", help=f"SmolLM2-135M-Instruct in float32 (needs: {REAL_MODEL_INSTALL})"
+                     ).add_argument("dir")
     shapes = kinds.add_parser("llama-3.1-8b-shapes", help="random bfloat16 weights of Llama-3.1-8B's shapes")
     shapes.add_argument("dir")
     shapes.add_argument("--layers", type=int, default=32, help="decoder layers (the 8B has 32)")
+    shapes.add_argument("--hidden-size", type=int, help="a narrower model, for a quick run on CPU (the 8B: 4096)")
+    shapes.add_argument("--intermediate-size", type=int, help="with --hidden-size (the 8B: 14336)")
     shapes.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to draw the random numbers (default: cuda when visible, faster)")
     args = parser.parse_args(argv)
@@ -186,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if args.layers < 1:
                 raise ValueError(f"--layers must be >= 1, got {args.layers}")
-            write_random_llama(path, llama_31_8b_config(args.layers), device=args.device)
+            config = llama_31_8b_config(args.layers)
+            widths = {"hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size}
+            config |= {key: value for key, value in widths.items() if value is not None}
+            if config["hidden_size"] % config["num_attention_heads"]:
+                raise ValueError(f"--hidden-size must be a multiple of the 8B's 32 heads, got {config['hidden_size']}")
+            write_random_llama(path, config, device=args.device)
     except (ValueError, OSError) as e:
         print(f"checkpoints.py: error: {e}", file=sys.stderr)
         return 2
