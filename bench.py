@@ -420,22 +420,30 @@ class HFBackend:
 # --------------------------------------------------------------------------------------
 
 
-def copy_bandwidth(device: str, size: int = 512 << 20, repeats: int = 5) -> float:
-    """Bytes per second a copy reads on this device, best of `repeats`: the yardstick for a
-    decode step, which reads every weight once (the issue's definition). Not a hard ceiling:
-    a copy also writes what it reads, and a pass that only reads (a sum) ran 2.1x faster on
-    our CPU, so a step can pass 100%, as it may on a GPU."""
-    synchronize = torch.cuda.synchronize if device == "cuda" else lambda: None
-    source = torch.ones(size, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
+def memory_bandwidth(device: str, repeats: int = 5) -> tuple[float, str]:
+    """The yardstick for a decode step, which reads every weight once (the issue's definition):
+    bytes per second, best of `repeats`, and how they were measured. On a GPU, the rate at
+    which a sum reads a large tensor, as .ci/gpu measures it: a copy also writes every byte it
+    reads, so a copy's bytes counted once would put the bandwidth at about half and the
+    roofline at about twice the truth. On a CPU, a copy's read rate, as the CPU figures were
+    taken; not a hard ceiling there: a sum ran 2.1x faster on our CPU, so a step can pass 100%."""
+    if device == "cuda":
+        data = torch.ones(1 << 29, dtype=torch.float32, device=device)  # 2 GiB, far past any cache
+        run, size, what = data.sum, data.nbytes, "read bandwidth (a sum)"
+        synchronize = torch.cuda.synchronize
+    else:
+        source = torch.ones(512 << 20, dtype=torch.uint8, device=device)
+        target = torch.empty_like(source)
+        run, size, what = (lambda: target.copy_(source)), source.nbytes, "copy bandwidth"
+        synchronize = lambda: None  # noqa: E731
     best = math.inf
-    for _ in range(repeats + 1):  # the first also maps target's pages in
+    for _ in range(repeats + 1):  # the first warms up (and maps a copy's target pages in)
         synchronize()
         start = time.perf_counter()
-        target.copy_(source)
+        run()
         synchronize()
         best = min(best, time.perf_counter() - start)
-    return size / best
+    return size / best, what
 
 
 def decode_weight_bytes(parameter_bytes: int, config: ModelConfig, tp: int, dtype: str,
@@ -451,7 +459,8 @@ def decode_weight_bytes(parameter_bytes: int, config: ModelConfig, tp: int, dtyp
 PERCENTAGES = [10, 25, 50, 75, 90, 99]
 
 
-def report(latencies: list[float], steps: list[Step], weight_bytes: int, bandwidth: float, memory: str) -> dict:
+def report(latencies: list[float], steps: list[Step], weight_bytes: int, bandwidth: float, measured_by: str,
+           memory: str) -> dict:
     """Print vLLM's lines, then the step figures; return them all for --output-json."""
     latencies = np.array(latencies)
     percentiles = np.percentile(latencies, PERCENTAGES)
@@ -468,17 +477,18 @@ def report(latencies: list[float], steps: list[Step], weight_bytes: int, bandwid
     if overhead is not None:
         print(f"Executor overhead per decode step: {overhead * 1e6:.0f} us ({overhead / step:.1%} of the step)")
     print(f"Roofline: {weight_bytes / 1e6:.1f} MB of weights read from {memory} per decode step = "
-          f"{achieved / 1e9:.2f} GB/s, of {bandwidth / 1e9:.2f} GB/s copy bandwidth: {achieved / bandwidth:.0%}")
+          f"{achieved / 1e9:.2f} GB/s, of {bandwidth / 1e9:.2f} GB/s {measured_by}: {achieved / bandwidth:.0%}")
     return {"avg_latency": float(np.mean(latencies)), "latencies": latencies.tolist(),
             "percentiles": dict(zip(map(str, PERCENTAGES), percentiles.tolist())),
             "prefill_seconds": prefill, "decode_step_seconds": step, "executor_overhead_us":
             None if overhead is None else overhead * 1e6, "executor_overhead_fraction":
             None if overhead is None else overhead / step, "weight_bytes_per_decode_step": weight_bytes,
-            "copy_bandwidth_gbps": bandwidth / 1e9, "roofline_fraction": achieved / bandwidth}
+            "bandwidth_gbps": bandwidth / 1e9, "bandwidth_measured_by": measured_by,
+            "roofline_fraction": achieved / bandwidth}
 
 
 def run_latency(args) -> dict:
-    torch.set_num_threads(CORES)  # hf and inprocess compute here; the copy bandwidth too
+    torch.set_num_threads(CORES)  # hf and inprocess compute here; the bandwidth too
     with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
         model_dir, load_format = model_source(args, workdir)
         config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
@@ -503,7 +513,7 @@ def run_latency(args) -> dict:
             backend.close()
     # The ranks on a CPU share one memory and its bandwidth; each GPU has its own.
     shared, memory = (args.tp, "memory") if device == "cpu" else (1, "each GPU")
-    result = report(latencies, backend.steps, weight_bytes * shared, copy_bandwidth(device), memory)
+    result = report(latencies, backend.steps, weight_bytes * shared, *memory_bandwidth(device), memory)
     return {"backend": args.backend, "tp": args.tp, "device": device, "dtype": dtype, **result}
 
 
