@@ -68,7 +68,7 @@ class Request:
 
 # Finding the checkpoint ---------------------------------------------------------------
 # The default model: a tiny Llama with random weights and a byte-level tokenizer, in the same
-# Hugging Face layout as a real checkpoint (write_tiny_model in test_tinytp.py wrote it).
+# Hugging Face layout as a real checkpoint (`python checkpoints.py tiny DIR` writes it).
 TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-llama")
 
 
