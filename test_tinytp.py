@@ -1231,7 +1231,8 @@ def test_real_llama_greedy_tokens_equal_transformers(smollm2, tp):
                                          max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
             completion = output.outputs[0]
             assert completion.token_ids == expected, (tp, tokenizer.decode(prompt[-20:]), completion.text)
-        assert outputs[2].text == "The capital of France is Paris." and outputs[2].finish_reason == "stop"
+        answer = outputs[2].outputs[0]
+        assert answer.text == "The capital of France is Paris." and answer.finish_reason == "stop"
 
 
 def test_real_llama_refuses_tp_2_naming_the_heads(smollm2):
@@ -1242,7 +1243,8 @@ def test_real_llama_refuses_tp_2_naming_the_heads(smollm2):
 
 
 def test_real_llama_cli_answers_paris(smollm2, cli_env):
-    out, err = run_cli(["--model", smollm2[0], "--prompt", "What is the capital of France?"],
+    # --temperature 0: with no sampling flag the CLI samples as the model's generation_config.json says
+    out, err = run_cli(["--model", smollm2[0], "--temperature", "0", "--prompt", "What is the capital of France?"],
                        cli_env).communicate(timeout=120)
     assert out == "Prompt: 'What is the capital of France?'\nOutput: The capital of France is Paris.\n", err
 

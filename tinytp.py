@@ -44,9 +44,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 # Requests and outputs, in vLLM's shape -----------------------------------------------
 @dataclass
-class CompletionOutput:
-    """One sample of a prompt's completion."""
-
+class CompletionOutput:  # one sample of a prompt's completion
     index: int  # which of the prompt's n samples
     text: str  # the text of token_ids, special tokens left out, ending before a stop string
     token_ids: list[int]  # the generated tokens (the one that ended the sequence included)
@@ -111,21 +109,23 @@ def has_tokenizer(model_dir: str) -> bool:
     return any(f.startswith("tokenizer") for f in os.listdir(model_dir))
 
 
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "max_new_tokens": "max_tokens"}  # generation_config.json's name: SamplingParams'
+
+
 def default_sampling_params(model_dir: str) -> SamplingParams:
-    """vLLM's get_default_sampling_params(): the temperature, top_p, top_k, min_p and
-    max_new_tokens that the checkpoint's generation_config.json gives, vLLM's defaults for the
-    rest. As in vLLM, do_sample is not read: these are the values of a sampling run."""
+    """vLLM's get_default_sampling_params(): SamplingParams from the GENERATION_CONFIG_KEYS of the
+    checkpoint's generation_config.json, vLLM's defaults for the rest (do_sample is not read, as in vLLM)."""
     path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.exists(path):
-        return SamplingParams()
     try:
         with open(path) as f:
             config = json.load(f)
         if config.get("repetition_penalty", 1.0) != 1.0:
             raise ValueError(f"repetition_penalty={config['repetition_penalty']}: tinytp does not support penalties")
-        names = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "max_new_tokens": "max_tokens"}
-        return SamplingParams(**{ours: config[key] for key, ours in names.items() if config.get(key) is not None})
+        return SamplingParams(**{ours: config[key] for key, ours in GENERATION_CONFIG_KEYS.items()
+                                 if config.get(key) is not None})
+    except FileNotFoundError:
+        return SamplingParams()
     except ValueError as e:  # bad JSON too
         raise ValueError(f"{path}: {e}") from None
 
@@ -504,8 +504,7 @@ class LLM:
 
     def _chat_prompt(self, conversation: list[dict], chat_template: str | None = None,
                      add_generation_prompt: bool = True) -> dict:
-        """A conversation as a prompt: its text and token ids (the template writes the
-        special tokens, so the tokenizer adds none)."""
+        """A conversation as a prompt: its text, and its token ids (the template writes the special tokens)."""
         if not (self.tokenizer and (chat_template or self.tokenizer.chat_template)):
             raise ValueError(f"{self.model_dir} has no tokenizer with a chat template: give chat_template=...")
         text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
@@ -552,21 +551,6 @@ class LLM:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {params!r}")
-        text, token_ids = self._tokenize(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} "
-                             "allows at most max_model_len - 1")
-        self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids")
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        # Sample 0 takes the seed itself (n=1 samples as before), sample i one drawn from (seed, i):
-        # a seeded call repeats exactly, and sample 1 of seed s is not sample 0 of seed s + 1.
-        seeds = [seed] + [random.Random(f"{seed}:{index}").getrandbits(64) for index in range(1, params.n)]
-        return [Request(next(self.request_ids), text, token_ids, params, seed) for seed in seeds]
-
-    def _tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
-        """A prompt's text (None for token ids) and its token ids, checked."""
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, dict):  # vLLM's {"prompt": text}, {"prompt_token_ids": ids}, or both (from chat)
             text = prompt.get("prompt")
@@ -578,17 +562,28 @@ class LLM:
                 raise ValueError("empty prompt: give at least one character")
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer: give prompts as token ids")
-            return text, self.tokenizer(prompt).input_ids
-        if not isinstance(prompt, (list, tuple)):
+            token_ids = self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("empty prompt: give at least one token id")
+            wrong_type = [t for t in prompt if not is_integer(t)]
+            if wrong_type:
+                raise ValueError(f"token ids must be integers, got {wrong_type[0]!r} ({type(wrong_type[0]).__name__})")
+            token_ids = [int(t) for t in prompt]  # plain ints, from numpy's too
+            self._check_vocabulary(token_ids, "token ids")
+        else:
             raise ValueError(f"a prompt is a string or a list of token ids, got {prompt!r} ({type(prompt).__name__})")
-        if not prompt:
-            raise ValueError("empty prompt: give at least one token id")
-        wrong_type = [t for t in prompt if not is_integer(t)]
-        if wrong_type:
-            raise ValueError(f"token ids must be integers, got {wrong_type[0]!r} ({type(wrong_type[0]).__name__})")
-        token_ids = [int(t) for t in prompt]  # plain ints, from numpy's too
-        self._check_vocabulary(token_ids, "token ids")
-        return text, token_ids
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} "
+                             "allows at most max_model_len - 1")
+        self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        # Sample 0 takes the seed itself (n=1 samples as before), sample i one drawn from (seed, i):
+        # a seeded call repeats exactly, and sample 1 of seed s is not sample 0 of seed s + 1.
+        seeds = [seed] + [random.Random(f"{seed}:{index}").getrandbits(64) for index in range(1, params.n)]
+        return [Request(next(self.request_ids), text, token_ids, params, seed) for seed in seeds]
 
     def _check_vocabulary(self, token_ids: list[int], what: str) -> None:
         outside = [t for t in token_ids if not 0 <= t < self.config.vocab_size]

@@ -40,13 +40,10 @@ VLLM_ONLY_FIELDS = {"best_of", "use_beam_search", "length_penalty", "early_stopp
 
 @dataclass(kw_only=True)  # keywords only: vLLM's positional order differs
 class SamplingParams:
-    """How to pick each next token, as vLLM's fields of the same names. temperature 0 is
-    greedy; otherwise the logits are divided by it, then top_k keeps the k likeliest tokens (0
-    or -1: all), top_p the smallest set that holds top_p of the probability, min_p those at
-    least min_p times as likely as the likeliest. A seed makes sampling repeatable; n samples
-    are drawn per prompt. A sequence ends at an end-of-sequence token (unless ignore_eos), at
-    one of stop_token_ids, when its text contains a stop string (the text ends before it), or
-    after max_tokens."""
+    """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy,
+    sampling_probabilities applies the rest; n samples per prompt, repeatable with a seed. A
+    sequence ends at an end-of-sequence token (unless ignore_eos), one of stop_token_ids, a stop
+    string (the text ends before it) or after max_tokens."""
 
     n: int = 1
     temperature: float = 1.0
@@ -427,10 +424,9 @@ class SharedMemoryCollectives(Collectives):
 
 
 def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution one request samples its next token from, given its row of logits:
-    in vLLM's order, temperature, then top-k, top-p and min-p, each keeping the likeliest
-    tokens of what the one before kept (renormalized). The result is not normalized again:
-    torch.multinomial takes weights."""
+    """Weights for drawing one request's next token from its row of logits. vLLM's order:
+    temperature, then top-k (0 or -1: all tokens), top-p and min-p, each judging what the one
+    before kept, renormalized (min-p is relative to the likeliest, so needs no renormalizing)."""
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if 0 < params.top_k < probs.numel():
         kth_largest = probs.topk(params.top_k).values[-1]
