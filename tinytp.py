@@ -109,20 +109,18 @@ def has_tokenizer(model_dir: str) -> bool:
     return any(f.startswith("tokenizer") for f in os.listdir(model_dir))
 
 
-GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                          "max_new_tokens": "max_tokens"}  # generation_config.json's name: SamplingParams'
-
-
 def default_sampling_params(model_dir: str) -> SamplingParams:
-    """vLLM's get_default_sampling_params(): SamplingParams from the GENERATION_CONFIG_KEYS of the
-    checkpoint's generation_config.json, vLLM's defaults for the rest (do_sample is not read, as in vLLM)."""
+    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens
+    from the checkpoint's generation_config.json, vLLM's defaults for the rest (do_sample is not
+    read, as in vLLM)."""
     path = os.path.join(model_dir, "generation_config.json")
     try:
         with open(path) as f:
             config = json.load(f)
         if config.get("repetition_penalty", 1.0) != 1.0:
             raise ValueError(f"repetition_penalty={config['repetition_penalty']}: tinytp does not support penalties")
-        return SamplingParams(**{ours: config[key] for key, ours in GENERATION_CONFIG_KEYS.items()
+        config["max_tokens"] = config.get("max_new_tokens")  # transformers' name for it
+        return SamplingParams(**{key: config[key] for key in ("temperature", "top_p", "top_k", "min_p", "max_tokens")
                                  if config.get(key) is not None})
     except FileNotFoundError:
         return SamplingParams()

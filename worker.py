@@ -29,15 +29,6 @@ from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGr
                    is_number, load_checkpoint, pack_for_cpu, token_id_list)
 
 # Messages between the driver and the workers ------------------------------------------
-# vLLM's SamplingParams fields that tinytp does not have (beam search, penalties, log probabilities,
-# constrained decoding, output options): naming one is refused, even at vLLM's default.
-VLLM_ONLY_FIELDS = {"best_of", "use_beam_search", "length_penalty", "early_stopping", "presence_penalty",
-                    "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "min_tokens",
-                    "guided_decoding", "structured_outputs", "logits_processors", "logit_bias", "allowed_token_ids",
-                    "bad_words", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-                    "detokenize", "truncate_prompt_tokens", "output_kind", "extra_args"}
-
-
 @dataclass(kw_only=True)  # keywords only: vLLM's positional order differs
 class SamplingParams:
     """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy,
@@ -56,10 +47,12 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int = 16
 
-    def __new__(cls, *args, **kwargs):  # a ValueError that names the field, not a TypeError
+    def __new__(cls, *args, **kwargs):
+        # vLLM's other fields (beam search, penalties, logprobs, ...) and typos: a ValueError naming
+        # the field, not a TypeError, and never accepted, even at vLLM's default.
         for name in kwargs.keys() - {f.name for f in fields(cls)}:
-            raise ValueError(f"SamplingParams({name}=...): " + ("tinytp does not support it, leave it out"
-                             if name in VLLM_ONLY_FIELDS else "no such field, in tinytp or vLLM"))
+            raise ValueError(f"SamplingParams({name}=...): tinytp does not support {name}; it has "
+                             f"{', '.join(f.name for f in fields(cls))}")
         return super().__new__(cls)
 
     def __post_init__(self):
