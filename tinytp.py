@@ -581,7 +581,7 @@ class LLM:
         # Sample 0 takes the seed itself (n=1 samples as before), sample i one drawn from (seed, i):
         # a seeded call repeats exactly, and sample 1 of seed s is not sample 0 of seed s + 1.
         seeds = [seed] + [random.Random(f"{seed}:{index}").getrandbits(64) for index in range(1, params.n)]
-        return [Request(next(self.request_ids), text, token_ids, params, seed) for seed in seeds]
+        return [Request(next(self.request_ids), text, token_ids, params, sample_seed) for sample_seed in seeds]
 
     def _check_vocabulary(self, token_ids: list[int], what: str) -> None:
         outside = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
