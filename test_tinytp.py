@@ -378,36 +378,53 @@ class RecordingBuffer(bytearray):
         super().__setitem__(key, value)
 
 
-def torn_reads(writer_steps: list[str], reader_flag_order: list[str]) -> list[tuple]:
+def torn_reads(writer_steps: list[str], reader_flag_order: list[str]) -> list[tuple[str, list[tuple[str, str]]]]:
     """Every interleaving of a writer refilling a chunk with a reader that has read the
     chunk's previous message and now waits for the next one, as a small model: the flags,
-    and the chunk as "old", "partial" or "new". Returns the interleavings in which the
-    reader takes the chunk as ready while it is not "new": a half-written read."""
+    and the chunk as "old", "partial" or "new". Returns each interleaving in which the reader
+    takes the chunk as ready while it is not "new", as (what went wrong, its timeline): a
+    half-written chunk read, or the old message read as new. The timeline is a list of
+    (writer's op, reader's op), one side empty on each line."""
     writer_ops = [op for step in writer_steps for op in (["fill starts", "fill ends"] if step == "fill" else [step])]
     reader_ops = [*reader_flag_order, "read the chunk"]
-    torn = []
+    bad = []
     for reader_slots in itertools.combinations(range(len(writer_ops) + len(reader_ops)), len(reader_ops)):
         state, seen, writer, reader = {"written": 1, "read": 1, "chunk": "old"}, {}, iter(writer_ops), iter(reader_ops)
+        timeline, kind = [], None
         for slot in range(len(writer_ops) + len(reader_ops)):
             op = next(reader) if slot in reader_slots else next(writer)
             if op in ("written", "read"):  # the reader looks at a flag
                 seen[op] = state[op]
+                timeline.append(("", f"sees {op}={state[op]}"))
             elif op == "read the chunk":
-                if seen["read"] == 0 and seen["written"] == 1 and state["chunk"] != "new":
-                    torn.append(reader_slots)
-            elif op == "fill starts":
-                state["chunk"] = "partial"
-            elif op == "fill ends":
-                state["chunk"] = "new"
-            else:  # "written=0", "written=1" or "read=0": the writer sets a flag
-                flag, value = op.split("=")
-                state[flag] = int(value)
-    return torn
+                taken = seen["read"] == 0 and seen["written"] == 1
+                timeline.append(("", f"takes the chunk: {state['chunk']}" if taken else "waits"))
+                if taken and state["chunk"] != "new":
+                    kind = "half-written chunk read" if state["chunk"] == "partial" else "old message read as new"
+            else:
+                if op == "fill starts":
+                    state["chunk"] = "partial"
+                elif op == "fill ends":
+                    state["chunk"] = "new"
+                else:  # "written=0", "written=1" or "read=0": the writer sets a flag
+                    flag, value = op.split("=")
+                    state[flag] = int(value)
+                timeline.append((op, ""))
+        if kind is not None:
+            bad.append((kind, timeline))
+    return bad
+
+
+def timelines(bad: list[tuple[str, list[tuple[str, str]]]]) -> str:
+    """torn_reads' interleavings as two-column timelines, time running down."""
+    return "\n".join(f"\n{kind}:\n  {'writer':<14}reader\n" + "\n".join(f"  {w:<14}{r}" for w, r in timeline)
+                     for kind, timeline in bad)
 
 
 def test_queue_flag_order_never_reads_a_half_written_chunk():
     """The argument in MessageQueue's docstring, checked: the orders come from the real
-    code, and every interleaving of the two sides is tried."""
+    code, and every interleaving of the two sides is tried. README exercise: swap the two
+    checks in MessageQueue.ready and this test prints each bad interleaving."""
     writer = MessageQueue.create(num_readers=1, num_chunks=1, chunk_bytes=64)
     reader = MessageQueue.attach(writer.handle, reader=0)
     written, read = writer.written_at[0], writer.read_flags_at[0]
@@ -417,16 +434,21 @@ def test_queue_flag_order_never_reads_a_half_written_chunk():
         writer_steps = [f"written={value}" if key == written else "read=0" if key == read else "fill"
                         for op, key, value in writer.buf.log if op == "set"]
         reader.buf = RecordingBuffer(len(reader.shm.buf))
-        reader.ready()
+        reader.buf[reader.written_at[0]] = 1  # a message waits, so ready() looks at both flags in either order
+        reader.buf.log.clear()
+        assert reader.ready()
         reader_flag_order = ["read" if key == reader.my_read_at[0] else "written" for _, key, _ in reader.buf.log]
     finally:
         writer.buf = reader.buf = None
         reader.close()
         writer.close()
     assert writer_steps == ["written=0", "read=0", "fill", "written=1"]
+    bad = torn_reads(writer_steps, reader_flag_order)
+    assert not bad, f"reader looks at {reader_flag_order}: {len(bad)} bad interleavings\n{timelines(bad)}"
     assert reader_flag_order == ["read", "written"]  # its own read flag first
-    assert torn_reads(writer_steps, reader_flag_order) == []
-    assert torn_reads(writer_steps, ["written", "read"])  # the other order can read a half-written chunk
+    # The other order fails both ways: it can take a half-written chunk, or the old message again.
+    assert {kind for kind, _ in torn_reads(writer_steps, ["written", "read"])} == {
+        "half-written chunk read", "old message read as new"}
 
 
 # --------------------------------------------------------------------------------------
