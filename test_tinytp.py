@@ -35,8 +35,8 @@ from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHea
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
 import tinytp
 from tinytp import LLM, SamplingParams, WorkerError, explain
-from worker import (CHUNK_HEADER, COLLECTIVE_BUFFER_BYTES, MessageQueue, NewRequest, SchedulerOutput,
-                    SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory)
+from worker import (CHUNK_HEADER, COLLECTIVE_BUFFER_BYTES, MessageQueue, ModelRunnerOutput, NewRequest,
+                    SchedulerOutput, SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -596,27 +596,68 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
     sample) for 2 ranks in 2 threads of this process: no processes, no queues, and a
     breakpoint() anywhere in model.py stops in a rank (README, exercise 4)."""
     path, hf_model = mha_checkpoint
-    monkeypatch.setattr(model_code, "collectives", ThreadCollectives(world_size=2))
+    collectives = ThreadCollectives(world_size=2)
+    monkeypatch.setattr(model_code, "collectives", collectives)
     prompt, tokens = [256, 72, 101, 108, 108, 111], {}
 
     def run_rank(rank: int) -> None:
-        worker = Worker(rank, world_size=2)
-        worker.device, worker.dtype = torch.device("cpu"), torch.float32  # what init_device sets
-        worker.load_model(path, max_model_len=64)
-        worker.init_kv_cache(max_num_seqs=1)
-        step = SchedulerOutput([NewRequest(0, prompt, 0, SamplingParams(temperature=0), seed=0)], [0], [])
-        for _ in range(8):  # the prefill, then decode steps
-            worker.execute_model(step)
-            step = SchedulerOutput([], [0], [])
-        tokens[rank] = worker.requests[0].token_ids[len(prompt):]
+        try:
+            worker = Worker(rank, world_size=2)
+            worker.device, worker.dtype = torch.device("cpu"), torch.float32  # what init_device sets
+            worker.load_model(path, max_model_len=64)
+            worker.init_kv_cache(max_num_seqs=1)
+            step = SchedulerOutput([NewRequest(0, prompt, 0, SamplingParams(temperature=0), seed=0)], [0], [])
+            for _ in range(8):  # the prefill, then decode steps
+                worker.execute_model(step)
+                step = SchedulerOutput([], [0], [])
+            tokens[rank] = worker.requests[0].token_ids[len(prompt):]
+        except BaseException:
+            collectives.barrier.abort()  # else the other rank waits at the barrier for ever
+            raise
 
     ranks = [threading.Thread(target=run_rank, args=(rank,), name=str(rank)) for rank in range(2)]
     for thread in ranks:
         thread.start()
     for thread in ranks:
-        thread.join(timeout=60)
+        thread.join()  # no time limit: a student may sit in the debugger as long as they like
+    assert sorted(tokens) == [0, 1], "a rank failed: its traceback is printed above"
     assert tokens[0] == tokens[1] and len(tokens[0]) == 8
     assert_tokens_match_hf(hf_model, prompt, tokens[0])
+
+
+def test_slot_timeline_of_5_prompts_on_2_slots():
+    """Continuous batching, drawn (README, "Slots over time"; -s prints it): the real
+    Scheduler with 2 KV slots, 5 prompts A-E of 3, 5, 2, 4 and 1 tokens asking for 3, 1, 2,
+    4 and 2 tokens, each step answered with token 0. A cell is the request in that slot and
+    the positions whose keys and values the step writes. New requests are prefilled in a step
+    of their own; a finished request frees its slot at once, a waiting one takes it next step."""
+    scheduler = tinytp.Scheduler(max_num_seqs=2, max_model_len=64, eos_token_ids=set())
+    names = "ABCDE"
+    for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
+        scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(max_tokens=max_tokens), seed=0))
+    lines = [f"{'step':>4}  {'kind':<8}{'slot 0':<12}{'slot 1':<12}finished"]
+    while scheduler.waiting or scheduler.running:
+        step = scheduler.schedule()
+        cells = ["free", "free"]
+        for r in scheduler.running:
+            length = len(r.prompt_token_ids) + len(r.output_token_ids)
+            cells[r.slot] = (f"{names[r.request_id]} waits" if r.request_id not in step.scheduled_ids
+                             else f"{names[r.request_id]} 0..{length - 1}" if not r.output_token_ids  # its prefill
+                             else f"{names[r.request_id]} {length - 1}")  # a decode: its last token's position
+        finished = scheduler.update(step, ModelRunnerOutput(step.call_id, [0] * len(step.scheduled_ids), 0.0))
+        lines.append(f"{len(lines):>4}  {'prefill' if step.new_requests else 'decode':<8}{cells[0]:<12}{cells[1]:<12}"
+                     + " ".join(names[r.request_id] for r in finished))
+    print("\n" + "\n".join(lines))
+    assert [line.rstrip() for line in lines[1:]] == [
+        "   1  prefill A 0..2      B 0..4      B",
+        "   2  prefill A waits     C 0..1",
+        "   3  decode  A 3         C 2         C",
+        "   4  prefill A waits     D 0..3",
+        "   5  decode  A 4         D 4         A",
+        "   6  prefill E 0..0      D waits",
+        "   7  decode  E 1         D 5         E",
+        "   8  decode  free        D 6         D",
+    ]
 
 
 # --------------------------------------------------------------------------------------
