@@ -165,7 +165,7 @@ def last_logits(worker):
     return worker.last_logits.cpu()
 
 
-def q_rows(worker):  # README, exercise 5
+def q_rows(worker):  # README, exercise 7
     qkv = worker.model.layers[0].self_attn.qkv_proj
     weight = qkv.weight if qkv.packed_weight is None else qkv.packed_weight.to_dense()
     return weight[: qkv.weight.shards[0].size]  # q's rows come first (its shard), then k's and v's
@@ -423,7 +423,7 @@ def timelines(bad: list[tuple[str, list[tuple[str, str]]]]) -> str:
 
 def test_queue_flag_order_never_reads_a_half_written_chunk():
     """The argument in MessageQueue's docstring, checked: the orders come from the real
-    code, and every interleaving of the two sides is tried. README exercise: swap the two
+    code, and every interleaving of the two sides is tried. README exercise 4: swap the two
     checks in MessageQueue.ready and this test prints each bad interleaving."""
     writer = MessageQueue.create(num_readers=1, num_chunks=1, chunk_bytes=64)
     reader = MessageQueue.attach(writer.handle, reader=0)
@@ -479,7 +479,7 @@ def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_chec
             expected = teacher_forced_logits(hf_model, prompt + output.token_ids)[-2]
             assert torch.allclose(row, expected, atol=1e-4)
 
-        # README exercise 5: rank 1 holds rows 32..63 of q_proj (2 of the 4 heads of 16), and
+        # README exercise 7: rank 1 holds rows 32..63 of q_proj (2 of the 4 heads of 16), and
         # its weights can be looked at on every path, packed or not.
         q_proj = hf_model.model.layers[0].self_attn.q_proj.weight
         assert torch.equal(llm.collective_rpc(q_rows)[1], q_proj[32:64])
@@ -594,7 +594,7 @@ class ThreadCollectives(Collectives):
 def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
     """The workers' own code (Worker.load_model, execute_model: prepare_inputs, forward,
     sample) for 2 ranks in 2 threads of this process: no processes, no queues, and a
-    breakpoint() anywhere in model.py stops in a rank (README, exercise 4)."""
+    breakpoint() anywhere in model.py stops in a rank (README, exercise 6)."""
     path, hf_model = mha_checkpoint
     collectives = ThreadCollectives(world_size=2)
     monkeypatch.setattr(model_code, "collectives", collectives)

@@ -230,7 +230,7 @@ class MessageQueue:
         self.buf = shm.buf
         self.reader = reader  # None for the writer's side
         self.owner = owner  # the creator unlinks the block
-        # The block (README, "Two pictures"): all chunks' flags, then the chunks. The *_at offsets
+        # The block (README, "The shared-memory queue"): all chunks' flags, then the chunks. The *_at offsets
         # are computed once: enqueue and dequeue run a few times a step, and each Python operation in them counts.
         flags_bytes = 1 + handle.num_readers
         self.written_at = [i * flags_bytes for i in range(handle.num_chunks)]
