@@ -343,12 +343,11 @@ def collective_block_bytes(world_size: int) -> int:
 
 class SharedMemoryCollectives(Collectives):
     """All-reduce and all-gather through one shared block, for CPU ranks on one machine
-    (gloo's TCP path costs far more per all-reduce, of which a step has dozens; the figures
-    are in docs/performance.md). Each rank
-    copies its tensor into its buffer, publishes the step's generation number, waits until
-    every rank has, and reads all buffers; all ranks sum them in the same order, so agree.
-    Two sets of buffers alternate: once everyone has published g, everyone has finished
-    reading g-1's set, which g+1 reuses. The same store-order caveat as MessageQueue's."""
+    (gloo's TCP path costs far more per all-reduce, dozens a step: docs/performance.md).
+    Each rank copies its tensor into its buffer, publishes the step's generation number,
+    waits until every rank has, and reads all buffers; all ranks sum them in one order, so
+    agree. Two sets of buffers alternate: once everyone has published g, everyone has
+    finished reading g-1's set, which g+1 reuses. MessageQueue's store-order caveat holds too."""
 
     def __init__(self, block_name: str, group: TPGroup):
         self.group = group
