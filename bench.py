@@ -9,7 +9,8 @@
 
 The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: the same
 options and defaults, random token-id prompts, exactly --output-len tokens per sequence,
-and the same output lines, so its numbers sit next to the seed's. It adds what explains
+and the same output lines, so its numbers sit next to those in vLLM pull request #9856
+("[V1] Multiprocessing Tensor Parallel Support for v1"). It adds what explains
 them: the prefill and decode step times, the executor's overhead per step, and how close a
 decode step comes to the memory-bandwidth limit.
 

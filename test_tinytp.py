@@ -39,8 +39,8 @@ from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHea
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
 import tinytp
 from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams, WorkerError, explain
-from worker import (CHUNK_HEADER, COLLECTIVE_BUFFER_BYTES, CachedRequest, MessageQueue, NewRequest, SchedulerOutput,
-                    SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory,
+from worker import (CHUNK_HEADER, COLLECTIVE_BUFFER_BYTES, CachedRequest, MessageQueue, ModelRunnerOutput, NewRequest,
+                    SchedulerOutput, SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory,
                     sampling_probabilities)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -171,7 +171,7 @@ def last_logits(worker):
     return worker.last_logits.cpu()
 
 
-def q_rows(worker):  # README, exercise 5
+def q_rows(worker):  # README, exercise 7
     qkv = worker.model.layers[0].self_attn.qkv_proj
     weight = qkv.weight if qkv.packed_weight is None else qkv.packed_weight.to_dense()
     return weight[: qkv.weight.shards[0].size]  # q's rows come first (its shard), then k's and v's
@@ -384,36 +384,53 @@ class RecordingBuffer(bytearray):
         super().__setitem__(key, value)
 
 
-def torn_reads(writer_steps: list[str], reader_flag_order: list[str]) -> list[tuple]:
+def torn_reads(writer_steps: list[str], reader_flag_order: list[str]) -> list[tuple[str, list[tuple[str, str]]]]:
     """Every interleaving of a writer refilling a chunk with a reader that has read the
     chunk's previous message and now waits for the next one, as a small model: the flags,
-    and the chunk as "old", "partial" or "new". Returns the interleavings in which the
-    reader takes the chunk as ready while it is not "new": a half-written read."""
+    and the chunk as "old", "partial" or "new". Returns each interleaving in which the reader
+    takes the chunk as ready while it is not "new", as (what went wrong, its timeline): a
+    half-written chunk read, or the old message read as new. The timeline is a list of
+    (writer's op, reader's op), one side empty on each line."""
     writer_ops = [op for step in writer_steps for op in (["fill starts", "fill ends"] if step == "fill" else [step])]
     reader_ops = [*reader_flag_order, "read the chunk"]
-    torn = []
+    bad = []
     for reader_slots in itertools.combinations(range(len(writer_ops) + len(reader_ops)), len(reader_ops)):
         state, seen, writer, reader = {"written": 1, "read": 1, "chunk": "old"}, {}, iter(writer_ops), iter(reader_ops)
+        timeline, kind = [], None
         for slot in range(len(writer_ops) + len(reader_ops)):
             op = next(reader) if slot in reader_slots else next(writer)
             if op in ("written", "read"):  # the reader looks at a flag
                 seen[op] = state[op]
+                timeline.append(("", f"sees {op}={state[op]}"))
             elif op == "read the chunk":
-                if seen["read"] == 0 and seen["written"] == 1 and state["chunk"] != "new":
-                    torn.append(reader_slots)
-            elif op == "fill starts":
-                state["chunk"] = "partial"
-            elif op == "fill ends":
-                state["chunk"] = "new"
-            else:  # "written=0", "written=1" or "read=0": the writer sets a flag
-                flag, value = op.split("=")
-                state[flag] = int(value)
-    return torn
+                taken = seen["read"] == 0 and seen["written"] == 1
+                timeline.append(("", f"takes the chunk: {state['chunk']}" if taken else "waits"))
+                if taken and state["chunk"] != "new":
+                    kind = "half-written chunk read" if state["chunk"] == "partial" else "old message read as new"
+            else:
+                if op == "fill starts":
+                    state["chunk"] = "partial"
+                elif op == "fill ends":
+                    state["chunk"] = "new"
+                else:  # "written=0", "written=1" or "read=0": the writer sets a flag
+                    flag, value = op.split("=")
+                    state[flag] = int(value)
+                timeline.append((op, ""))
+        if kind is not None:
+            bad.append((kind, timeline))
+    return bad
+
+
+def timelines(bad: list[tuple[str, list[tuple[str, str]]]]) -> str:
+    """torn_reads' interleavings as two-column timelines, time running down."""
+    return "\n".join(f"\n{kind}:\n  {'writer':<14}reader\n" + "\n".join(f"  {w:<14}{r}" for w, r in timeline)
+                     for kind, timeline in bad)
 
 
 def test_queue_flag_order_never_reads_a_half_written_chunk():
     """The argument in MessageQueue's docstring, checked: the orders come from the real
-    code, and every interleaving of the two sides is tried."""
+    code, and every interleaving of the two sides is tried. README exercise 4: swap the two
+    checks in MessageQueue.ready and this test prints each bad interleaving."""
     writer = MessageQueue.create(num_readers=1, num_chunks=1, chunk_bytes=64)
     reader = MessageQueue.attach(writer.handle, reader=0)
     written, read = writer.written_at[0], writer.read_flags_at[0]
@@ -423,16 +440,21 @@ def test_queue_flag_order_never_reads_a_half_written_chunk():
         writer_steps = [f"written={value}" if key == written else "read=0" if key == read else "fill"
                         for op, key, value in writer.buf.log if op == "set"]
         reader.buf = RecordingBuffer(len(reader.shm.buf))
-        reader.ready()
+        reader.buf[reader.written_at[0]] = 1  # a message waits, so ready() looks at both flags in either order
+        reader.buf.log.clear()
+        assert reader.ready()
         reader_flag_order = ["read" if key == reader.my_read_at[0] else "written" for _, key, _ in reader.buf.log]
     finally:
         writer.buf = reader.buf = None
         reader.close()
         writer.close()
     assert writer_steps == ["written=0", "read=0", "fill", "written=1"]
+    bad = torn_reads(writer_steps, reader_flag_order)
+    assert not bad, f"reader looks at {reader_flag_order}: {len(bad)} bad interleavings\n{timelines(bad)}"
     assert reader_flag_order == ["read", "written"]  # its own read flag first
-    assert torn_reads(writer_steps, reader_flag_order) == []
-    assert torn_reads(writer_steps, ["written", "read"])  # the other order can read a half-written chunk
+    # The other order fails both ways: it can take a half-written chunk, or the old message again.
+    assert {kind for kind, _ in torn_reads(writer_steps, ["written", "read"])} == {
+        "half-written chunk read", "old message read as new"}
 
 
 # --------------------------------------------------------------------------------------
@@ -463,7 +485,7 @@ def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_chec
             expected = teacher_forced_logits(hf_model, prompt + output.outputs[0].token_ids)[-2]
             assert torch.allclose(row, expected, atol=1e-4)
 
-        # README exercise 5: rank 1 holds rows 32..63 of q_proj (2 of the 4 heads of 16), and
+        # README exercise 7: rank 1 holds rows 32..63 of q_proj (2 of the 4 heads of 16), and
         # its weights can be looked at on every path, packed or not.
         q_proj = hf_model.model.layers[0].self_attn.q_proj.weight
         assert torch.equal(llm.collective_rpc(q_rows)[1], q_proj[32:64])
@@ -578,29 +600,70 @@ class ThreadCollectives(Collectives):
 def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
     """The workers' own code (Worker.load_model, execute_model: prepare_inputs, forward,
     sample) for 2 ranks in 2 threads of this process: no processes, no queues, and a
-    breakpoint() anywhere in model.py stops in a rank (README, exercise 4)."""
+    breakpoint() anywhere in model.py stops in a rank (README, exercise 6)."""
     path, hf_model = mha_checkpoint
-    monkeypatch.setattr(model_code, "collectives", ThreadCollectives(world_size=2))
+    collectives = ThreadCollectives(world_size=2)
+    monkeypatch.setattr(model_code, "collectives", collectives)
     prompt, tokens = [256, 72, 101, 108, 108, 111], {}
 
     def run_rank(rank: int) -> None:
-        worker = Worker(rank, world_size=2)
-        worker.device, worker.dtype = torch.device("cpu"), torch.float32  # what init_device sets
-        worker.load_model(path, max_model_len=64)
-        worker.init_kv_cache(max_num_seqs=1)
-        step = SchedulerOutput([NewRequest(0, prompt, 0, SamplingParams(temperature=0), seed=0)], [0], [])
-        for _ in range(8):  # the prefill, then decode steps
-            worker.execute_model(step)
-            step = SchedulerOutput([], [0], [])
-        tokens[rank] = worker.requests[0].token_ids[len(prompt):]
+        try:
+            worker = Worker(rank, world_size=2)
+            worker.device, worker.dtype = torch.device("cpu"), torch.float32  # what init_device sets
+            worker.load_model(path, max_model_len=64)
+            worker.init_kv_cache(max_num_seqs=1)
+            step = SchedulerOutput([NewRequest(0, prompt, 0, SamplingParams(temperature=0), seed=0)], [0], [])
+            for _ in range(8):  # the prefill, then decode steps
+                worker.execute_model(step)
+                step = SchedulerOutput([], [0], [])
+            tokens[rank] = worker.requests[0].token_ids[len(prompt):]
+        except BaseException:
+            collectives.barrier.abort()  # else the other rank waits at the barrier for ever
+            raise
 
     ranks = [threading.Thread(target=run_rank, args=(rank,), name=str(rank)) for rank in range(2)]
     for thread in ranks:
         thread.start()
     for thread in ranks:
-        thread.join(timeout=60)
+        thread.join()  # no time limit: a student may sit in the debugger as long as they like
+    assert sorted(tokens) == [0, 1], "a rank failed: its traceback is printed above"
     assert tokens[0] == tokens[1] and len(tokens[0]) == 8
     assert_tokens_match_hf(hf_model, prompt, tokens[0])
+
+
+def test_slot_timeline_of_5_prompts_on_2_slots():
+    """Continuous batching, drawn (README, "Slots over time"; -s prints it): the real
+    Scheduler with 2 KV slots, 5 prompts A-E of 3, 5, 2, 4 and 1 tokens asking for 3, 1, 2,
+    4 and 2 tokens, each step answered with token 0. A cell is the request in that slot and
+    the positions whose keys and values the step writes. New requests are prefilled in a step
+    of their own; a finished request frees its slot at once, a waiting one takes it next step."""
+    scheduler = tinytp.Scheduler(max_num_seqs=2, max_model_len=64, eos_token_ids=set(), detokenize=str)
+    names = "ABCDE"
+    for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
+        scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(max_tokens=max_tokens), seed=0))
+    lines = [f"{'step':>4}  {'kind':<8}{'slot 0':<12}{'slot 1':<12}finished"]
+    while scheduler.waiting or scheduler.running:
+        step = scheduler.schedule()
+        cells = ["free", "free"]
+        for r in scheduler.running:
+            length = len(r.prompt_token_ids) + len(r.output_token_ids)
+            cells[r.slot] = (f"{names[r.request_id]} waits" if r.request_id not in step.scheduled_ids
+                             else f"{names[r.request_id]} 0..{length - 1}" if not r.output_token_ids  # its prefill
+                             else f"{names[r.request_id]} {length - 1}")  # a decode: its last token's position
+        finished = scheduler.update(step, ModelRunnerOutput(step.call_id, [0] * len(step.scheduled_ids), 0.0))
+        lines.append(f"{len(lines):>4}  {'prefill' if step.new_requests else 'decode':<8}{cells[0]:<12}{cells[1]:<12}"
+                     + " ".join(names[r.request_id] for r in finished))
+    print("\n" + "\n".join(lines))
+    assert [line.rstrip() for line in lines[1:]] == [
+        "   1  prefill A 0..2      B 0..4      B",
+        "   2  prefill A waits     C 0..1",
+        "   3  decode  A 3         C 2         C",
+        "   4  prefill A waits     D 0..3",
+        "   5  decode  A 4         D 4         A",
+        "   6  prefill E 0..0      D waits",
+        "   7  decode  E 1         D 5         E",
+        "   8  decode  free        D 6         D",
+    ]
 
 
 # --------------------------------------------------------------------------------------

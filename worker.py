@@ -133,8 +133,8 @@ class RPCResult:
 SHUTDOWN = "shutdown"  # the method name that ends the worker loop
 
 # Pickle writes the module and name of each class in a message, and finds the class by that
-# name again on each side, at about 0.6 us a class: as much as the rest of a decode step's
-# pickling. So the classes above go as their number and a tuple of their fields.
+# name again on each side, which costs as much as the rest of a decode step's pickling
+# (docs/performance.md). So the classes above go as their number and a tuple of their fields.
 MESSAGE_CLASSES = (SchedulerOutput, ModelRunnerOutput, RPCCall, RPCResult)
 MESSAGE_FIELDS = {cls: (number, operator.attrgetter(*(f.name for f in fields(cls))))
                   for number, cls in enumerate(MESSAGE_CLASSES)}
@@ -153,14 +153,14 @@ def decode(data: bytes | memoryview) -> Any:
 
 # Waiting: poll while yielding the core, then sleep until the doorbell rings -----------
 # Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a
-# spinner can hold the very core that the process it waits for needs (measured: a pure
-# 50 us spin made half the small round trips take ~120 us instead of ~20 us).
+# spinner can hold the very core that the process it waits for needs, which made a pure
+# spin's round trips several times slower (docs/performance.md).
 YIELD_SECONDS = 1e-3
 SLEEP_FRACTION = 0.05  # then, with no doorbell, sleep 5% of the time waited so far
 MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
 # With a doorbell, the ring ends the sleep, and its timeout only spaces the liveness checks:
 # long, since each timed wake-up of the driver takes a core from a rank (naps of 5% woke it
-# ~40 times in an 8 ms step; measured with bench.py, this nap made tp=1 8% and tp=2 14% faster).
+# dozens of times a step and slowed every tp; docs/performance.md has the bench.py figures).
 DOORBELL_SLEEP = 50e-3
 
 
@@ -256,8 +256,8 @@ class MessageQueue:
         self.buf = shm.buf
         self.reader = reader  # None for the writer's side
         self.owner = owner  # the creator unlinks the block
-        # The block (README, "Two pictures"): all chunks' flags, then the chunks. The *_at offsets
-        # are computed once: enqueue and dequeue run a few times a step, each Python operation ~50 ns.
+        # The block (README, "The shared-memory queue"): all chunks' flags, then the chunks. The *_at offsets
+        # are computed once: enqueue and dequeue run a few times a step, and each Python operation in them counts.
         flags_bytes = 1 + handle.num_readers
         self.written_at = [i * flags_bytes for i in range(handle.num_chunks)]
         self.read_flags_at = [slice(i * flags_bytes + 1, (i + 1) * flags_bytes) for i in range(handle.num_chunks)]
@@ -369,11 +369,11 @@ def collective_block_bytes(world_size: int) -> int:
 
 class SharedMemoryCollectives(Collectives):
     """All-reduce and all-gather through one shared block, for CPU ranks on one machine
-    (gloo's TCP path took 0.3 to 7 ms per all-reduce on 2 busy cores, 17 a step). Each rank
-    copies its tensor into its buffer, publishes the step's generation number, waits until
-    every rank has, and reads all buffers; all ranks sum them in the same order, so agree.
-    Two sets of buffers alternate: once everyone has published g, everyone has finished
-    reading g-1's set, which g+1 reuses. The same store-order caveat as MessageQueue's."""
+    (gloo's TCP path costs far more per all-reduce, dozens a step: docs/performance.md).
+    Each rank copies its tensor into its buffer, publishes the step's generation number,
+    waits until every rank has, and reads all buffers; all ranks sum them in one order, so
+    agree. Two sets of buffers alternate: once everyone has published g, everyone has
+    finished reading g-1's set, which g+1 reuses. MessageQueue's store-order caveat holds too."""
 
     def __init__(self, block_name: str, group: TPGroup):
         self.group = group
