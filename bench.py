@@ -663,6 +663,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name, least in [("batch_size", 1), ("input_len", 1), ("output_len", 2), ("num_iters", 1), ("rounds", 1)]:
         if getattr(args, name) < least:  # output_len 2: at least one decode step to time
             parser.error(f"--{name.replace('_', '-')} must be at least {least}")
+    for flag, path in [("--output-json", args.output_json), ("--write-gguf", args.write_gguf)]:
+        folder = os.path.dirname(path or "") or "."  # checked now, not after the whole benchmark has run
+        if path is not None and (not path or os.path.isdir(path) or not os.access(folder, os.W_OK)):
+            parser.error(f"{flag} needs a file it can write, got {path!r}"
+                         + ("" if os.path.isdir(folder) else f": there is no folder {folder}"))
+    if args.write_gguf and os.path.exists(args.write_gguf):
+        parser.error(f"--write-gguf {args.write_gguf} exists already: remove it, or give another name")
     return args
 
 

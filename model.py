@@ -9,6 +9,7 @@ import math
 import numbers
 import os
 import re
+import sys
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -46,19 +47,28 @@ class ModelConfig:
                 f"tinytp runs Llama checkpoints only; this config has model_type="
                 f"{raw.get('model_type')!r} (architectures={raw.get('architectures')})"
             )
-        if raw.get("attention_bias") or raw.get("mlp_bias"):
-            raise ValueError("tinytp does not support Llama checkpoints with attention or MLP biases")
+        unknown = sorted(raw.keys() - CONFIG_KEYS_READ - CONFIG_KEYS_IGNORED.keys())
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]}={raw[unknown[0]]!r}: tinytp cannot tell whether it changes "
+                             f"the model (the keys it knows to change nothing are in {CONFIG_KEYS_FILE})")
+        one_of(raw, "hidden_act", ("silu", "swish"))  # transformers' two names for SiLU
+        one_of(raw, "attention_bias", (False,))
+        one_of(raw, "mlp_bias", (False,))
         # Old configs: top-level `rope_theta` and `rope_scaling` (None for plain RoPE).
-        # transformers >= 5: one `rope_parameters` dict that holds rope_theta as well.
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        # transformers >= 5: one `rope_parameters` dict that holds rope_theta as well. With
+        # both, transformers takes rope_scaling whole and drops rope_parameters: so do we.
+        rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
         rope_theta = positive(rope, "rope_theta", positive(raw, "rope_theta", 10000.0, float), float)
         rope.pop("rope_theta", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope_type {rope_type!r}: tinytp knows 'default' and 'llama3'")
-        if rope_type == "llama3":
-            for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-                positive(rope, key, kind=float)
+        llama3_keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        for key in llama3_keys if rope_type == "llama3" else ():
+            positive(rope, key, kind=float)
+        unused = sorted(rope.keys() - {"rope_type", "type", *(llama3_keys if rope_type == "llama3" else ())})
+        if unused:  # partial_rotary_factor, say: a RoPE that tinytp does not compute
+            raise ValueError(f"unsupported RoPE setting {unused[0]}={rope[unused[0]]!r} (rope_type {rope_type!r})")
         hidden, heads = positive(raw, "hidden_size"), positive(raw, "num_attention_heads")
         kv_heads = positive(raw, "num_key_value_heads", heads)
         if raw.get("head_dim") is None and hidden % heads:
@@ -78,7 +88,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope if rope_type == "llama3" else None,
             max_position_embeddings=positive(raw, "max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            tie_word_embeddings=one_of(raw, "tie_word_embeddings", (False, True)),
             dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
             eos_token_ids=token_id_list(raw.get("eos_token_id"), "eos_token_id"),
         )
@@ -97,6 +107,27 @@ class ModelConfig:
             return cls.from_dict(raw)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+# What each config.json key means to tinytp: from_dict reads these, and refuses a value it
+# cannot honour; the file lists the keys that change nothing at inference, each with why; any
+# other key is refused. A test holds both against every field of transformers' LlamaConfig.
+CONFIG_KEYS_READ = {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "attention_bias",
+                    "mlp_bias", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
+                    "max_position_embeddings", "tie_word_embeddings", "torch_dtype", "dtype", "eos_token_id"}
+CONFIG_KEYS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config_keys.json")
+with open(CONFIG_KEYS_FILE) as f:
+    CONFIG_KEYS_IGNORED: dict[str, str] = json.load(f)
+
+
+def one_of(raw: dict, key: str, allowed: tuple):
+    """raw[key] (allowed[0] where it is missing or null), refused unless it is one of `allowed`
+    and of its type: the string "false" is not False, nor is 0."""
+    value = allowed[0] if raw.get(key) is None else raw[key]
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise ValueError(f"{key}={value!r} is not supported: tinytp runs {' or '.join(map(repr, allowed))}")
+    return value
 
 
 def is_integer(value) -> bool:
@@ -489,12 +520,34 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 def open_checkpoint(checkpoint_dir: str) -> dict:
     """Map each tensor name to the open safetensors file that holds it (opening reads only
-    the header, which model.safetensors.index.json, where there is one, only repeats)."""
-    files = {}
-    for name in sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors")):
-        file = safe_open(os.path.join(checkpoint_dir, name), framework="pt")
-        files.update(dict.fromkeys(file.keys(), file))
-    return files
+    the header): exactly the files and names model.safetensors.index.json lists, where there
+    is one; else every *.safetensors file, refusing a name that two of them hold."""
+    index_path = os.path.join(checkpoint_dir, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+            file_names = {os.path.normpath(file_name) for file_name in weight_map.values()}  # str or TypeError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index_path} is not a JSON object with a weight_map of tensor names to files") from None
+        for file_name in file_names:
+            if os.path.isabs(file_name) or file_name.split(os.sep)[0] == "..":
+                raise ValueError(f"{index_path} lists {file_name}, outside the checkpoint directory")
+            if not os.path.isfile(os.path.join(checkpoint_dir, file_name)):
+                raise ValueError(f"{index_path} lists {file_name}, which is not in {checkpoint_dir}")
+    else:
+        weight_map = {}
+        for file_name in sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors")):
+            for name in safe_open(os.path.join(checkpoint_dir, file_name), framework="pt").keys():
+                if name in weight_map:
+                    raise ValueError(f"{checkpoint_dir}: tensor {name} is in both {weight_map[name]} and {file_name}, "
+                                     "and no model.safetensors.index.json says which to use")
+                weight_map[name] = file_name
+    files = {f: safe_open(os.path.join(checkpoint_dir, f), framework="pt") for f in set(weight_map.values())}
+    for name, file_name in weight_map.items():
+        if name not in files[file_name].keys():
+            raise ValueError(f"{index_path} puts {name} in {file_name}, which has no tensor of that name")
+    return {name: files[file_name] for name, file_name in weight_map.items()}
 
 
 # Each tensor's dimensions in config.json's keys, to name the keys when the shapes disagree.
@@ -525,6 +578,10 @@ def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
     read) with the one config.json implies, in the driver before any worker starts: a config
     that disagrees with its weights would load slices that fit and compute wrong tokens."""
     found = {name: file.get_slice(name).get_shape() for name, file in open_checkpoint(checkpoint_dir).items()}
+    if config.tie_word_embeddings and "lm_head.weight" in found:  # load_checkpoint unties the head for it
+        print(f"tinytp: {checkpoint_dir} has an lm_head.weight of its own although tie_word_embeddings is true: "
+              "tinytp uses it, as transformers does where the two differ", file=sys.stderr)
+        config = replace(config, tie_word_embeddings=False)  # so that its shape is checked too
     for name, expected in checkpoint_shapes(config).items():
         if name not in found:
             raise ValueError(f"{checkpoint_dir} has no tensor {name!r}")
@@ -541,6 +598,10 @@ def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) 
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 
     files = open_checkpoint(checkpoint_dir)
+    embedding = model.embed_tokens.weight
+    if model.lm_head.weight is embedding and "lm_head.weight" in files:  # tied, but not in the file: check_checkpoint
+        model.lm_head.weight = nn.Parameter(torch.zeros_like(embedding), requires_grad=False)
+        model.lm_head.weight.shards = [replace(shard, name="lm_head.weight") for shard in embedding.shards]
     shards = [(param, shard) for param in model.parameters() for shard in param.shards]
     bar = tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress, delay=1)  # if slow
     for param, shard in bar:
