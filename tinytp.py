@@ -326,12 +326,18 @@ class Executor:
             if process.is_alive():  # stuck in a long step, a collective or loading
                 process.kill()
                 process.join()
+        doorbells = {bell._semlock.name for bell in [getattr(self, "doorbell", None), *self.broadcast.handle.doorbells] if bell}
         for queue in [self.broadcast, *self.responses]:
             queue.close()
         if self.collective_block is not None:
             self.collective_block.close()
             self.collective_block.unlink()
-        self.store = self.doorbell = None  # the last reference to the doorbells: multiprocessing removes them
+        # Remove the doorbells now, with multiprocessing's own finalizers: it would when the last
+        # reference goes, but a failed generate's traceback, which a caller may keep, holds one.
+        for finalizer in list(multiprocessing.util._finalizer_registry.values()):
+            if finalizer._args and finalizer._args[0] in doorbells:
+                finalizer()
+        self.store = self.doorbell = None
 
 
 # The scheduler ------------------------------------------------------------------------
