@@ -385,10 +385,12 @@ class HFBackend:
         torch_dtype = getattr(torch, dtype)
         if load_format == "dummy":
             with torch.device(device):
-                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch_dtype)
+                config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)  # never the checkpoint's code
+                self.model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
             init_dummy_weights(self.model)  # uniform in +-1e-3, as tinytp's dummy weights
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device)
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype,
+                                                              trust_remote_code=False).to(device)
         self.model.eval()
         eos = ModelConfig.from_file(os.path.join(model_dir, "config.json")).eos_token_ids or None
         input_ids = torch.tensor(prompts, device=device)

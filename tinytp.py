@@ -439,8 +439,11 @@ class LLM:
         if load_format == "auto":
             check_checkpoint(self.config, self.model_dir)
         # A dummy-weight run of a bare config.json needs no tokenizer: its prompts are token ids.
-        self.tokenizer = (AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=False)  # never the checkpoint's code
-                          if has_tokenizer(self.model_dir) else None)
+        try:  # never the checkpoint's own code (auto_map): transformers would ask on stdin, then run it
+            self.tokenizer = (AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=False)
+                              if has_tokenizer(self.model_dir) else None)
+        except ValueError as e:
+            raise ValueError(f"{self.model_dir}: its tokenizer: {' '.join(str(e).split())}") from None
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids())
         self.request_ids = itertools.count()
         self.busy = threading.Lock()  # held by the one generate() or stream() that runs (see _run)
