@@ -520,10 +520,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 def open_checkpoint(checkpoint_dir: str) -> dict:
     """Map each tensor name to the open safetensors file that holds it (opening reads only
-    the header): exactly the files and names model.safetensors.index.json lists, where there
-    is one; else every *.safetensors file, refusing a name that two of them hold."""
+    the header), from the files transformers reads: model.safetensors alone where there is
+    one, else exactly the files and names model.safetensors.index.json lists, else every
+    *.safetensors file, refusing a name that two of them hold."""
     index_path = os.path.join(checkpoint_dir, "model.safetensors.index.json")
-    if os.path.exists(index_path):
+    single = os.path.exists(os.path.join(checkpoint_dir, "model.safetensors"))
+    if os.path.exists(index_path) and not single:
         try:
             with open(index_path) as f:
                 weight_map = json.load(f)["weight_map"]
@@ -537,7 +539,8 @@ def open_checkpoint(checkpoint_dir: str) -> dict:
                 raise ValueError(f"{index_path} lists {file_name}, which is not in {checkpoint_dir}")
     else:
         weight_map = {}
-        for file_name in sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors")):
+        for file_name in ["model.safetensors"] if single else sorted(
+                f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors")):
             for name in safe_open(os.path.join(checkpoint_dir, file_name), framework="pt").keys():
                 if name in weight_map:
                     raise ValueError(f"{checkpoint_dir}: tensor {name} is in both {weight_map[name]} and {file_name}, "
