@@ -47,26 +47,24 @@ class ModelConfig:
                 f"tinytp runs Llama checkpoints only; this config has model_type="
                 f"{raw.get('model_type')!r} (architectures={raw.get('architectures')})"
             )
-        unknown = sorted(raw.keys() - CONFIG_KEYS_READ - CONFIG_KEYS_IGNORED.keys())
+        unknown = sorted(raw.keys() - CONFIG_KEYS["read"].keys() - CONFIG_KEYS["change nothing"].keys())
         if unknown:
             raise ValueError(f"unknown key {unknown[0]}={raw[unknown[0]]!r}: tinytp cannot tell whether it changes "
-                             f"the model (the keys it knows to change nothing are in {CONFIG_KEYS_FILE})")
-        one_of(raw, "hidden_act", ("silu", "swish"))  # transformers' two names for SiLU
-        one_of(raw, "attention_bias", (False,))
-        one_of(raw, "mlp_bias", (False,))
-        # Old configs: top-level `rope_theta` and `rope_scaling` (None for plain RoPE).
-        # transformers >= 5: one `rope_parameters` dict that holds rope_theta as well. With
-        # both, transformers takes rope_scaling whole and drops rope_parameters: so do we.
+                             "the model (config_keys.json lists the keys it knows)")
+        for key, allowed in [("hidden_act", ("silu", "swish")), ("attention_bias", (False,)), ("mlp_bias", (False,))]:
+            one_of(raw, key, allowed)  # "swish": transformers' other name for SiLU
+        # Old configs: top-level `rope_theta` and `rope_scaling`; transformers 5: one `rope_parameters`
+        # with rope_theta in it. Given both, transformers takes rope_scaling whole, and so do we.
         rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
         rope_theta = positive(rope, "rope_theta", positive(raw, "rope_theta", 10000.0, float), float)
         rope.pop("rope_theta", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope_type {rope_type!r}: tinytp knows 'default' and 'llama3'")
-        llama3_keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        for key in llama3_keys if rope_type == "llama3" else ():
+        scaling = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        for key in scaling if rope_type == "llama3" else ():
             positive(rope, key, kind=float)
-        unused = sorted(rope.keys() - {"rope_type", "type", *(llama3_keys if rope_type == "llama3" else ())})
+        unused = sorted(rope.keys() - {"rope_type", "type", *(scaling if rope_type == "llama3" else ())})
         if unused:  # partial_rotary_factor, say: a RoPE that tinytp does not compute
             raise ValueError(f"unsupported RoPE setting {unused[0]}={rope[unused[0]]!r} (rope_type {rope_type!r})")
         hidden, heads = positive(raw, "hidden_size"), positive(raw, "num_attention_heads")
@@ -109,21 +107,14 @@ class ModelConfig:
             raise ValueError(f"{path}: {e}") from None
 
 
-# What each config.json key means to tinytp: from_dict reads these, and refuses a value it
-# cannot honour; the file lists the keys that change nothing at inference, each with why; any
-# other key is refused. A test holds both against every field of transformers' LlamaConfig.
-CONFIG_KEYS_READ = {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "attention_bias",
-                    "mlp_bias", "rms_norm_eps", "rope_parameters", "rope_scaling", "rope_theta",
-                    "max_position_embeddings", "tie_word_embeddings", "torch_dtype", "dtype", "eos_token_id"}
-CONFIG_KEYS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config_keys.json")
-with open(CONFIG_KEYS_FILE) as f:
-    CONFIG_KEYS_IGNORED: dict[str, str] = json.load(f)
+# Every config.json key tinytp knows: those from_dict reads (refusing values it cannot honour) and those that
+# change nothing at inference, each with why; any other is refused. A test walks transformers' LlamaConfig.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config_keys.json")) as f:
+    CONFIG_KEYS: dict[str, dict[str, str]] = json.load(f)
 
 
 def one_of(raw: dict, key: str, allowed: tuple):
-    """raw[key] (allowed[0] where it is missing or null), refused unless it is one of `allowed`
-    and of its type: the string "false" is not False, nor is 0."""
+    """raw[key] (allowed[0] where missing or null), refused unless one of `allowed`, type too: "false" is not False."""
     value = allowed[0] if raw.get(key) is None else raw[key]
     if not any(type(value) is type(a) and value == a for a in allowed):
         raise ValueError(f"{key}={value!r} is not supported: tinytp runs {' or '.join(map(repr, allowed))}")
@@ -519,33 +510,26 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def open_checkpoint(checkpoint_dir: str) -> dict:
-    """Map each tensor name to the open safetensors file that holds it (opening reads only
-    the header), from the files transformers reads: model.safetensors alone where there is
-    one, else exactly the files and names model.safetensors.index.json lists, else every
-    *.safetensors file, refusing a name that two of them hold."""
+    """Map each tensor name to the open safetensors file that holds it (opening reads only the header),
+    from the files transformers reads: model.safetensors where there is one, else exactly what
+    model.safetensors.index.json lists, else every *.safetensors file, refusing a name two of them hold."""
     index_path = os.path.join(checkpoint_dir, "model.safetensors.index.json")
-    single = os.path.exists(os.path.join(checkpoint_dir, "model.safetensors"))
-    if os.path.exists(index_path) and not single:
-        try:
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-            file_names = {os.path.normpath(file_name) for file_name in weight_map.values()}  # str or TypeError
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"{index_path} is not a JSON object with a weight_map of tensor names to files") from None
-        for file_name in file_names:
-            if os.path.isabs(file_name) or file_name.split(os.sep)[0] == "..":
-                raise ValueError(f"{index_path} lists {file_name}, outside the checkpoint directory")
-            if not os.path.isfile(os.path.join(checkpoint_dir, file_name)):
-                raise ValueError(f"{index_path} lists {file_name}, which is not in {checkpoint_dir}")
-    else:
+    file_names = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
+    if "model.safetensors" in file_names or not os.path.exists(index_path):
         weight_map = {}
-        for file_name in ["model.safetensors"] if single else sorted(
-                f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors")):
+        for file_name in ["model.safetensors"] if "model.safetensors" in file_names else file_names:
             for name in safe_open(os.path.join(checkpoint_dir, file_name), framework="pt").keys():
                 if name in weight_map:
                     raise ValueError(f"{checkpoint_dir}: tensor {name} is in both {weight_map[name]} and {file_name}, "
                                      "and no model.safetensors.index.json says which to use")
                 weight_map[name] = file_name
+    else:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        for file_name in set(weight_map.values()):
+            if os.path.isabs(file_name) or os.path.normpath(file_name).split(os.sep)[0] == ".." or not os.path.isfile(
+                    os.path.join(checkpoint_dir, file_name)):  # listed, but missing or outside the directory
+                raise ValueError(f"{index_path} lists {file_name}, which is not a file in {checkpoint_dir}")
     files = {f: safe_open(os.path.join(checkpoint_dir, f), framework="pt") for f in set(weight_map.values())}
     for name, file_name in weight_map.items():
         if name not in files[file_name].keys():
@@ -581,10 +565,10 @@ def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
     read) with the one config.json implies, in the driver before any worker starts: a config
     that disagrees with its weights would load slices that fit and compute wrong tokens."""
     found = {name: file.get_slice(name).get_shape() for name, file in open_checkpoint(checkpoint_dir).items()}
-    if config.tie_word_embeddings and "lm_head.weight" in found:  # load_checkpoint unties the head for it
+    if config.tie_word_embeddings and "lm_head.weight" in found:  # untied by load_checkpoint; its shape checked
         print(f"tinytp: {checkpoint_dir} has an lm_head.weight of its own although tie_word_embeddings is true: "
               "tinytp uses it, as transformers does where the two differ", file=sys.stderr)
-        config = replace(config, tie_word_embeddings=False)  # so that its shape is checked too
+        config = replace(config, tie_word_embeddings=False)
     for name, expected in checkpoint_shapes(config).items():
         if name not in found:
             raise ValueError(f"{checkpoint_dir} has no tensor {name!r}")

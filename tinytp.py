@@ -15,7 +15,7 @@ import contextlib
 import heapq
 import itertools
 import json
-import multiprocessing
+import multiprocessing.synchronize  # and multiprocessing.util, which it imports
 import os
 import pickle
 import random
@@ -107,7 +107,7 @@ def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dt
     included: slow on CPUs)."""
     gpus = torch.cuda.device_count()
     if device is None and 0 < gpus < tp:  # not a silent fall back to the CPU, minutes of loading later
-        raise ValueError(f"tp={tp} needs {tp} GPUs and {gpus} are visible; --device cpu (device='cpu') runs it on the CPU")
+        raise ValueError(f"tp={tp} needs {tp} GPUs and {gpus} are visible; --device cpu runs it on the CPU")
     device = device or ("cuda" if gpus else "cpu")
     if device == "cuda" and gpus < tp:
         raise ValueError(f"--device cuda with tp={tp} needs {tp} GPUs; {gpus} visible")
@@ -119,21 +119,6 @@ def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dt
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return device, dtype
-
-
-def check_kv_cache_fits(config: ModelConfig, tp: int, device: str, dtype: str, max_num_seqs: int,
-                        max_model_len: int) -> None:
-    """Refuse a KV cache larger than the memory it would live in (a GPU's, or the machine's,
-    which the ranks share), in one line rather than an allocation failure in every worker."""
-    kv_heads_per_rank = max(1, config.num_kv_heads // tp)  # replicated where tp > num_kv_heads
-    per_rank = (2 * config.num_layers * max_num_seqs * kv_heads_per_rank * (max_model_len + 1) * config.head_dim
-                * torch.empty((), dtype=getattr(torch, dtype)).element_size())
-    needed, memory = (per_rank, torch.cuda.get_device_properties(0).total_memory) if device == "cuda" else (
-        per_rank * tp, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    if needed > memory:
-        raise ValueError(f"max_num_seqs={max_num_seqs} and max_model_len={max_model_len} need a {needed / 2**30:,.1f} GiB "
-                         f"KV cache ({dtype}) on {'each GPU' if device == 'cuda' else 'this machine'}, which has "
-                         f"{memory / 2**30:,.1f} GiB: lower one of them")
 
 
 def threads_per_rank(tp: int) -> int:
@@ -186,9 +171,8 @@ class Executor:
                                                           doorbells=[self.doorbell]))
             self.collective_block = new_shared_memory(collective_block_bytes(tp)) if device == "cpu" and tp > 1 else None
             check_free_shared_memory([self.collective_block, *(q.shm for q in [self.broadcast, *self.responses])])
-            # The workers meet in a TCP store that we host on a port the OS picks (no torchrun,
-            # no MASTER_PORT, no race for a "free" port), listening on loopback only: c10d's own
-            # listener would take every interface, whatever host name it is given.
+            # The workers meet in a TCP store that we host on a port the OS picks (no torchrun, no MASTER_PORT,
+            # no race for a "free" port), on loopback only: c10d's own listener takes every interface.
             listener = socket.create_server(("127.0.0.1", 0))
             self.store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True,
                                        wait_for_workers=False, master_listen_fd=listener.detach())
@@ -308,9 +292,8 @@ class Executor:
         self.shutdown(grace)
 
     def shutdown(self, grace: float = 2.0) -> None:
-        """Stop the workers (politely within `grace` seconds, then by force) and free every
-        shared-memory block and semaphore. Only in the process that made them: not in a forked
-        child at its exit."""
+        """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory
+        block and semaphore. Only in the process that made them: not in a forked child at its exit."""
         if self.broadcast.buf is None or os.getpid() != self.creator:  # done already, or not ours
             return
         workers = [process for process in self.workers if process.pid is not None]  # the started ones
@@ -326,16 +309,16 @@ class Executor:
             if process.is_alive():  # stuck in a long step, a collective or loading
                 process.kill()
                 process.join()
-        doorbells = {bell._semlock.name for bell in [getattr(self, "doorbell", None), *self.broadcast.handle.doorbells] if bell}
+        doorbells = {b._semlock.name for b in [*self.broadcast.handle.doorbells, getattr(self, "doorbell", None)] if b}
         for queue in [self.broadcast, *self.responses]:
             queue.close()
         if self.collective_block is not None:
             self.collective_block.close()
             self.collective_block.unlink()
-        # Remove the doorbells now, with multiprocessing's own finalizers: it would when the last
+        # Remove the doorbells now, by multiprocessing's own finalizers: it would when the last
         # reference goes, but a failed generate's traceback, which a caller may keep, holds one.
         for finalizer in list(multiprocessing.util._finalizer_registry.values()):
-            if finalizer._args and finalizer._args[0] in doorbells:
+            if finalizer._callback is multiprocessing.synchronize.SemLock._cleanup and finalizer._args[0] in doorbells:
                 finalizer()
         self.store = self.doorbell = None
 
@@ -412,12 +395,11 @@ class LLM:
         if getattr(mp.current_process(), "_inheriting", False):  # multiprocessing's own test for this
             sys.exit("tinytp: a worker process, importing your script as spawn does, ran its LLM(...) too: "
                      'put the code that creates the LLM under if __name__ == "__main__":')
-        main_file = getattr(sys.modules["__main__"], "__file__", None)
-        if main_file is not None and not os.path.exists(main_file):  # spawn re-imports the script from its file
+        main_file = getattr(sys.modules["__main__"], "__file__", None)  # spawn re-imports the script from it
+        if main_file is not None and not os.path.exists(main_file):
             raise RuntimeError(f"tinytp cannot start workers from a script read from {main_file}: save it to a file")
-        if mp.current_process().daemon:
-            raise RuntimeError("tinytp cannot start workers from a daemonic process (a multiprocessing.Pool "
-                               "worker, say), which may not have children: create the LLM in a multiprocessing.Process")
+        if mp.current_process().daemon:  # whose children multiprocessing forbids (asserts, which -O skips)
+            raise RuntimeError("tinytp cannot start workers from a daemonic process (a multiprocessing.Pool worker)")
         self.model_dir = resolve_model(model)
         self.config = ModelConfig.from_file(os.path.join(self.model_dir, "config.json"))
         tp = tensor_parallel_size
@@ -430,7 +412,16 @@ class LLM:
                              f"got {self.max_model_len}")
         if not is_integer(max_num_seqs) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        check_kv_cache_fits(self.config, tp, device, dtype, max_num_seqs, self.max_model_len)
+        # The KV cache (as init_kv_cache makes it) against its memory: one line now, not N failures later.
+        kv_bytes = (2 * self.config.num_layers * max_num_seqs * max(1, self.config.num_kv_heads // tp)
+                    * self.config.head_dim * (self.max_model_len + 1)
+                    * torch.empty((), dtype=getattr(torch, dtype)).element_size()) * (1 if device == "cuda" else tp)
+        memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
+                  else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        if kv_bytes > memory:
+            raise ValueError(f"max_num_seqs={max_num_seqs} and max_model_len={self.max_model_len} need a "
+                             f"{kv_bytes / 2**30:,.1f} GiB KV cache ({dtype}), more than the {memory / 2**30:,.1f} GiB "
+                             f"of {'a GPU' if device == 'cuda' else 'this machine'}: lower one")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' (safetensors) or 'dummy', got {load_format!r}")
         files = os.listdir(self.model_dir)
