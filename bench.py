@@ -151,7 +151,7 @@ class GlooTransport(Transport):
     other reply, and without making the third rank join in, as a broadcast back would."""
 
     def __init__(self, context):
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = tinytp.loopback_store()
         self.reader_args = [(self.store.port,)] * READERS
 
     @staticmethod
@@ -314,7 +314,7 @@ class InProcessExecutor:
     def __init__(self, model_dir, tp, device, dtype, max_num_seqs, max_model_len, load_format="auto"):
         if tp != 1:
             raise ValueError(f"--backend inprocess runs one rank: use --tp 1, not {tp}")
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = tinytp.loopback_store()
         self.worker = Worker(0, 1)
         self.collective_rpc("init_device", None, device, dtype, self.store.port, CORES)
         self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)

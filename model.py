@@ -525,7 +525,7 @@ def open_checkpoint(checkpoint_dir: str) -> dict:
                 weight_map[name] = file_name
     else:
         with open(index_path) as f:
-            weight_map = json.load(f)["weight_map"]
+            weight_map = json.load(f).get("weight_map") or {}  # an empty one: check_checkpoint names a missing tensor
         for file_name in set(weight_map.values()):
             if os.path.isabs(file_name) or os.path.normpath(file_name).split(os.sep)[0] == ".." or not os.path.isfile(
                     os.path.join(checkpoint_dir, file_name)):  # listed, but missing or outside the directory
@@ -586,7 +586,7 @@ def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) 
 
     files = open_checkpoint(checkpoint_dir)
     embedding = model.embed_tokens.weight
-    if model.lm_head.weight is embedding and "lm_head.weight" in files:  # tied, but not in the file: check_checkpoint
+    if model.lm_head.weight is embedding and "lm_head.weight" in files:  # tied, yet a head of its own: check_checkpoint
         model.lm_head.weight = nn.Parameter(torch.zeros_like(embedding), requires_grad=False)
         model.lm_head.weight.shards = [replace(shard, name="lm_head.weight") for shard in embedding.shards]
     shards = [(param, shard) for param in model.parameters() for shard in param.shards]

@@ -121,6 +121,14 @@ def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dt
     return device, dtype
 
 
+def loopback_store() -> dist.TCPStore:
+    """A TCP store for the workers to meet in, on a port the OS picks (no torchrun, no MASTER_PORT,
+    no race for a "free" port), listening on loopback only: c10d's own listener takes every interface."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    return dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+
+
 def threads_per_rank(tp: int) -> int:
     """Torch threads for each worker, so that ranks x threads = the cores we may use."""
     return max(1, len(os.sched_getaffinity(0)) // tp)
@@ -171,11 +179,7 @@ class Executor:
                                                           doorbells=[self.doorbell]))
             self.collective_block = new_shared_memory(collective_block_bytes(tp)) if device == "cpu" and tp > 1 else None
             check_free_shared_memory([self.collective_block, *(q.shm for q in [self.broadcast, *self.responses])])
-            # The workers meet in a TCP store that we host on a port the OS picks (no torchrun, no MASTER_PORT,
-            # no race for a "free" port), on loopback only: c10d's own listener takes every interface.
-            listener = socket.create_server(("127.0.0.1", 0))
-            self.store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True,
-                                       wait_for_workers=False, master_listen_fd=listener.detach())
+            self.store = loopback_store()
             self.workers = [context.Process(target=worker_main, name=f"tinytp-rank{rank}", daemon=True, args=(
                                 rank, tp, self.broadcast.handle, self.responses[rank].handle, self.creator))
                             for rank in range(tp)]
