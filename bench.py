@@ -152,7 +152,7 @@ class GlooTransport(Transport):
     other reply, and without making the third rank join in, as a broadcast back would."""
 
     def __init__(self, context):
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = tinytp.loopback_store()
         self.reader_args = [(self.store.port,)] * READERS
 
     @staticmethod
@@ -315,7 +315,7 @@ class InProcessExecutor:
     def __init__(self, model_dir, tp, device, dtype, max_num_seqs, max_model_len, load_format="auto"):
         if tp != 1:
             raise ValueError(f"--backend inprocess runs one rank: use --tp 1, not {tp}")
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = tinytp.loopback_store()
         self.worker = Worker(0, 1)
         self.collective_rpc("init_device", None, device, dtype, self.store.port, CORES)
         self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)
@@ -386,10 +386,12 @@ class HFBackend:
         torch_dtype = getattr(torch, dtype)
         if load_format == "dummy":
             with torch.device(device):
-                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch_dtype)
+                config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)  # never the checkpoint's code
+                self.model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
             init_dummy_weights(self.model)  # uniform in +-1e-3, as tinytp's dummy weights
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device)
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype,
+                                                              trust_remote_code=False).to(device)
         self.model.eval()
         eos = ModelConfig.from_file(os.path.join(model_dir, "config.json")).eos_token_ids or None
         input_ids = torch.tensor(prompts, device=device)
@@ -674,6 +676,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name, least in [("batch_size", 1), ("input_len", 1), ("output_len", 2), ("num_iters", 1), ("rounds", 1)]:
         if getattr(args, name) < least:  # output_len 2: at least one decode step to time
             parser.error(f"--{name.replace('_', '-')} must be at least {least}")
+    for flag, path in [("--output-json", args.output_json), ("--write-gguf", args.write_gguf)]:
+        folder = os.path.dirname(path or "") or "."  # checked now, not after the whole benchmark has run
+        if path is not None and (not path or os.path.isdir(path) or not os.access(folder, os.W_OK)):
+            parser.error(f"{flag} needs a file it can write, got {path!r}"
+                         + ("" if os.path.isdir(folder) else f": there is no folder {folder}"))
+    if args.write_gguf and os.path.exists(args.write_gguf):
+        parser.error(f"--write-gguf {args.write_gguf} exists already: remove it, or give another name")
     return args
 
 

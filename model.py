@@ -9,6 +9,7 @@ import math
 import numbers
 import os
 import re
+import sys
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -46,19 +47,26 @@ class ModelConfig:
                 f"tinytp runs Llama checkpoints only; this config has model_type="
                 f"{raw.get('model_type')!r} (architectures={raw.get('architectures')})"
             )
-        if raw.get("attention_bias") or raw.get("mlp_bias"):
-            raise ValueError("tinytp does not support Llama checkpoints with attention or MLP biases")
-        # Old configs: top-level `rope_theta` and `rope_scaling` (None for plain RoPE).
-        # transformers >= 5: one `rope_parameters` dict that holds rope_theta as well.
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        unknown = sorted(raw.keys() - CONFIG_KEYS["read"].keys() - CONFIG_KEYS["change nothing"].keys())
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]}={raw[unknown[0]]!r}: tinytp cannot tell whether it changes "
+                             "the model (config_keys.json lists the keys it knows)")
+        for key, allowed in [("hidden_act", ("silu", "swish")), ("attention_bias", (False,)), ("mlp_bias", (False,))]:
+            one_of(raw, key, allowed)  # "swish": transformers' other name for SiLU
+        # Old configs: top-level `rope_theta` and `rope_scaling`; transformers 5: one `rope_parameters`
+        # with rope_theta in it. Given both, transformers takes rope_scaling whole, and so do we.
+        rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
         rope_theta = positive(rope, "rope_theta", positive(raw, "rope_theta", 10000.0, float), float)
         rope.pop("rope_theta", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"unsupported rope_type {rope_type!r}: tinytp knows 'default' and 'llama3'")
-        if rope_type == "llama3":
-            for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-                positive(rope, key, kind=float)
+        scaling = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        for key in scaling if rope_type == "llama3" else ():
+            positive(rope, key, kind=float)
+        unused = sorted(rope.keys() - {"rope_type", "type", *(scaling if rope_type == "llama3" else ())})
+        if unused:  # partial_rotary_factor, say: a RoPE that tinytp does not compute
+            raise ValueError(f"unsupported RoPE setting {unused[0]}={rope[unused[0]]!r} (rope_type {rope_type!r})")
         hidden, heads = positive(raw, "hidden_size"), positive(raw, "num_attention_heads")
         kv_heads = positive(raw, "num_key_value_heads", heads)
         if raw.get("head_dim") is None and hidden % heads:
@@ -78,7 +86,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope if rope_type == "llama3" else None,
             max_position_embeddings=positive(raw, "max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            tie_word_embeddings=one_of(raw, "tie_word_embeddings", (False, True)),
             dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
             eos_token_ids=token_id_list(raw.get("eos_token_id"), "eos_token_id"),
         )
@@ -97,6 +105,20 @@ class ModelConfig:
             return cls.from_dict(raw)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+# Every config.json key tinytp knows: those from_dict reads (refusing values it cannot honour) and those that
+# change nothing at inference, each with why; any other is refused. A test walks transformers' LlamaConfig.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config_keys.json")) as f:
+    CONFIG_KEYS: dict[str, dict[str, str]] = json.load(f)
+
+
+def one_of(raw: dict, key: str, allowed: tuple):
+    """raw[key] (allowed[0] where missing or null), refused unless one of `allowed`, type too: "false" is not False."""
+    value = allowed[0] if raw.get(key) is None else raw[key]
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise ValueError(f"{key}={value!r} is not supported: tinytp runs {' or '.join(map(repr, allowed))}")
+    return value
 
 
 def is_integer(value) -> bool:
@@ -488,13 +510,31 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def open_checkpoint(checkpoint_dir: str) -> dict:
-    """Map each tensor name to the open safetensors file that holds it (opening reads only
-    the header, which model.safetensors.index.json, where there is one, only repeats)."""
-    files = {}
-    for name in sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors")):
-        file = safe_open(os.path.join(checkpoint_dir, name), framework="pt")
-        files.update(dict.fromkeys(file.keys(), file))
-    return files
+    """Map each tensor name to the open safetensors file that holds it (opening reads only the header),
+    from the files transformers reads: model.safetensors where there is one, else exactly what
+    model.safetensors.index.json lists, else every *.safetensors file, refusing a name two of them hold."""
+    index_path = os.path.join(checkpoint_dir, "model.safetensors.index.json")
+    file_names = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
+    if "model.safetensors" in file_names or not os.path.exists(index_path):
+        weight_map = {}
+        for file_name in ["model.safetensors"] if "model.safetensors" in file_names else file_names:
+            for name in safe_open(os.path.join(checkpoint_dir, file_name), framework="pt").keys():
+                if name in weight_map:
+                    raise ValueError(f"{checkpoint_dir}: tensor {name} is in both {weight_map[name]} and {file_name}, "
+                                     "and no model.safetensors.index.json says which to use")
+                weight_map[name] = file_name
+    else:
+        with open(index_path) as f:
+            weight_map = json.load(f).get("weight_map") or {}  # an empty one: check_checkpoint names a missing tensor
+        for file_name in set(weight_map.values()):
+            if os.path.isabs(file_name) or os.path.normpath(file_name).split(os.sep)[0] == ".." or not os.path.isfile(
+                    os.path.join(checkpoint_dir, file_name)):  # listed, but missing or outside the directory
+                raise ValueError(f"{index_path} lists {file_name}, which is not a file in {checkpoint_dir}")
+    files = {f: safe_open(os.path.join(checkpoint_dir, f), framework="pt") for f in set(weight_map.values())}
+    for name, file_name in weight_map.items():
+        if name not in files[file_name].keys():
+            raise ValueError(f"{index_path} puts {name} in {file_name}, which has no tensor of that name")
+    return {name: files[file_name] for name, file_name in weight_map.items()}
 
 
 # Each tensor's dimensions in config.json's keys, to name the keys when the shapes disagree.
@@ -525,6 +565,10 @@ def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
     read) with the one config.json implies, in the driver before any worker starts: a config
     that disagrees with its weights would load slices that fit and compute wrong tokens."""
     found = {name: file.get_slice(name).get_shape() for name, file in open_checkpoint(checkpoint_dir).items()}
+    if config.tie_word_embeddings and "lm_head.weight" in found:  # untied by load_checkpoint; its shape checked
+        print(f"tinytp: {checkpoint_dir} has an lm_head.weight of its own although tie_word_embeddings is true: "
+              "tinytp uses it, as transformers does where the two differ", file=sys.stderr)
+        config = replace(config, tie_word_embeddings=False)
     for name, expected in checkpoint_shapes(config).items():
         if name not in found:
             raise ValueError(f"{checkpoint_dir} has no tensor {name!r}")
@@ -541,6 +585,10 @@ def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) 
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 
     files = open_checkpoint(checkpoint_dir)
+    embedding = model.embed_tokens.weight
+    if model.lm_head.weight is embedding and "lm_head.weight" in files:  # tied, yet a head of its own: check_checkpoint
+        model.lm_head.weight = nn.Parameter(torch.zeros_like(embedding), requires_grad=False)
+        model.lm_head.weight.shards = [replace(shard, name="lm_head.weight") for shard in embedding.shards]
     shards = [(param, shard) for param in model.parameters() for shard in param.shards]
     bar = tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress, delay=1)  # if slow
     for param, shard in bar:

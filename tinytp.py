@@ -16,11 +16,12 @@ import dataclasses
 import heapq
 import itertools
 import json
-import multiprocessing
+import multiprocessing.synchronize  # and multiprocessing.util, which it imports
 import os
 import pickle
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -130,13 +131,16 @@ def default_sampling_params(model_dir: str) -> SamplingParams:
 
 # The executor: N worker processes and the queues between them and us ------------------
 def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dtype: str) -> tuple[str, str]:
-    """The device (default: cuda when tp GPUs are visible, else cpu) and the dtype ("auto":
-    the checkpoint's; on cpu bfloat16 only where oneDNN runs it natively (AVX-512 and newer:
-    on SmolLM2 against float32, decode 1.6-1.7x faster at batch 8, prefill 1.9-2.9x, half the
-    memory, batch 1 about even), float32 otherwise, float16 included: slow on CPUs)."""
-    device = device or ("cuda" if torch.cuda.device_count() >= tp else "cpu")
-    if device == "cuda" and torch.cuda.device_count() < tp:
-        raise ValueError(f"--device cuda with tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+    """The device (default: cuda where there are GPUs, else cpu) and the dtype ("auto": the
+    checkpoint's; on cpu bfloat16 only where oneDNN runs it natively (AVX-512 and newer: faster
+    than float32 and half the memory, docs/performance.md has the measurements), float32 otherwise, float16
+    included: slow on CPUs)."""
+    gpus = torch.cuda.device_count()
+    if device is None and 0 < gpus < tp:  # not a silent fall back to the CPU, minutes of loading later
+        raise ValueError(f"tp={tp} needs {tp} GPUs and {gpus} are visible; --device cpu runs it on the CPU")
+    device = device or ("cuda" if gpus else "cpu")
+    if device == "cuda" and gpus < tp:
+        raise ValueError(f"--device cuda with tp={tp} needs {tp} GPUs; {gpus} visible")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dtype == "auto":
@@ -145,6 +149,14 @@ def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dt
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return device, dtype
+
+
+def loopback_store() -> dist.TCPStore:
+    """A TCP store for the workers to meet in, on a port the OS picks (no torchrun, no MASTER_PORT,
+    no race for a "free" port), listening on loopback only: c10d's own listener takes every interface."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    return dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 def threads_per_rank(tp: int) -> int:
@@ -197,9 +209,7 @@ class Executor:
                                                           doorbells=[self.doorbell]))
             self.collective_block = new_shared_memory(collective_block_bytes(tp)) if device == "cpu" and tp > 1 else None
             check_free_shared_memory([self.collective_block, *(q.shm for q in [self.broadcast, *self.responses])])
-            # The workers meet in a TCP store that we host on a port the OS picks: no
-            # torchrun, no MASTER_PORT, and no race for a "free" port.
-            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self.store = loopback_store()
             self.workers = [context.Process(target=worker_main, name=f"tinytp-rank{rank}", daemon=True, args=(
                                 rank, tp, self.broadcast.handle, self.responses[rank].handle, self.creator))
                             for rank in range(tp)]
@@ -300,8 +310,8 @@ class Executor:
     def _check_workers(self) -> None:
         """Called while we wait: a worker dead, or stopped past STOPPED_GRACE, will never answer."""
         for rank, process in enumerate(self.workers):
-            if process.exitcode is not None:
-                self._fail(f"worker rank {rank} exited with code {process.exitcode}")
+            if process.exitcode is not None:  # the others wait for it in a collective: no use waiting for them
+                self._fail(f"worker rank {rank} exited with code {process.exitcode}", grace=0)
                 raise RuntimeError(f"tinytp worker rank {rank} died (exit code {process.exitcode}); "
                                    "the other workers were stopped")
             if not is_stopped(process.pid):
@@ -311,13 +321,13 @@ class Executor:
                 raise RuntimeError(f"tinytp worker rank {rank} (pid {process.pid}) is stopped (SIGSTOP?), for "
                                    f"{STOPPED_GRACE:g} s now; the workers were shut down")
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, grace: float = 2.0) -> None:
         self.failure = reason
-        self.shutdown()
+        self.shutdown(grace)
 
-    def shutdown(self) -> None:
-        """Stop the workers (politely, then by force) and free every shared-memory block and
-        semaphore. Only in the process that made them: not in a forked child at its exit."""
+    def shutdown(self, grace: float = 2.0) -> None:
+        """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory
+        block and semaphore. Only in the process that made them: not in a forked child at its exit."""
         if self.broadcast.buf is None or os.getpid() != self.creator:  # done already, or not ours
             return
         workers = [process for process in self.workers if process.pid is not None]  # the started ones
@@ -325,20 +335,26 @@ class Executor:
         atexit.unregister(self.shutdown)
         self.failure = self.failure or "shut down"
         with contextlib.suppress(TimeoutError):  # the ring is full: a worker is stuck, and gets killed below
-            self.broadcast.enqueue(RPCCall(0, SHUTDOWN), timeout=1)
-        deadline = time.monotonic() + 2  # an idle worker exits within milliseconds
+            self.broadcast.enqueue(RPCCall(0, SHUTDOWN), timeout=min(grace, 1))
+        deadline = time.monotonic() + grace  # an idle worker exits within milliseconds
         for process in workers:
             process.join(timeout=max(0.0, deadline - time.monotonic()))
         for process in workers:
             if process.is_alive():  # stuck in a long step, a collective or loading
                 process.kill()
                 process.join()
+        doorbells = {b._semlock.name for b in [*self.broadcast.handle.doorbells, getattr(self, "doorbell", None)] if b}
         for queue in [self.broadcast, *self.responses]:
             queue.close()
         if self.collective_block is not None:
             self.collective_block.close()
             self.collective_block.unlink()
-        self.store = self.doorbell = None  # the last reference to the doorbells: multiprocessing removes them
+        # Remove the doorbells now, by multiprocessing's own finalizers: it would when the last
+        # reference goes, but a failed generate's traceback, which a caller may keep, holds one.
+        for finalizer in list(multiprocessing.util._finalizer_registry.values()):
+            if finalizer._callback is multiprocessing.synchronize.SemLock._cleanup and finalizer._args[0] in doorbells:
+                finalizer()
+        self.store = self.doorbell = None
 
 
 # The scheduler ------------------------------------------------------------------------
@@ -428,6 +444,11 @@ class LLM:
         if getattr(mp.current_process(), "_inheriting", False):  # multiprocessing's own test for this
             sys.exit("tinytp: a worker process, importing your script as spawn does, ran its LLM(...) too: "
                      'put the code that creates the LLM under if __name__ == "__main__":')
+        main_file = getattr(sys.modules["__main__"], "__file__", None)  # spawn re-imports the script from it
+        if main_file is not None and not os.path.exists(main_file):
+            raise RuntimeError(f"tinytp cannot start workers from a script read from {main_file}: save it to a file")
+        if mp.current_process().daemon:  # whose children multiprocessing forbids (asserts, which -O skips)
+            raise RuntimeError("tinytp cannot start workers from a daemonic process (a multiprocessing.Pool worker)")
         self.model_dir = resolve_model(model)
         self.config = ModelConfig.from_file(os.path.join(self.model_dir, "config.json"))
         tp = tensor_parallel_size
@@ -440,6 +461,16 @@ class LLM:
                              f"got {self.max_model_len}")
         if not is_integer(max_num_seqs) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        # The KV cache (as init_kv_cache makes it) against its memory: one line now, not N failures later.
+        kv_bytes = (2 * self.config.num_layers * max_num_seqs * max(1, self.config.num_kv_heads // tp)
+                    * self.config.head_dim * (self.max_model_len + 1)
+                    * torch.empty((), dtype=getattr(torch, dtype)).element_size()) * (1 if device == "cuda" else tp)
+        memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
+                  else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        if kv_bytes > memory:
+            raise ValueError(f"max_num_seqs={max_num_seqs} and max_model_len={self.max_model_len} need a "
+                             f"{kv_bytes / 2**30:,.1f} GiB KV cache ({dtype}), more than the {memory / 2**30:,.1f} GiB "
+                             f"of {'a GPU' if device == 'cuda' else 'this machine'}: lower one")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' (safetensors) or 'dummy', got {load_format!r}")
         files = os.listdir(self.model_dir)
@@ -448,7 +479,11 @@ class LLM:
         if load_format == "auto":
             check_checkpoint(self.config, self.model_dir)
         # A dummy-weight run of a bare config.json needs no tokenizer: its prompts are token ids.
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir) if has_tokenizer(self.model_dir) else None
+        try:  # never the checkpoint's own code (auto_map): transformers would ask on stdin, then run it
+            self.tokenizer = (AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=False)
+                              if has_tokenizer(self.model_dir) else None)
+        except ValueError as e:
+            raise ValueError(f"{self.model_dir}: its tokenizer: {' '.join(str(e).split())}") from None
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids(), self.detokenize)
         self.request_ids = itertools.count()
         self.busy = threading.Lock()  # held by the one generate() or stream() that runs (see _run)
