@@ -272,8 +272,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         mine = (local >= 0) & (local < self.rows_per_rank)
-        out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
-        out = out * mine.unsqueeze(-1).to(out.dtype)
+        out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight) * mine.unsqueeze(-1)
         collectives.all_reduce(out)
         return out
 
@@ -304,10 +303,10 @@ class ModelInputs:
     positions: torch.Tensor  # [N] the position of each token in its sequence
     cache_rows: torch.Tensor  # [N] the KV-cache row of each token: slot x max_model_len + position
     slot_index: slice | torch.Tensor  # [B] each sequence's slot, as a slice when contiguous (indexing copies nothing)
-    context_len: int  # L, the cached positions attention reads (the longest context); 0 for a prefill
-    # from position 0, whose own keys are its whole context (causal attention, no [T, L] mask).
-    attn_mask: torch.Tensor | None  # [B, 1, T, L] True where a query may see a cached key; None where it
-    # would be all True: a prefill, or a decode step whose sequences all have the same length.
+    context_len: int  # L, the cached positions attention reads: the longest context
+    causal: bool  # a prefill from position 0: causal attention over the prompts
+    attn_mask: torch.Tensor | None  # [B, 1, T, L] True where a query may see a cached key; None where
+    # `causal` hides the rest, or where it would be all True (a decode step of sequences of one length)
     last_index: torch.Tensor  # [B] the row in N of each sequence's last real token
 
 
@@ -383,28 +382,24 @@ class LlamaAttention(nn.Module):
         qk = qk * cos + qk.flip(2) * sin
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
-        # Write this step's keys and values into the slots' rows for their positions.
+        # Write this step's keys and values into the slots' rows for their positions, then
+        # attend over each slot's cache up to the longest context.
         k_cache, v_cache = kv_cache  # each [slots, max_model_len, kv_heads, hd]
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, inputs.cache_rows, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, inputs.cache_rows, v)
-        q = q.view(B, T, -1, hd).transpose(1, 2)  # [B, heads, T, hd], as attention takes it
-        if inputs.context_len == 0:
-            # A prefill from position 0: its own keys are the whole context, and causal
-            # attention needs no [T, L] mask (an 8k-token prompt: the upper half skipped). Each
-            # query head gets its KV head's copy: GQA in SDPA (enable_gqa) has, on CUDA, only
-            # half-precision kernels, and a float32 prefill would fall to the unfused one.
-            k, v = (t.view(B, T, -1, hd).transpose(1, 2).repeat_interleave(q_per_kv, dim=1) for t in (k, v))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            # Attend over the slot's cache up to the longest context: the mask, if any, hides
-            # later positions and whatever an earlier request left in the slot.
-            keys = k_cache[inputs.slot_index, : inputs.context_len].transpose(1, 2)  # [B, kv_heads, L, hd]
-            values = v_cache[inputs.slot_index, : inputs.context_len].transpose(1, 2)
+        keys, values = (c[inputs.slot_index, : inputs.context_len].transpose(1, 2) for c in (k_cache, v_cache))
+        q = q.view(B, T, -1, hd).transpose(1, 2)  # [B, heads, T, hd]; keys and values [B, kv_heads, L, hd]
+        if T == 1:
             # Grouped-query attention as plain attention: the query heads that share a KV head
-            # go in as one longer query (a view when T is 1, where the mask's row serves them all).
-            q = q.reshape(B, self.num_kv_heads, q_per_kv * T, hd)
-            mask = inputs.attn_mask if T == 1 or inputs.attn_mask is None else inputs.attn_mask.repeat(1, 1, q_per_kv, 1)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            # go in as one longer query (a view), and the mask's row, if any, serves them all.
+            q = q.reshape(B, self.num_kv_heads, q_per_kv, hd)
+        else:
+            # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on
+            # CUDA, only half-precision kernels, and a float32 prefill would fall to the unfused one.
+            keys, values = (t.repeat_interleave(q_per_kv, dim=1) for t in (keys, values))
+        # The mask hides later positions and whatever an earlier request left in the slot; a
+        # prefill's causal attention needs none (an 8k-token prompt: the upper half skipped).
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=inputs.attn_mask, is_causal=inputs.causal)
         return self.o_proj(out.reshape(B, -1, T, hd).transpose(1, 2).reshape(B * T, -1))
 
 
@@ -413,12 +408,13 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
-        self.size = config.intermediate_size // group.size
+        size = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [
-            split(f"{prefix}.gate_proj.weight", config.intermediate_size, group),
-            split(f"{prefix}.up_proj.weight", config.intermediate_size, group),
+            split(f"{prefix}.gate_proj.weight", size, group),
+            split(f"{prefix}.up_proj.weight", size, group),
         ])
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, group, f"{prefix}.down_proj.weight")
+        self.down_proj = RowParallelLinear(size, config.hidden_size, group, f"{prefix}.down_proj.weight")
+        self.size = size // group.size  # this rank's gate (and up) features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -473,13 +469,11 @@ class LlamaForCausalLM(nn.Module):
 # Loading: each rank reads only its own slices of the safetensors files ----------------
 def pack_for_cpu(model: nn.Module) -> None:
     """Lay out every matmul weight once for the CPU's fastest kernel at a decode step's few
-    rows (what torch.compile does on CPU; the same results but for rounding: other kernels
-    sum in another order). A float32 layer
-    stores W^T contiguous (`weight` stays W, as a view of it): MKL multiplies that fastest,
-    with one torch.mm. The rest, bfloat16 and the LM head (many output rows: there oneDNN
-    wins), goes to oneDNN's blocked layout, which replaces the plain copy, except in a tied
-    head, whose table the embedding still reads: the head then costs a second copy of it.
-    (docs/performance.md has the measurements.)"""
+    rows, as torch.compile does on CPU (the same results but for rounding). A float32 layer
+    stores W^T contiguous, which MKL multiplies fastest with one torch.mm (`weight` stays W, a
+    view of it); the rest, bfloat16 and the LM head (many output rows), oneDNN's blocked
+    layout, which replaces the plain copy, but in a tied head, whose table the embedding still
+    reads. docs/performance.md has the measurements."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             weight = module.weight.detach()

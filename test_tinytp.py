@@ -339,9 +339,11 @@ def test_attention_never_asks_sdpa_for_grouped_query_attention(monkeypatch):
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
     worker_in_process(PROMPTS[:2], decode_steps=2)  # different lengths: the decode steps take a mask
-    assert len(calls) == 3 * 2 and all("enable_gqa" not in kwargs for _, _, kwargs in calls)
-    assert all(q[1] == k[1] for q, k, _ in calls[:2])  # the prefill: each query head has its KV head's copy
-    assert all(q[1] == k[1] == 2 and "attn_mask" in kwargs for q, k, kwargs in calls[2:])  # merged query heads
+    assert len(calls) == 3 * 2 and not any(kwargs.get("enable_gqa") for _, _, kwargs in calls)
+    for q, k, kwargs in calls[:2]:  # the prefill, causal: each query head has a copy of its KV head
+        assert q[1] == k[1] == 4 and kwargs["is_causal"] and kwargs["attn_mask"] is None
+    for q, k, kwargs in calls[2:]:  # decode: the query heads of a KV head merged into one query
+        assert q[1] == k[1] == 2 and not kwargs["is_causal"] and kwargs["attn_mask"] is not None
 
 
 def matmul_layouts(worker: Worker) -> list[str]:

@@ -447,12 +447,12 @@ class Worker:
         else:
             load_checkpoint(self.model, model_dir, show_progress=self.group.rank == 0)
         # oneDNN packs float32 on any CPU, bfloat16 where it supports it (AVX-512 CPUs and newer).
-        # TINYTP_PACK_WEIGHTS=0 keeps every weight as loaded, to compare with the plain F.linear path.
-        pack = os.environ.get("TINYTP_PACK_WEIGHTS", "1")
-        if pack not in ("0", "1"):
+        # TINYTP_PACK_WEIGHTS=0 keeps the weights as loaded, for the plain F.linear path.
+        if (pack := os.environ.get("TINYTP_PACK_WEIGHTS", "1")) not in ("0", "1"):
             raise ValueError(f"TINYTP_PACK_WEIGHTS must be 0 or 1, not {pack!r}")
         packable = {torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported()}
-        if pack == "1" and self.device.type == "cpu" and torch.backends.mkldnn.is_available() and packable.get(self.dtype):
+        if pack == "1" and self.device.type == "cpu" and torch.backends.mkldnn.is_available() \
+                and packable.get(self.dtype):
             pack_for_cpu(self.model)
 
     def init_kv_cache(self, max_num_seqs: int) -> None:
@@ -466,27 +466,25 @@ class Worker:
 
     def prepare_inputs(self, scheduled: list[CachedRequest]) -> ModelInputs:
         """Turn the scheduled requests into padded tensors. A new request feeds its whole
-        prompt, a running one its last sampled token. Padding tokens sit at the positions
-        after their sequence's end: the causal mask hides them, and the sequence's own tokens
-        overwrite their keys and values before it reaches those positions."""
+        prompt, a running one its last sampled token. Padding takes the positions after its
+        sequence's end: attention hides them, and the sequence's own tokens overwrite their
+        keys and values before it reaches them."""
         new_tokens = [r.token_ids[r.num_computed:] for r in scheduled]
         width = max(len(t) for t in new_tokens)
-        ids = [t + [0] * (width - len(t)) for t in new_tokens]
-        positions = torch.tensor([r.num_computed for r in scheduled], device=self.device)[:, None] \
-            + torch.arange(width, device=self.device)  # [B, T]
+        contexts = [r.num_computed + len(t) for r, t in zip(scheduled, new_tokens)]
+        starts = torch.tensor([r.num_computed for r in scheduled], device=self.device)
+        positions = starts[:, None] + torch.arange(width, device=self.device)  # [B, T]
         slots = [r.slot for r in scheduled]
         slot_ids = torch.tensor(slots, device=self.device)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        contexts = [r.num_computed + len(t) for r, t in zip(scheduled, new_tokens)]
-        prefill = all(r.num_computed == 0 for r in scheduled)  # causal over its own keys (see attention)
-        same_length = width == 1 and len(set(contexts)) == 1  # every query sees every cached key
+        causal = all(r.num_computed == 0 for r in scheduled) and width > 1  # a prefill (see attention)
         return ModelInputs(
-            input_ids=torch.tensor(ids, device=self.device),
+            input_ids=torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], device=self.device),
             positions=positions.view(-1),
             cache_rows=(slot_ids[:, None] * self.max_model_len + positions).view(-1),
             slot_index=slice(slots[0], slots[0] + len(slots)) if contiguous else slot_ids,
-            context_len=0 if prefill else max(contexts),
-            attn_mask=None if prefill or same_length
+            context_len=max(contexts), causal=causal,
+            attn_mask=None if causal or min(contexts) == max(contexts) and width == 1
             else torch.arange(max(contexts), device=self.device) <= positions[:, None, :, None],
             last_index=torch.tensor([i * width + len(t) - 1 for i, t in enumerate(new_tokens)], device=self.device),
         )
