@@ -205,12 +205,10 @@ def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
 
 # Parallel layers (Megatron-style) -----------------------------------------------------
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """y = x W^T for x of shape [tokens, in], with W in the layout pack_for_cpu chose (see there)."""
-    if layer.weight_t is not None:  # W^T stored contiguous: one matmul, no transposed view
-        return torch.mm(x, layer.weight_t)
-    if layer.packed_weight is not None:  # oneDNN's blocked layout
-        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
-    return F.linear(x, layer.weight)
+    """y = x W^T for x of shape [tokens, in], with W in oneDNN's layout where pack_for_cpu put it."""
+    if layer.packed_weight is None:
+        return F.linear(x, layer.weight)
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -221,7 +219,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, shards: list[Shard]):
         super().__init__()
         self.weight = new_parameter(sum(s.size for s in shards), in_features, shards=shards)
-        self.weight_t = self.packed_weight = None
+        self.packed_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self)
@@ -237,7 +235,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
         shard = split(name, in_features, group, dim=1)
         self.weight = new_parameter(out_features, shard.size, shards=[shard])
-        self.weight_t = self.packed_weight = None
+        self.packed_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self)
@@ -283,7 +281,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     rank the full logits, because every rank samples (design discussion: "the logits_processor
     has an AllGather instead of a Gather")."""
 
-    weight_t = packed_weight = None
+    packed_weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self)
@@ -468,22 +466,16 @@ class LlamaForCausalLM(nn.Module):
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------
 def pack_for_cpu(model: nn.Module) -> None:
-    """Lay out every matmul weight once for the CPU's fastest kernel at a decode step's few
-    rows, as torch.compile does on CPU (the same results but for rounding). A float32 layer
-    stores W^T contiguous, which MKL multiplies fastest with one torch.mm (`weight` stays W, a
-    view of it); the rest, bfloat16 and the LM head (many output rows), oneDNN's blocked
-    layout, which replaces the plain copy, but in a tied head, whose table the embedding still
-    reads. docs/performance.md has the measurements."""
+    """Lay out every matmul weight once in oneDNN's blocked layout, the CPU's fastest kernel
+    at a decode step's few rows, as torch.compile does on CPU (the same results but for
+    rounding). The packed copy replaces the plain one, except in a tied LM head, whose table
+    the embedding still reads. docs/performance.md has the measurements."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             weight = module.weight.detach()
-            if weight.dtype == torch.float32 and not isinstance(module, ParallelLMHead):
-                module.weight_t = weight.t().contiguous()
-                module.weight.data = module.weight_t.t()  # the same W, sharing the memory
-            else:
-                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-                if module.weight is not model.embed_tokens.weight:
-                    module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+            if module.weight is not model.embed_tokens.weight:
+                module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
