@@ -316,14 +316,14 @@ def operations_in_a_decode_step(worker: Worker) -> int:
 
 
 def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did():
-    """At batch 1 a decode step's time on a CPU is mostly the cost of dispatching operations,
-    not of the arithmetic: a structural guard (not a timing) that the count does not grow.
-    A decoder layer's share is the step's count less the count with one layer fewer."""
+    """At batch 1 much of a decode step's time on a CPU goes to dispatching small operations
+    rather than to arithmetic: a structural guard (not a timing) that their count does not
+    grow. A decoder layer's share is the step's count less the count with one layer fewer."""
     worker = worker_in_process([PROMPTS[0]], decode_steps=1)
     whole = operations_in_a_decode_step(worker)
     worker.model.layers = worker.model.layers[:-1]
     per_layer = whole - operations_in_a_decode_step(worker)
-    assert (per_layer, whole - 2 * per_layer) <= (93, 65), (per_layer, whole)  # was 217 per layer
+    assert per_layer <= 93 and whole - 2 * per_layer <= 65, (per_layer, whole)  # was 217 per layer, 90 besides
 
 
 def test_attention_never_asks_sdpa_for_grouped_query_attention(monkeypatch):
