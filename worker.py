@@ -446,13 +446,12 @@ class Worker:
             init_dummy_weights(self.model)
         else:
             load_checkpoint(self.model, model_dir, show_progress=self.group.rank == 0)
-        # oneDNN packs float32 on any CPU, bfloat16 where it supports it (AVX-512 CPUs and newer).
-        # TINYTP_PACK_WEIGHTS=0 keeps the weights as loaded, for the plain F.linear path.
+        # oneDNN packs float32 on any CPU, bfloat16 on AVX-512 and newer; TINYTP_PACK_WEIGHTS=0: plain F.linear.
         if (pack := os.environ.get("TINYTP_PACK_WEIGHTS", "1")) not in ("0", "1"):
             raise ValueError(f"TINYTP_PACK_WEIGHTS must be 0 or 1, not {pack!r}")
-        packable = {torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported()}
-        if pack == "1" and self.device.type == "cpu" and torch.backends.mkldnn.is_available() \
-                and packable.get(self.dtype):
+        packable = {torch.float32: torch.backends.mkldnn.is_available(),
+                    torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported()}
+        if pack == "1" and self.device.type == "cpu" and packable.get(self.dtype):
             pack_for_cpu(self.model)
 
     def init_kv_cache(self, max_num_seqs: int) -> None:
@@ -467,13 +466,11 @@ class Worker:
     def prepare_inputs(self, scheduled: list[CachedRequest]) -> ModelInputs:
         """Turn the scheduled requests into padded tensors. A new request feeds its whole
         prompt, a running one its last sampled token. Padding takes the positions after its
-        sequence's end: attention hides them, and the sequence's own tokens overwrite their
-        keys and values before it reaches them."""
+        sequence's end, which attention hides and the sequence's own tokens overwrite."""
         new_tokens = [r.token_ids[r.num_computed:] for r in scheduled]
         width = max(len(t) for t in new_tokens)
         contexts = [r.num_computed + len(t) for r, t in zip(scheduled, new_tokens)]
-        starts = torch.tensor([r.num_computed for r in scheduled], device=self.device)
-        positions = starts[:, None] + torch.arange(width, device=self.device)  # [B, T]
+        positions = torch.tensor([[r.num_computed + i for i in range(width)] for r in scheduled], device=self.device)
         slots = [r.slot for r in scheduled]
         slot_ids = torch.tensor(slots, device=self.device)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
