@@ -226,11 +226,11 @@ def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
 
 
 # Parallel layers (Megatron-style) -----------------------------------------------------
-def linear(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor | None) -> torch.Tensor:
-    """y = x W^T, with W repacked for oneDNN where pack_for_cpu() did so (see there)."""
-    if packed_weight is None:
-        return F.linear(x, weight)
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """y = x W^T for x of shape [tokens, in], with W in oneDNN's layout where pack_for_cpu put it."""
+    if layer.packed_weight is None:
+        return F.linear(x, layer.weight)
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -244,7 +244,7 @@ class ColumnParallelLinear(nn.Module):
         self.packed_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed_weight)
+        return linear(x, self)
 
 
 class RowParallelLinear(nn.Module):
@@ -260,7 +260,7 @@ class RowParallelLinear(nn.Module):
         self.packed_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.packed_weight)
+        y = linear(x, self)
         if self.group.size > 1:
             collectives.all_reduce(y)
         return y
@@ -292,8 +292,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
         mine = (local >= 0) & (local < self.rows_per_rank)
-        out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
-        out = out * mine.unsqueeze(-1).to(out.dtype)
+        out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight) * mine.unsqueeze(-1)
         collectives.all_reduce(out)
         return out
 
@@ -307,7 +306,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed_weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, self.packed_weight)
+        logits = linear(hidden, self)
         if self.group.size > 1:
             logits = collectives.all_gather(logits, self.group.size)
         return logits[..., : self.vocab_size]  # drop the padding rows' logits
@@ -316,28 +315,39 @@ class ParallelLMHead(VocabParallelEmbedding):
 # Llama --------------------------------------------------------------------------------
 @dataclass
 class ModelInputs:
-    """One step's batch, built by the worker's prepare_inputs. B sequences of T tokens
-    (right-padded); during decode T is 1."""
+    """One step's batch, built by the worker's prepare_inputs: B sequences of T tokens
+    (right-padded; during decode T is 1). The layers see the N = B x T tokens as the rows
+    of one [N, hidden] matrix; only attention needs to know which sequence a row is in."""
 
     input_ids: torch.Tensor  # [B, T]
-    positions: torch.Tensor  # [B, T] position of each token in its sequence
-    slot_ids: torch.Tensor  # [B] the KV-cache slot of each sequence
-    slot_index: slice | torch.Tensor  # slot_ids again, as a slice when contiguous (indexing copies nothing)
-    attn_mask: torch.Tensor | None  # [B, 1, T, L] True where a query may see a cached key; L: the longest
-    # context. None for a prefill from position 0, which is causal attention over its own keys.
-    last_index: torch.Tensor  # [B] the index in T of each sequence's last real token
+    positions: torch.Tensor  # [N] the position of each token in its sequence
+    cache_rows: torch.Tensor  # [N] the KV-cache row of each token: slot x max_model_len + position
+    slot_index: slice | torch.Tensor  # [B] each sequence's slot, as a slice when contiguous (indexing copies nothing)
+    context_len: int  # L, the cached positions attention reads: the longest context
+    causal: bool  # a prefill from position 0: causal attention over the prompts
+    attn_mask: torch.Tensor | None  # [B, 1, T, L] True where a query may see a cached key; None where
+    # `causal` hides the rest, or where it would be all True (a decode step of sequences of one length)
+    last_index: torch.Tensor  # [B] the row in N of each sequence's last real token
 
 
 class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps), times a learned weight, in float32 as transformers does."""
+
     def __init__(self, hidden_size: int, eps: float, name: str):
         super().__init__()
-        self.eps = eps
         self.weight = new_parameter(hidden_size, shards=[Shard(name, 0, 0, hidden_size)])
+        # As tensors, made once: a Python number would be turned into a tensor at every call.
+        self.size, self.eps = (torch.tensor(value, dtype=torch.float32) for value in (float(hidden_size), eps))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # In float32, as transformers does, so the logits match (bit for bit: F.rms_norm is
-        # x * rsqrt(mean(x^2) + eps), in one operation instead of five).
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        if x.dtype != torch.float32:  # cast back before the weight, as transformers does
+            return self.weight * self.normalize(x.float()).to(x.dtype)
+        return self.weight * self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        # transformers' steps, so the same bits: its mean() is this sum divided by the size.
+        # (F.rms_norm gives them too, but dispatches each step, casts included, on its own.)
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) / self.size + self.eps)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -357,11 +367,6 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(in_band, blended, scaled)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class LlamaAttention(nn.Module):
@@ -389,36 +394,33 @@ class LlamaAttention(nn.Module):
         self.head_dim = hd
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
-        B, T, _ = x.shape
-        qkv = self.qkv_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, q, k and v heads, T, hd]
+        (B, T), hd, q_per_kv = inputs.input_ids.shape, self.head_dim, self.num_heads // self.num_kv_heads
+        qkv = self.qkv_proj(x).view(B * T, -1, 2, hd // 2)  # [N, q, k and v heads, the two halves of a head]
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        qk = qk * cos + rotate_half(qk) * sin  # RoPE on the query and key heads at once
+        # RoPE on the query and key heads at once: x cos + rotate_half(x) sin, where
+        # rotate_half(x) = (-x2, x1) is flip(x) = (x2, x1) with its sign in sin's first half.
+        qk = qk * cos + qk.flip(2) * sin
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
-        # Write this step's keys and values at (slot, position), one cache row per token: index
-        # arrays split by a slice put their dims first (NumPy's rule), here [B, T, kv_heads, hd].
-        k_cache, v_cache = kv_cache  # each [slots, kv_heads, max_model_len + 1 (a spare), hd]
-        where = (inputs.slot_ids[:, None], slice(None), inputs.positions)
-        k_cache[where] = k.transpose(1, 2)
-        v_cache[where] = v.transpose(1, 2)
-        if inputs.attn_mask is None:
-            # A prefill from position 0: its own keys are the whole context, and causal
-            # attention needs no [T, L] mask (an 8k-token prompt: the upper half skipped).
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            # Attend over the slot's cache up to the longest context: the mask hides later
-            # positions and whatever an earlier request left in the slot.
-            context = inputs.attn_mask.shape[-1]
-            keys = k_cache[inputs.slot_index, :, :context]
-            values = v_cache[inputs.slot_index, :, :context]
+        # Write this step's keys and values into the slots' rows for their positions, then
+        # attend over each slot's cache up to the longest context.
+        k_cache, v_cache = kv_cache  # each [slots, max_model_len, kv_heads, hd]
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, inputs.cache_rows, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, inputs.cache_rows, v)
+        keys, values = (c[inputs.slot_index, : inputs.context_len].transpose(1, 2) for c in (k_cache, v_cache))
+        q = q.view(B, T, -1, hd).transpose(1, 2)  # [B, heads, T, hd]; keys and values [B, kv_heads, L, hd]
+        if T == 1:
             # Grouped-query attention as plain attention: the query heads that share a KV head
-            # go in as one longer query. With a mask, enable_gqa=True can send CUDA (torch 2.11)
-            # to the unfused math kernel, which copies the keys and values once per query head.
-            q_per_kv = self.num_heads // self.num_kv_heads
-            q = q.reshape(B, self.num_kv_heads, q_per_kv * T, self.head_dim)
-            mask = inputs.attn_mask[:, :, None].expand(-1, -1, q_per_kv, -1, -1).flatten(2, 3)  # a view when T is 1
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.o_proj(out.reshape(B, self.num_heads, T, self.head_dim).transpose(1, 2).reshape(B, T, -1))
+            # go in as one longer query (a view), and the mask's row, if any, serves them all.
+            q = q.reshape(B, self.num_kv_heads, q_per_kv, hd)
+        else:
+            # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on
+            # CUDA, only half-precision kernels, and a float32 prefill would fall to the unfused one.
+            keys, values = (t.repeat_interleave(q_per_kv, dim=1) for t in (keys, values))
+        # The mask hides later positions and whatever an earlier request left in the slot; a
+        # prefill's causal attention needs none (an 8k-token prompt: the upper half skipped).
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=inputs.attn_mask, is_causal=inputs.causal)
+        return self.o_proj(out.reshape(B, -1, T, hd).transpose(1, 2).reshape(B * T, -1))
 
 
 class LlamaMLP(nn.Module):
@@ -432,10 +434,11 @@ class LlamaMLP(nn.Module):
             split(f"{prefix}.up_proj.weight", size, group),
         ])
         self.down_proj = RowParallelLinear(size, config.hidden_size, group, f"{prefix}.down_proj.weight")
+        self.size = size // group.size  # this rank's gate (and up) features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate_up[:, : self.size]) * gate_up[:, self.size:])
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -467,38 +470,34 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group, "lm_head.weight")
         if config.tie_word_embeddings:  # Llama 3.2: the LM head is the embedding table
             self.lm_head.weight = self.embed_tokens.weight
-        # cos and sin of every position, [2, positions, hd], computed once in float32 as transformers does.
+        # cos and sin of every position, computed once in float32 as transformers does, then
+        # kept in the model's dtype (transformers casts them each step), and sin's first half
+        # negated for RoPE (see LlamaAttention): [2, positions, 1 (every head), 2 halves, hd / 2].
         freqs = torch.outer(torch.arange(max_model_len).float(), rope_inverse_frequencies(config))
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_table", torch.stack((angles.cos(), angles.sin())), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        table = torch.stack((torch.stack((cos, cos), 1), torch.stack((-sin, sin), 1)))[:, :, None]
+        self.register_buffer("rope_table", table.to(torch.get_default_dtype()), persistent=False)
 
     def forward(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x = self.embed_tokens(inputs.input_ids)
-        cos, sin = self.rope_table[:, inputs.positions].unsqueeze(2).to(x.dtype)  # each [B, 1, T, hd]
+        x = self.embed_tokens(inputs.input_ids.view(-1))  # [N, hidden]
+        cos, sin = self.rope_table[:, inputs.positions]  # each [N, 1, 2, hd / 2]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, inputs)
-        last = x[torch.arange(x.shape[0], device=x.device), inputs.last_index]  # only these tokens are sampled
-        return self.lm_head(self.norm(last))
+        return self.lm_head(self.norm(x[inputs.last_index]))  # only these tokens are sampled
 
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------
 def pack_for_cpu(model: nn.Module) -> None:
-    """Lay out every matmul weight once for the CPU's fastest kernel at a decode step's few
-    rows (what torch.compile does on CPU; same results to ~1e-6 relative). A float32 layer
-    keeps W, stored column-major (W^T contiguous): MKL multiplies that fastest, 1.3x a whole
-    batch-1 step of SmolLM2 against oneDNN's layout, as fast at batch 8. The rest, bfloat16
-    and the LM head (8 rows x 49,152 x 576: 2x faster), goes to oneDNN's blocked layout,
-    which replaces the plain copy, except in a tied head, whose table the embedding still
-    reads: vocab x hidden more memory (113 MB for SmolLM2-135M in float32)."""
+    """Lay out every matmul weight once in oneDNN's blocked layout, the CPU's fastest kernel
+    at a decode step's few rows, as torch.compile does on CPU (the same results but for
+    rounding). The packed copy replaces the plain one, except in a tied LM head, whose table
+    the embedding still reads. docs/performance.md has the measurements."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             weight = module.weight.detach()
-            if weight.dtype == torch.float32 and not isinstance(module, ParallelLMHead):
-                module.weight.data = weight.t().contiguous().t()  # the same W; F.linear reads W^T in order
-            else:
-                module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
-                if module.weight is not model.embed_tokens.weight:
-                    module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+            if module.weight is not model.embed_tokens.weight:
+                module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -294,6 +294,87 @@ def test_parallel_layers_match_torch_nn(tmp_path):
 
 
 # --------------------------------------------------------------------------------------
+# One rank's step in this process: its operations, its attention calls, its weight layouts
+# --------------------------------------------------------------------------------------
+
+
+def worker_in_process(prompts: list[list[int]], decode_steps: int) -> Worker:
+    """tp=1's worker for the tiny model, run here (init_device's part set by hand): a prefill
+    of `prompts`, one slot each, then `decode_steps` decode steps."""
+    worker = Worker(0, world_size=1)
+    worker.device, worker.dtype = torch.device("cpu"), torch.float32
+    worker.load_model(tinytp.TINY_MODEL_DIR, max_model_len=64)
+    worker.init_kv_cache(max_num_seqs=len(prompts))
+    slots = list(range(len(prompts)))
+    worker.execute_model(SchedulerOutput(
+        [NewRequest(i, p, i, SamplingParams(temperature=0), seed=0) for i, p in enumerate(prompts)], slots, []))
+    for _ in range(decode_steps):
+        worker.execute_model(SchedulerOutput([], slots, []))
+    return worker
+
+
+def operations_in_a_decode_step(worker: Worker) -> int:
+    """The ATen operations one decode step dispatches, as torch.profiler lists them: views
+    and the operations called inside others each count, for each costs a dispatch."""
+    with torch.profiler.profile() as profile:
+        worker.execute_model(SchedulerOutput([], list(worker.requests), []))
+    return sum(event.name.startswith("aten::") for event in profile.events())
+
+
+def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did():
+    """At batch 1 much of a decode step's time on a CPU goes to dispatching small operations
+    rather than to arithmetic: a structural guard (not a timing) that their count does not
+    grow. A decoder layer's share is the step's count less the count with one layer fewer."""
+    worker = worker_in_process([PROMPTS[0]], decode_steps=1)
+    whole = operations_in_a_decode_step(worker)
+    worker.model.layers = worker.model.layers[:-1]
+    per_layer = whole - operations_in_a_decode_step(worker)
+    assert per_layer <= 93 and whole - 2 * per_layer <= 65, (per_layer, whole)  # was 217 per layer, 90 besides
+
+
+def test_attention_never_asks_sdpa_for_grouped_query_attention(monkeypatch):
+    """The tiny model has 4 query heads on 2 KV heads. On CUDA (torch 2.11) only the flash
+    and cuDNN kernels take enable_gqa=True, in half precision only, so a float32 prefill that
+    asked for it would find no fused kernel. Every call gets as many key heads as query heads
+    (the mask, where there is one, broadcasts over them)."""
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, **kwargs):
+        calls.append((q.shape, k.shape, kwargs))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    worker_in_process(PROMPTS[:2], decode_steps=2)  # different lengths: the decode steps take a mask
+    assert len(calls) == 3 * 2 and not any(kwargs.get("enable_gqa") for _, _, kwargs in calls)
+    for q, k, kwargs in calls[:2]:  # the prefill, causal: each query head has a copy of its KV head
+        assert q[1] == k[1] == 4 and kwargs["is_causal"] and kwargs["attn_mask"] is None
+    for q, k, kwargs in calls[2:]:  # decode: the query heads of a KV head merged into one query
+        assert q[1] == k[1] == 2 and not kwargs["is_causal"] and kwargs["attn_mask"] is not None
+
+
+def matmul_layouts(worker: Worker) -> list[str]:
+    layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+    return ["oneDNN" if m.packed_weight is not None else "W" for m in worker.model.modules() if isinstance(m, layers)]
+
+
+def test_tinytp_pack_weights_0_keeps_the_loaded_layout_and_the_tokens(monkeypatch):
+    """pack_for_cpu is a CPU kernel's layout, not tensor parallelism: TINYTP_PACK_WEIGHTS=0
+    runs every matmul as F.linear on the weights as loaded. Either way the tokens match
+    transformers, and the two runs agree."""
+    tokens = {}
+    for pack, layouts in (("1", ["oneDNN"] * 9), ("0", ["W"] * 9)):
+        monkeypatch.setenv("TINYTP_PACK_WEIGHTS", pack)
+        worker = worker_in_process([PROMPTS[3]], decode_steps=10)
+        assert matmul_layouts(worker) == layouts  # 4 per layer, then the LM head
+        tokens[pack] = worker.requests[0].token_ids[len(PROMPTS[3]):]
+    assert tokens["0"] == tokens["1"]
+    assert_tokens_match_hf(LlamaForCausalLM.from_pretrained(tinytp.TINY_MODEL_DIR).eval(), PROMPTS[3], tokens["0"])
+    monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "no")
+    with pytest.raises(ValueError, match="TINYTP_PACK_WEIGHTS must be 0 or 1, not 'no'"):
+        worker_in_process([PROMPTS[3]], decode_steps=0)
+
+
+# --------------------------------------------------------------------------------------
 # The shared-memory message queue
 # --------------------------------------------------------------------------------------
 

@@ -485,49 +485,50 @@ class Worker:
         self.max_model_len = max_model_len
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
-            # One extra position: padding tokens write their keys there, where no one looks.
-            self.model = LlamaForCausalLM(self.config, self.group, max_model_len + 1)
+            self.model = LlamaForCausalLM(self.config, self.group, max_model_len)
         torch.set_default_dtype(torch.float32)
         if load_format == "dummy":
             init_dummy_weights(self.model)
         else:
             load_checkpoint(self.model, model_dir, show_progress=self.group.rank == 0)
-        # oneDNN packs float32 on any CPU, bfloat16 where it supports it (AVX-512 CPUs and newer).
-        packable = {torch.float32: True, torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported()}
-        if self.device.type == "cpu" and torch.backends.mkldnn.is_available() and packable.get(self.dtype):
+        # oneDNN packs float32 on any CPU, bfloat16 on AVX-512 and newer; TINYTP_PACK_WEIGHTS=0: plain F.linear.
+        if (pack := os.environ.get("TINYTP_PACK_WEIGHTS", "1")) not in ("0", "1"):
+            raise ValueError(f"TINYTP_PACK_WEIGHTS must be 0 or 1, not {pack!r}")
+        packable = {torch.float32: torch.backends.mkldnn.is_available(),
+                    torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported()}
+        if pack == "1" and self.device.type == "cpu" and packable.get(self.dtype):
             pack_for_cpu(self.model)
 
     def init_kv_cache(self, max_num_seqs: int) -> None:
-        """Preallocate keys and values: one slot per running request, max_model_len + 1
-        positions each (the last one for padding). Zeros: never-written positions are
-        masked, but a masked NaN would still poison the weighted sum."""
+        """Preallocate keys and values: one slot per running request, max_model_len positions
+        each. Zeros: never-written positions are masked, but a masked NaN would still poison
+        the weighted sum."""
         attn = self.model.layers[0].self_attn
-        shape = (2, max_num_seqs, attn.num_kv_heads, self.max_model_len + 1, attn.head_dim)
+        shape = (2, max_num_seqs, self.max_model_len, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in self.model.layers]
 
     def prepare_inputs(self, scheduled: list[CachedRequest]) -> ModelInputs:
         """Turn the scheduled requests into padded tensors. A new request feeds its whole
-        prompt, a running one its last sampled token."""
+        prompt, a running one its last sampled token. Padding takes the positions after its
+        sequence's end, which attention hides and the sequence's own tokens overwrite."""
         new_tokens = [r.token_ids[r.num_computed:] for r in scheduled]
         width = max(len(t) for t in new_tokens)
-        pad = self.max_model_len  # the spare cache position that nobody attends to
-        ids = [t + [0] * (width - len(t)) for t in new_tokens]
-        positions = [list(range(r.num_computed, r.num_computed + len(t))) + [pad] * (width - len(t))
-                     for r, t in zip(scheduled, new_tokens)]
+        contexts = [r.num_computed + len(t) for r, t in zip(scheduled, new_tokens)]
+        positions = torch.tensor([[r.num_computed + i for i in range(width)] for r in scheduled], device=self.device)
         slots = [r.slot for r in scheduled]
-        context = max(r.num_computed + len(t) for r, t in zip(scheduled, new_tokens))
-        positions_t = torch.tensor(positions, device=self.device)
         slot_ids = torch.tensor(slots, device=self.device)
         contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        causal = all(r.num_computed == 0 for r in scheduled) and width > 1  # a prefill (see attention)
         return ModelInputs(
-            input_ids=torch.tensor(ids, device=self.device),
-            positions=positions_t,
-            slot_ids=slot_ids,
+            input_ids=torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], device=self.device),
+            positions=positions.view(-1),
+            cache_rows=(slot_ids[:, None] * self.max_model_len + positions).view(-1),
             slot_index=slice(slots[0], slots[0] + len(slots)) if contiguous else slot_ids,
-            attn_mask=None if all(r.num_computed == 0 for r in scheduled)  # a prefill: causal (see attention)
-            else torch.arange(context, device=self.device) <= positions_t[:, None, :, None],
-            last_index=torch.tensor([len(t) - 1 for t in new_tokens], device=self.device),
+            context_len=max(contexts), causal=causal,
+            attn_mask=None if causal or min(contexts) == max(contexts) and width == 1
+            else torch.arange(max(contexts), device=self.device) <= positions[:, None, :, None],
+            last_index=torch.tensor([i * width + len(t) - 1 for i, t in enumerate(new_tokens)], device=self.device),
         )
 
     def sample(self, logits: torch.Tensor, scheduled: list[CachedRequest]) -> list[int]:
