@@ -18,6 +18,23 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+# Not PyTorch's public API, in one place -------------------------------------------------
+# oneDNN's packed linear, as torch.compile's CPU backend (inductor) calls it: no public API
+# packs a weight once for oneDNN. The public path is F.linear, which TINYTP_PACK_WEIGHTS=0
+# runs (pack_for_cpu); these ops have these signatures in torch 2.x.
+def cpu_has_native_bfloat16() -> bool:
+    """Does oneDNN run bfloat16 natively on this CPU (AVX-512 BF16, AMX)? Nothing public says."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")  # no bias, no fused op
+
+
 # Configuration ------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
@@ -230,7 +247,7 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """y = x W^T for x of shape [tokens, in], with W in oneDNN's layout where pack_for_cpu put it."""
     if layer.packed_weight is None:
         return F.linear(x, layer.weight)
-    return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
+    return onednn_linear(x, layer.packed_weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -487,6 +504,13 @@ class LlamaForCausalLM(nn.Module):
 
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------
+def packing_wanted() -> bool:
+    """TINYTP_PACK_WEIGHTS=0 runs the plain F.linear path, to read or compare (1, the default, packs)."""
+    if (value := os.environ.get("TINYTP_PACK_WEIGHTS", "1")) not in ("0", "1"):
+        raise ValueError(f"TINYTP_PACK_WEIGHTS must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
 def pack_for_cpu(model: nn.Module) -> None:
     """Lay out every matmul weight once in oneDNN's blocked layout, the CPU's fastest kernel
     at a decode step's few rows, as torch.compile does on CPU (the same results but for
@@ -495,7 +519,7 @@ def pack_for_cpu(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             weight = module.weight.detach()
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+            module.packed_weight = onednn_pack(weight)
             if module.weight is not model.embed_tokens.weight:
                 module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
 

@@ -214,7 +214,7 @@ def test_config_reads_old_and_new_rope_keys():
 def test_dtype_auto_is_the_checkpoints_except_on_a_cpu_without_native_bfloat16(checkpoint_dtype):
     config = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 258, "hidden_size": 64, "intermediate_size": 176,
                                     "num_hidden_layers": 2, "num_attention_heads": 4, "torch_dtype": checkpoint_dtype})
-    native = checkpoint_dtype == "bfloat16" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native = checkpoint_dtype == "bfloat16" and model_code.cpu_has_native_bfloat16()
     assert tinytp.choose_device_and_dtype(config, 1, "cpu", "auto") == ("cpu", checkpoint_dtype if native else "float32")
     assert tinytp.choose_device_and_dtype(config, 1, "cpu", "float16") == ("cpu", "float16")  # asked for: as asked
 
@@ -372,6 +372,9 @@ def test_tinytp_pack_weights_0_keeps_the_loaded_layout_and_the_tokens(monkeypatc
     monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "no")
     with pytest.raises(ValueError, match="TINYTP_PACK_WEIGHTS must be 0 or 1, not 'no'"):
         worker_in_process([PROMPTS[3]], decode_steps=0)
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match="TINYTP_PACK_WEIGHTS must be 0 or 1, not 'no'"):
+            LLM(device="cpu")  # refused in the driver, before any worker starts
 
 
 # --------------------------------------------------------------------------------------
@@ -634,7 +637,7 @@ def test_tp2_bfloat16_tied_packed_tokens_within_tolerance_of_transformers_bfloat
     hf_model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     with LLM(str(tmp_path), tensor_parallel_size=2, device="cpu", dtype="bfloat16", max_model_len=128) as llm:
         check_greedy_against_hf(llm, hf_model, max_tokens=40, tolerance=1 / 32)
-        packed = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else False
+        packed = torch.bfloat16 if model_code.cpu_has_native_bfloat16() else False
         assert llm.collective_rpc(packed_weight_dtypes) == [[packed] * 9] * 2  # 4 per layer, and the head
 
 

@@ -16,7 +16,6 @@ import dataclasses
 import heapq
 import itertools
 import json
-import multiprocessing.synchronize  # and multiprocessing.util, which it imports
 import os
 import pickle
 import random
@@ -33,10 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import (ModelConfig, TPGroup, check_checkpoint, check_tensor_parallel_size,
-                   checkpoint_shapes, is_integer, meta_model, token_id_list, vocab_rows_per_rank)
+from model import (ModelConfig, TPGroup, check_checkpoint, check_tensor_parallel_size, checkpoint_shapes,
+                   cpu_has_native_bfloat16, is_integer, meta_model, packing_wanted, token_id_list, vocab_rows_per_rank)
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams, SchedulerOutput,
-                    check_free_shared_memory, collective_block_bytes, new_shared_memory, wait_until, worker_main)
+                    check_free_shared_memory, collective_block_bytes, forget_child_processes, importing_main_for_spawn,
+                    new_shared_memory, unlink_semaphores, wait_until, worker_main)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -144,7 +144,7 @@ def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dt
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dtype == "auto":
-        native_bfloat16 = config.dtype == "bfloat16" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        native_bfloat16 = config.dtype == "bfloat16" and cpu_has_native_bfloat16()
         dtype = config.dtype if device == "cuda" or native_bfloat16 else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
@@ -221,8 +221,7 @@ class Executor:
                     process.start()
             finally:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-            # Off multiprocessing's list, whose exit hook (in a forked child too) would kill them.
-            multiprocessing.process._children.difference_update(self.workers)
+            forget_child_processes(self.workers)
             # Initialization goes through collective_rpc too, as in the design discussion.
             self.collective_rpc("init_device", None, device, dtype, self.store.port, threads_per_rank(tp),
                                 self.collective_block and self.collective_block.name)
@@ -343,17 +342,13 @@ class Executor:
             if process.is_alive():  # stuck in a long step, a collective or loading
                 process.kill()
                 process.join()
-        doorbells = {b._semlock.name for b in [*self.broadcast.handle.doorbells, getattr(self, "doorbell", None)] if b}
+        # The doorbells now, not when the last reference goes: a traceback a caller keeps may hold one.
+        unlink_semaphores([*self.broadcast.handle.doorbells, *filter(None, [getattr(self, "doorbell", None)])])
         for queue in [self.broadcast, *self.responses]:
             queue.close()
         if self.collective_block is not None:
             self.collective_block.close()
             self.collective_block.unlink()
-        # Remove the doorbells now, by multiprocessing's own finalizers: it would when the last
-        # reference goes, but a failed generate's traceback, which a caller may keep, holds one.
-        for finalizer in list(multiprocessing.util._finalizer_registry.values()):
-            if finalizer._callback is multiprocessing.synchronize.SemLock._cleanup and finalizer._args[0] in doorbells:
-                finalizer()
         self.store = self.doorbell = None
 
 
@@ -441,7 +436,7 @@ class LLM:
                  load_format: str = "auto"):
         from transformers import AutoTokenizer
 
-        if getattr(mp.current_process(), "_inheriting", False):  # multiprocessing's own test for this
+        if importing_main_for_spawn():
             sys.exit("tinytp: a worker process, importing your script as spawn does, ran its LLM(...) too: "
                      'put the code that creates the LLM under if __name__ == "__main__":')
         main_file = getattr(sys.modules["__main__"], "__file__", None)  # spawn re-imports the script from it
@@ -473,6 +468,7 @@ class LLM:
                              f"of {'a GPU' if device == 'cuda' else 'this machine'}: lower one")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' (safetensors) or 'dummy', got {load_format!r}")
+        packing_wanted()  # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
         files = os.listdir(self.model_dir)
         if load_format == "auto" and not any(f.endswith(".safetensors") for f in files):
             raise FileNotFoundError(f"{self.model_dir} has no *.safetensors weights (it has: {', '.join(sorted(files))})")

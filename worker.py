@@ -7,6 +7,8 @@ import contextlib
 import functools
 import math
 import multiprocessing
+import multiprocessing.synchronize
+import multiprocessing.util
 import operator
 import os
 import pickle
@@ -25,8 +27,46 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import model as model_code  # for model_code.collectives, which init_device may replace
-from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, init_dummy_weights, is_integer,
-                   is_number, load_checkpoint, pack_for_cpu, token_id_list)
+from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, cpu_has_native_bfloat16,
+                   init_dummy_weights, is_integer, is_number, load_checkpoint, pack_for_cpu, packing_wanted, token_id_list)
+
+# Not Python's public API, in one place --------------------------------------------------
+# multiprocessing internals that no public call replaces in Python 3.11, each used once.
+def forget_child_processes(processes: list) -> None:
+    """Take processes off multiprocessing's list of children, whose exit hook (in a forked
+    child too) would terminate them: our workers are stopped by the Executor alone."""
+    multiprocessing.process._children.difference_update(processes)
+
+
+def importing_main_for_spawn() -> bool:
+    """Is this a spawned process still importing its parent's main script? (multiprocessing's own test)"""
+    return getattr(multiprocessing.current_process(), "_inheriting", False)
+
+
+def unlink_semaphores(semaphores: list) -> None:
+    """Remove named semaphores (the doorbells) from /dev/shm now, as multiprocessing does when
+    the last reference goes (a traceback a caller keeps may hold one): by the finalizer it
+    registered where they were made, which then removes itself, else by its cleanup."""
+    names = {semaphore._semlock.name for semaphore in semaphores}
+    for finalizer in list(multiprocessing.util._finalizer_registry.values()):
+        if finalizer._callback is multiprocessing.synchronize.SemLock._cleanup and finalizer._args[0] in names:
+            names.discard(finalizer._args[0])
+            finalizer()
+    for name in names:  # made by another process (a worker cleaning up for a dead driver)
+        multiprocessing.synchronize.SemLock._cleanup(name)
+
+
+def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
+    """Attach to another process's block without registering it with Python 3.11's resource
+    tracker, which would unlink it under the creator's feet (and warn of a "leak") at exit.
+    Public alternative: SharedMemory(name, track=False), from Python 3.13."""
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args, **kwargs: None
+    try:
+        return shared_memory.SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register
+
 
 # Messages between the driver and the workers ------------------------------------------
 @dataclass(kw_only=True)  # keywords only: vLLM's positional order differs
@@ -208,17 +248,6 @@ def check_free_shared_memory(blocks: list[shared_memory.SharedMemory | None]) ->
     if stat.f_bavail * stat.f_frsize < needed:
         raise RuntimeError(f"/dev/shm has {stat.f_bavail * stat.f_frsize / 2**20:.2f} MiB free; tinytp needs "
                            f"{needed / 2**20:.1f} MiB: free some, or give a container more (docker run --shm-size=1g)")
-
-
-def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
-    """Attach to another process's block without registering it with Python 3.11's resource
-    tracker, which would unlink it under the creator's feet (and warn of a "leak") at exit."""
-    register = resource_tracker.register
-    resource_tracker.register = lambda *args, **kwargs: None
-    try:
-        return shared_memory.SharedMemory(name=name)
-    finally:
-        resource_tracker.register = register
 
 
 @dataclass(frozen=True)
@@ -491,12 +520,9 @@ class Worker:
             init_dummy_weights(self.model)
         else:
             load_checkpoint(self.model, model_dir, show_progress=self.group.rank == 0)
-        # oneDNN packs float32 on any CPU, bfloat16 on AVX-512 and newer; TINYTP_PACK_WEIGHTS=0: plain F.linear.
-        if (pack := os.environ.get("TINYTP_PACK_WEIGHTS", "1")) not in ("0", "1"):
-            raise ValueError(f"TINYTP_PACK_WEIGHTS must be 0 or 1, not {pack!r}")
-        packable = {torch.float32: torch.backends.mkldnn.is_available(),
-                    torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported()}
-        if pack == "1" and self.device.type == "cpu" and packable.get(self.dtype):
+        # oneDNN packs float32 on any CPU, bfloat16 where the CPU has it natively.
+        packable = {torch.float32: torch.backends.mkldnn.is_available(), torch.bfloat16: cpu_has_native_bfloat16()}
+        if self.device.type == "cpu" and packable.get(self.dtype) and packing_wanted():
             pack_for_cpu(self.model)
 
     def init_kv_cache(self, max_num_seqs: int) -> None:
@@ -651,9 +677,8 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
         # driver's resource tracker quiet): rank 0 the shared ones, each rank its reply block.
         broadcast.owner = rank == 0
         response.owner = True
-        if rank == 0:
-            for doorbell in (*broadcast.handle.doorbells, *response.handle.doorbells):
-                type(doorbell)._cleanup(doorbell._semlock.name)  # what the driver's exit would do
+        if rank == 0:  # what the driver's exit would do
+            unlink_semaphores([*broadcast.handle.doorbells, *response.handle.doorbells])
     finally:
         worker.close(unlink_collective_block=broadcast.owner)  # rank 0 owns the shared blocks once the driver is gone
         broadcast.close()
