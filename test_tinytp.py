@@ -1685,9 +1685,9 @@ def cuda_tp2_one_gpu(cuda_checkpoint):
     """tp=2 with both ranks on GPU 0: the driver is told of two GPUs (it refuses tp=2 on
     one), the workers share the one."""
     path, _ = cuda_checkpoint
-    with mock.patch.object(tinytp, "Executor", EveryRankOnGPU0), mock.patch.object(torch.cuda, "device_count",
-                                                                                    return_value=2):
-        llm = LLM(path, tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=64)
+    with mock.patch.object(torch.cuda, "device_count", return_value=2):
+        llm = LLM(path, tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=64,
+                  distributed_executor_backend=EveryRankOnGPU0)
     with llm:
         memory = llm.collective_rpc(cuda_memory)
         llm.collective_rpc(disable_unfused_attention)

@@ -447,9 +447,6 @@ class CachedRequest:
     generator: torch.Generator
 
 
-TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods that --trace times
-
-
 class Worker:
     """Everything one rank does. execute_model runs each step; every other method is
     reached through the driver's collective_rpc."""
@@ -457,7 +454,7 @@ class Worker:
     def __init__(self, rank: int, world_size: int):
         self.group = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
-        self.trace: list[tuple] | None = None  # (start, end, what, bytes) while tracing
+        self.trace: list[tuple] | None = None  # (start, end, what, bytes) while --trace records
 
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int,
                     collective_block: str | None = None) -> None:
@@ -561,29 +558,6 @@ class Worker:
             request.token_ids.append(token)
         return ModelRunnerOutput(scheduler_output.call_id, tokens, time.perf_counter() - start)
 
-    def start_trace(self) -> None:
-        """--trace: record this process's collectives until trace_events(), by wrapping the
-        collectives object's methods, so the model code stays as it is. perf_counter() is one
-        clock in every process, so the timelines line up. (On CUDA these are launch times.)"""
-        self.trace = []
-        for name in TRACED_COLLECTIVES:  # instance attributes shadow the methods
-            setattr(model_code.collectives, name, self._traced(name, getattr(model_code.collectives, name)))
-
-    def _traced(self, name: str, collective: Callable) -> Callable:
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            result = collective(*args, **kwargs)
-            self.trace.append((start, time.perf_counter(), name, args[0].nbytes))  # the tensor sent
-            return result
-        return run
-
-    def trace_events(self) -> list[tuple]:
-        """Stop tracing and hand over what was recorded."""
-        for name in TRACED_COLLECTIVES:
-            delattr(model_code.collectives, name)
-        events, self.trace = self.trace, None
-        return events
-
     def parameter_bytes(self) -> int:
         """Bytes of weights this rank really holds (tied weights counted once, packed
         weights in place of the plain ones they replaced)."""
@@ -595,6 +569,34 @@ class Worker:
             model_code.collectives.close(unlink_collective_block)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# --trace: what each process does in one step, recorded around the model code ---------
+TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods it times
+
+
+def start_trace(worker: Worker) -> None:  # this and stop_trace: run by the driver's collective_rpc
+    """Record the collectives in worker.trace (worker_main adds the loop's events), by wrapping
+    the collectives object's methods, so the model code stays as it is. perf_counter() is one
+    clock in every process, so the timelines line up. (On CUDA these are launch times.)"""
+    events = worker.trace = []
+
+    def timed(name: str, collective: Callable) -> Callable:
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            result = collective(*args, **kwargs)
+            events.append((start, time.perf_counter(), name, args[0].nbytes))  # the tensor sent
+            return result
+        return run
+    for name in TRACED_COLLECTIVES:  # instance attributes shadow the methods
+        setattr(model_code.collectives, name, timed(name, getattr(model_code.collectives, name)))
+
+
+def stop_trace(worker: Worker) -> list[tuple]:
+    for name in TRACED_COLLECTIVES:
+        delattr(model_code.collectives, name)
+    events, worker.trace = worker.trace, None
+    return events
 
 
 # The worker process -------------------------------------------------------------------
