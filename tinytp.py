@@ -36,8 +36,7 @@ import torch.multiprocessing as mp
 from model import (ModelConfig, TPGroup, check_checkpoint, check_tensor_parallel_size,
                    checkpoint_shapes, is_integer, meta_model, token_id_list, vocab_rows_per_rank)
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams, SchedulerOutput,
-                    check_free_shared_memory, collective_block_bytes, new_shared_memory, start_trace, stop_trace,
-                    wait_until, worker_main)
+                    check_free_shared_memory, collective_block_bytes, new_shared_memory, wait_until, worker_main)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -236,8 +235,7 @@ class Executor:
         """Run `method` on every worker; return each rank's result, in rank order. A
         callable (picklable: defined at module level) is called with the Worker first; it
         travels pickled on its own, so a worker that cannot import it answers with an error."""
-        name = method if isinstance(method, str) else method.__name__
-        payload = method if isinstance(method, str) else pickle.dumps(method)
+        name, payload = (method, method) if isinstance(method, str) else (method.__name__, pickle.dumps(method))
         return self._call(RPCCall(next(self.call_ids), payload, args, kwargs), range(self.tp), timeout, name)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -246,12 +244,12 @@ class Executor:
         scheduler_output.call_id = next(self.call_ids)
         traced = self.trace_next_decode and not scheduler_output.new_requests
         try:
-            if traced:  # every process records what it sends and when (worker.start_trace)
+            if traced:  # every process records what it sends and when (Worker.start_trace)
                 self.trace_next_decode = False
-                self.collective_rpc(start_trace)
+                self.collective_rpc("start_trace")
             output = self._call(scheduler_output, [0], None, "execute_model")[0]
             if traced:
-                self.trace_report = trace_timeline(self.last_call_times, self.collective_rpc(stop_trace))
+                self.trace_report = trace_timeline(self.last_call_times, self.collective_rpc("stop_trace"))
             return output
         except WorkerError as e:
             self._fail(str(e).splitlines()[0])
@@ -344,15 +342,14 @@ class Executor:
         self.store = self.doorbell = None
 
 
-# --trace: the timeline of one decode step across processes ---------------------------
 def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]) -> str:
-    """The driver's broadcast and wait (Executor._call's last_call_times) and every rank's
-    events (worker.start_trace), in one table by start time."""
+    """--trace's table: the driver's broadcast and wait (Executor._call's times) and every rank's
+    events (Worker.start_trace), by start time."""
     start, sent, replied, size = driver_call
-    events = sorted([("driver", start, sent, "broadcast execute_model", size),
-                     ("driver", sent, replied, "waited for the reply", 0),
-                     *((f"rank {rank}", *event) for rank, mine in enumerate(rank_events) for event in mine)],
-                    key=lambda event: event[1])
+    events = [("driver", start, sent, "broadcast execute_model", size),
+              ("driver", sent, replied, "waited for the reply", 0)]
+    events += [(f"rank {rank}", *event) for rank, mine in enumerate(rank_events) for event in mine]
+    events.sort(key=lambda event: event[1])
     return f"{'start':>12}  {'process':<7} {'event':<32} {'took':>10}  size\n" + "\n".join(
         f"{(start - events[0][1]) * 1e6:9.0f} us  {who:<7} {what:<32} {(end - start) * 1e6:7.0f} us  "
         + (f"{size:,} bytes" if size else "") for who, start, end, what, size in events)

@@ -447,6 +447,9 @@ class CachedRequest:
     generator: torch.Generator
 
 
+TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods that --trace times
+
+
 class Worker:
     """Everything one rank does. execute_model runs each step; every other method is
     reached through the driver's collective_rpc."""
@@ -558,6 +561,30 @@ class Worker:
             request.token_ids.append(token)
         return ModelRunnerOutput(scheduler_output.call_id, tokens, time.perf_counter() - start)
 
+    def start_trace(self) -> None:  # --trace: this and stop_trace run through the driver's collective_rpc
+        """Record (start, end, what, bytes) events in self.trace, by wrapping the step's and the
+        collectives' methods, so the model code stays as it is (worker_main adds the reply).
+        perf_counter() is one clock in every process, so the timelines line up (on CUDA: launch times)."""
+        events = self.trace = []
+
+        def timed(what: str, method: Callable) -> Callable:
+            def run(*args, **kwargs):
+                start = time.perf_counter()
+                result = method(*args, **kwargs)
+                events.append((start, time.perf_counter(), what, getattr(args[0], "nbytes", 0)))  # a tensor's
+                return result
+            return run
+        self.execute_model = timed("got the step and ran execute_model", self.execute_model)
+        for name in TRACED_COLLECTIVES:  # instance attributes shadow the methods
+            setattr(model_code.collectives, name, timed(name, getattr(model_code.collectives, name)))
+
+    def stop_trace(self) -> list[tuple]:
+        for name in TRACED_COLLECTIVES:
+            delattr(model_code.collectives, name)
+        del self.execute_model
+        events, self.trace = self.trace, None
+        return events
+
     def parameter_bytes(self) -> int:
         """Bytes of weights this rank really holds (tied weights counted once, packed
         weights in place of the plain ones they replaced)."""
@@ -569,34 +596,6 @@ class Worker:
             model_code.collectives.close(unlink_collective_block)
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-# --trace: what each process does in one step, recorded around the model code ---------
-TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods it times
-
-
-def start_trace(worker: Worker) -> None:  # this and stop_trace: run by the driver's collective_rpc
-    """Record the collectives in worker.trace (worker_main adds the loop's events), by wrapping
-    the collectives object's methods, so the model code stays as it is. perf_counter() is one
-    clock in every process, so the timelines line up. (On CUDA these are launch times.)"""
-    events = worker.trace = []
-
-    def timed(name: str, collective: Callable) -> Callable:
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            result = collective(*args, **kwargs)
-            events.append((start, time.perf_counter(), name, args[0].nbytes))  # the tensor sent
-            return result
-        return run
-    for name in TRACED_COLLECTIVES:  # instance attributes shadow the methods
-        setattr(model_code.collectives, name, timed(name, getattr(model_code.collectives, name)))
-
-
-def stop_trace(worker: Worker) -> list[tuple]:
-    for name in TRACED_COLLECTIVES:
-        delattr(model_code.collectives, name)
-    events, worker.trace = worker.trace, None
-    return events
 
 
 # The worker process -------------------------------------------------------------------
@@ -626,7 +625,6 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
         driver_alive()  # its first message may be waiting: dequeue checks only while it waits
         while True:
             message: SchedulerOutput | RPCCall = broadcast.dequeue(check=driver_alive)
-            received = time.perf_counter()
             step = isinstance(message, SchedulerOutput)
             if not step and message.method == SHUTDOWN:
                 break
@@ -639,13 +637,10 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
                     reply = RPCResult(message.call_id, method(*message.args, **message.kwargs))
             except Exception:
                 reply = RPCResult(message.call_id, error=traceback.format_exc())  # sent by any rank
-            tracing = worker.trace is not None and step
-            if tracing:
-                worker.trace.append((received, time.perf_counter(), "got the step and ran execute_model", 0))
             if rank == 0 or isinstance(reply, RPCResult):  # every rank answers a call or reports an error
                 start = time.perf_counter()
                 size = response.enqueue(reply, check=driver_alive)
-                if tracing:
+                if step and worker.trace is not None:  # --trace (Worker.start_trace)
                     worker.trace.append((start, time.perf_counter(), "replied", size))
     except DriverGone:
         # Nobody else will unlink the blocks and doorbells now (which also keeps the dead
