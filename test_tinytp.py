@@ -533,7 +533,8 @@ def test_each_sampled_token_goes_to_its_request_in_batch_order():
     ({"stop": ["x", "b"]}, [1, 3, 3], (1, "stop", "b", 0)),
     ({"max_tokens": 2}, [3, 3, 3], (2, "length", None, None)),
     ({"max_tokens": 16}, [3] * 16, (5, "length", None, None)),  # prompt 3 + 5 tokens = max_model_len 8
-])
+], ids=["eos", "ignore_eos", "stop_token_ids", "stop_string_across_tokens", "first_stop_string", "max_tokens",
+        "max_model_len"])
 def test_a_request_ends_at_its_stop_condition(params, tokens, ended):
     scheduler = scheduler_with([3], max_model_len=8, eos_token_ids=[7], **{"max_tokens": 3, **params})
     request = scheduler.waiting[0]
@@ -1027,7 +1028,7 @@ class TestBadPrompts:
         ([256.0, 104.0], r"token ids must be integers, got 256.0 \(float\)"),
         ([True, False], r"token ids must be integers, got True \(bool\)"),
         (5, r"a prompt is a string or a list of token ids, got 5 \(int\)"),
-    ])
+    ], ids=["empty_list", "empty_string", "outside_the_vocabulary", "negative", "too_long", "floats", "bools", "an_int"])
     def test_a_bad_prompt_rejects_the_whole_call(self, tp1, bad, message):
         with pytest.raises(ValueError, match=message):
             tp1.generate([[256, 1, 2], bad])
