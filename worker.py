@@ -486,7 +486,7 @@ class Worker:
     def __init__(self, rank: int, world_size: int):
         self.group = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
-        self.trace: list[tuple] | None = None  # (start, end, what, bytes) while tracing
+        self.trace: list[tuple] | None = None  # (start, end, what, bytes) while --trace records
 
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int,
                     collective_block: str | None = None) -> None:
@@ -588,26 +588,27 @@ class Worker:
             request.token_ids.append(token)
         return ModelRunnerOutput(scheduler_output.call_id, tokens, time.perf_counter() - start)
 
-    def start_trace(self) -> None:
-        """--trace: record this process's collectives until trace_events(), by wrapping the
-        collectives object's methods, so the model code stays as it is. perf_counter() is one
-        clock in every process, so the timelines line up. (On CUDA these are launch times.)"""
-        self.trace = []
+    def start_trace(self) -> None:  # --trace: this and stop_trace run through the driver's collective_rpc
+        """Record (start, end, what, bytes) events in self.trace, by wrapping the step's and the
+        collectives' methods, so the model code stays as it is (worker_main adds the reply).
+        perf_counter() is one clock in every process, so the timelines line up (on CUDA: launch times)."""
+        events = self.trace = []
+
+        def timed(what: str, method: Callable) -> Callable:
+            def run(*args, **kwargs):
+                start = time.perf_counter()
+                result = method(*args, **kwargs)
+                events.append((start, time.perf_counter(), what, getattr(args[0], "nbytes", 0)))  # a tensor's
+                return result
+            return run
+        self.execute_model = timed("got the step and ran execute_model", self.execute_model)
         for name in TRACED_COLLECTIVES:  # instance attributes shadow the methods
-            setattr(model_code.collectives, name, self._traced(name, getattr(model_code.collectives, name)))
+            setattr(model_code.collectives, name, timed(name, getattr(model_code.collectives, name)))
 
-    def _traced(self, name: str, collective: Callable) -> Callable:
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            result = collective(*args, **kwargs)
-            self.trace.append((start, time.perf_counter(), name, args[0].nbytes))  # the tensor sent
-            return result
-        return run
-
-    def trace_events(self) -> list[tuple]:
-        """Stop tracing and hand over what was recorded."""
+    def stop_trace(self) -> list[tuple]:
         for name in TRACED_COLLECTIVES:
             delattr(model_code.collectives, name)
+        del self.execute_model
         events, self.trace = self.trace, None
         return events
 
@@ -651,7 +652,6 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
         driver_alive()  # its first message may be waiting: dequeue checks only while it waits
         while True:
             message: SchedulerOutput | RPCCall = broadcast.dequeue(check=driver_alive)
-            received = time.perf_counter()
             step = isinstance(message, SchedulerOutput)
             if not step and message.method == SHUTDOWN:
                 break
@@ -664,13 +664,10 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
                     reply = RPCResult(message.call_id, method(*message.args, **message.kwargs))
             except Exception:
                 reply = RPCResult(message.call_id, error=traceback.format_exc())  # sent by any rank
-            tracing = worker.trace is not None and step
-            if tracing:
-                worker.trace.append((received, time.perf_counter(), "got the step and ran execute_model", 0))
             if rank == 0 or isinstance(reply, RPCResult):  # every rank answers a call or reports an error
                 start = time.perf_counter()
                 size = response.enqueue(reply, check=driver_alive)
-                if tracing:
+                if step and worker.trace is not None:  # --trace (Worker.start_trace)
                     worker.trace.append((start, time.perf_counter(), "replied", size))
     except DriverGone:
         # Nobody else will unlink the blocks and doorbells now (which also keeps the dead
