@@ -668,7 +668,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-iters-warmup", type=int, default=10)
     parser.add_argument("--num-iters", type=int, default=30)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if tp GPUs are visible")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="default: cuda where GPUs are visible (fewer than --tp: refused), else cpu")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                         help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)")
     parser.add_argument("--backend", choices=["tinytp", "hf", "inprocess"], default="tinytp",

@@ -289,6 +289,7 @@ def run_layer_checks(rank: int, world_size: int, store_path: str, block_name: st
     dist.destroy_process_group()
 
 
+@pytest.mark.quick
 def test_parallel_layers_match_torch_nn(tmp_path):
     block = new_shared_memory(collective_block_bytes(2))
     try:
@@ -326,6 +327,7 @@ def operations_in_a_decode_step(worker: Worker) -> int:
     return sum(event.name.startswith("aten::") for event in profile.events())
 
 
+@pytest.mark.quick
 def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did():
     """At batch 1 much of a decode step's time on a CPU goes to dispatching small operations
     rather than to arithmetic: a structural guard (not a timing) that their count does not
@@ -337,6 +339,7 @@ def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did():
     assert per_layer <= 93 and whole - 2 * per_layer <= 65, (per_layer, whole)  # was 217 per layer, 90 besides
 
 
+@pytest.mark.quick
 def test_attention_never_asks_sdpa_for_grouped_query_attention(monkeypatch):
     """The tiny model has 4 query heads on 2 KV heads. On CUDA (torch 2.11) only the flash
     and cuDNN kernels take enable_gqa=True, in half precision only, so a float32 prefill that
