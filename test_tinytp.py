@@ -2476,3 +2476,30 @@ def test_bench_compare_interleaves_rounds_of_the_tp_sizes_the_model_allows(tmp_p
     assert result["ratios"] == {"tinytp tp=1 / hf": (0.5 + 0.25) / 2, "tinytp tp=1 / inprocess": 1.0}  # of the rounds
     assert result["runs"]["hf"]["avg_latency"] == 3.0  # the median of 2 s and 4 s
     assert "left out: tinytp tp=2: tensor parallel size 2 does not fit" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------
+# The core as course material
+# --------------------------------------------------------------------------------------
+
+
+MEASURED_FIGURE = re.compile(r"\d(\.\d+)? ?(ms|us|µs|GB/s|MB/s)\b|\d(\.\d+)?x (faster|slower)\b")
+
+
+@pytest.mark.quick
+def test_no_measured_figure_in_the_core_modules_comments_or_docstrings():
+    """A run's numbers go stale with the next run: they live in docs/performance.md, with the
+    command that measures them; the code's comments and docstrings keep the reason."""
+    import ast
+    import io
+    import tokenize
+
+    found = []
+    for name in ("tinytp.py", "worker.py", "model.py"):
+        source = open(os.path.join(HERE, name)).read()
+        texts = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                 if t.type == tokenize.COMMENT]
+        texts += [(getattr(node, "lineno", 1), ast.get_docstring(node) or "") for node in ast.walk(ast.parse(source))
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+        found += [f"{name}:{line}: {text.strip()[:80]}" for line, text in texts if MEASURED_FIGURE.search(text)]
+    assert not found, "\n".join(found)
