@@ -2284,6 +2284,19 @@ def run_cli(args: list[str], env, **kwargs) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
 
 
+def test_the_readmes_python_example_runs_as_written(cli_env, tmp_path):
+    """The README's Python API example, copied out of the README as a user would, run as a
+    script of its own (its __main__ guard, tp=2 on the shipped tiny model)."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        readme = f.read()
+    (tmp_path / "example.py").write_text(readme.split("```python\n", 1)[1].split("```", 1)[0])
+    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env={**cli_env, "PYTHONPATH": HERE},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.fullmatch(r"\[(\d+), \1\]", done.stdout.splitlines()[-1])  # each rank holds half: the same bytes
+    assert "SamplingParams(n=1, temperature=1.0" in done.stdout  # the tiny model's generation_config sets none
+
+
 def test_cli_two_programs_at_once_on_a_fresh_machine(cli_env):
     programs = [run_cli(["--tp", "2", "--max-tokens", "8", *trace], cli_env) for trace in ([], ["--trace"])]
     errors = []
