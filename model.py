@@ -148,8 +148,7 @@ def is_number(value) -> bool:
 
 
 def positive(raw: dict, key: str, default: float | None = None, kind: type = int):
-    """raw[key], or `default` where it is missing or null, checked to be a positive int (or,
-    with kind=float, a finite positive number; bool, which Python counts as an int, is neither)."""
+    """raw[key] (`default` where missing or null): a positive integer, or with kind=float a finite positive number."""
     value = raw.get(key)
     if value is None and default is None:
         raise ValueError(f"{key} is missing")
@@ -170,9 +169,8 @@ def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
 
 
 def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
-    """Refuse a tp that cannot split this model evenly, naming the numbers and the choices:
-    tp must divide the query heads, the KV heads (or be a multiple of them, which are then
-    replicated) and the MLP's intermediate features. (The vocabulary is padded instead.)"""
+    """Refuse a tp that cannot split this model evenly: it must divide the query heads, the KV heads (or be a
+    multiple of them, which are then replicated) and the MLP's features. (The vocabulary is padded instead.)"""
     def fits(n: int) -> bool:
         kv_ok = config.num_kv_heads % n == 0 or n % config.num_kv_heads == 0
         return config.num_heads % n == 0 and kv_ok and config.intermediate_size % n == 0
@@ -187,9 +185,8 @@ def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
 
 
 class Collectives:
-    """The two collectives the parallel layers use, over torch.distributed (gloo on CPU,
-    nccl on CUDA). The layers reach them through the module variable `collectives`, so
-    a worker can install a faster implementation (worker.SharedMemoryCollectives)."""
+    """The two collectives the parallel layers use, over torch.distributed (gloo on CPU, nccl on CUDA), reached
+    through the module variable `collectives`, so a worker can install a faster one (worker.SharedMemoryCollectives)."""
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the ranks, in place."""
@@ -251,9 +248,8 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's rows (output features) split across ranks: no communication. The
-    rank's weight may stack several checkpoint tensors (q, k and v; gate and up), so one
-    matmul computes all of them: `shards` lists the rows this rank takes from each."""
+    """y = x W^T with W's rows (output features) split across ranks: no communication. The rank's weight may stack
+    several checkpoint tensors (q, k and v; gate and up) for one matmul: `shards` lists the rows taken from each."""
 
     def __init__(self, in_features: int, shards: list[Shard]):
         super().__init__()
@@ -265,9 +261,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's columns (input features) split across ranks. Its input arrives
-    already split (the output of a column-parallel layer), so each rank computes a partial
-    sum of y, and one all-reduce adds them up."""
+    """y = x W^T with W's columns (input features) split across ranks. Its input arrives split (a column-parallel
+    layer's output), so each rank computes a partial sum of y, and one all-reduce adds them up."""
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, name: str):
         super().__init__()
@@ -284,15 +279,13 @@ class RowParallelLinear(nn.Module):
 
 
 def vocab_rows_per_rank(vocab_size: int, tp: int) -> int:
-    """Rows of the embedding and the LM head that each rank holds: the vocabulary padded
-    to a multiple of tp, then split."""
+    """Rows of the embedding and LM head per rank: the vocabulary padded to a multiple of tp, then split."""
     return math.ceil(vocab_size / tp)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table with its rows (the vocabulary) split across ranks, padded with zero
-    rows so that every rank holds as many. A rank looks up only the ids in its own slice and
-    writes zeros for the rest, so an all-reduce (a sum) assembles every embedding."""
+    """Embedding table with its rows (the vocabulary) split across ranks, padded with zero rows so that every rank
+    holds as many. A rank looks up the ids in its slice only, zeros for the rest: an all-reduce (a sum) adds them."""
 
     def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup, name: str):
         super().__init__()
@@ -315,10 +308,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection, split by vocabulary rows like the embedding. Each rank computes
-    the logits of its own vocabulary slice; an all-gather (not a gather to rank 0) gives every
-    rank the full logits, because every rank samples (design discussion: "the logits_processor
-    has an AllGather instead of a Gather")."""
+    """The output projection, split by vocabulary rows like the embedding. Each rank computes its slice's logits; an
+    all-gather (not a gather to rank 0) gives every rank the full logits, because every rank samples (design
+    discussion: "the logits_processor has an AllGather instead of a Gather")."""
 
     packed_weight = None
 
@@ -332,9 +324,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 # Llama --------------------------------------------------------------------------------
 @dataclass
 class ModelInputs:
-    """One step's batch, built by the worker's prepare_inputs: B sequences of T tokens
-    (right-padded; during decode T is 1). The layers see the N = B x T tokens as the rows
-    of one [N, hidden] matrix; only attention needs to know which sequence a row is in."""
+    """One step's batch (Worker.prepare_inputs): B right-padded sequences of T tokens (T is 1 in decode). The layers
+    see the N = B x T tokens as rows of one [N, hidden] matrix; only attention asks which sequence a row is in."""
 
     input_ids: torch.Tensor  # [B, T]
     positions: torch.Tensor  # [N] the position of each token in its sequence
@@ -387,13 +378,10 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention with this rank's heads: q/k/v column-parallel, o_proj row-parallel.
-
-    Rank r's query heads start at head r * nh / tp, and each KV head serves nh / n_kv query
-    heads, so its first KV head is r * n_kv // tp: a block of n_kv / tp of them, or, when
-    tp > n_kv, the one KV head that tp / n_kv ranks share. Those ranks each keep a copy of it
-    (weights and KV cache): replicated, as in vLLM.
-    """
+    """Self-attention with this rank's heads: q/k/v column-parallel, o_proj row-parallel. Rank r's query heads start
+    at head r * nh / tp, and each KV head serves nh / n_kv query heads, so its first KV head is r * n_kv // tp: a block
+    of n_kv / tp of them, or, when tp > n_kv, the one KV head that tp / n_kv ranks share, each keeping a copy of it
+    (weights and KV cache): replicated, as in vLLM."""
 
     def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
@@ -512,10 +500,9 @@ def packing_wanted() -> bool:
 
 
 def pack_for_cpu(model: nn.Module) -> None:
-    """Lay out every matmul weight once in oneDNN's blocked layout, the CPU's fastest kernel
-    at a decode step's few rows, as torch.compile does on CPU (the same results but for
-    rounding). The packed copy replaces the plain one, except in a tied LM head, whose table
-    the embedding still reads. docs/performance.md has the measurements."""
+    """Lay out every matmul weight once in oneDNN's blocked layout, the CPU's fastest kernel at a decode step's few
+    rows, as torch.compile does on CPU (the same results but for rounding; docs/performance.md). The packed copy
+    replaces the plain one, except in a tied LM head, whose table the embedding still reads."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             weight = module.weight.detach()
@@ -525,8 +512,7 @@ def pack_for_cpu(model: nn.Module) -> None:
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Small random weights instead of a checkpoint (`--load-format dummy`): the real
-    shapes and speed, without weight files. Uniform in +-1e-3, as vLLM does."""
+    """Random weights, uniform in +-1e-3 as vLLM does (load_format "dummy"): real shapes and speed, no files."""
     torch.manual_seed(seed)
     for param in model.parameters():
         param.data.uniform_(-1e-3, 1e-3)
@@ -602,9 +588,10 @@ def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
 
 
 def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) -> None:
-    """Copy into every parameter exactly the slices its `shards` name: `get_slice` reads
-    only those bytes, so a rank never holds a whole weight it does not need. (The driver
-    has checked every tensor's shape against the config: check_checkpoint.)"""
+    """Copy into every parameter exactly the slices its `shards` name: `get_slice` reads only those bytes, so a rank
+    never holds a whole weight it does not need. (check_checkpoint has compared the shapes with config.json.)"""
+
+
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 
     files = open_checkpoint(checkpoint_dir)
