@@ -71,10 +71,9 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
 # Messages between the driver and the workers ------------------------------------------
 @dataclass(kw_only=True)  # keywords only: vLLM's positional order differs
 class SamplingParams:
-    """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy,
-    sampling_probabilities applies the rest; n samples per prompt, repeatable with a seed. A
-    sequence ends at an end-of-sequence token (unless ignore_eos), one of stop_token_ids, a stop
-    string (the text ends before it) or after max_tokens."""
+    """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy, sampling_probabilities
+    applies the rest; n samples per prompt, repeatable with a seed. A sequence ends at an end-of-sequence token (unless
+    ignore_eos), one of stop_token_ids, a stop string (the text ends before it) or after max_tokens."""
 
     n: int = 1
     temperature: float = 1.0
@@ -134,9 +133,8 @@ class NewRequest:
 
 @dataclass
 class SchedulerOutput:
-    """One step, as deltas. It never carries the last sampled token: every worker
-    appended it to its own copy of the request last step. It travels bare, as does rank
-    0's ModelRunnerOutput, with no RPCCall around it: this is the one message of the hot path."""
+    """One step, as deltas: never the last sampled token, which every worker appended to its own copy of the request.
+    It travels bare, as does rank 0's ModelRunnerOutput, with no RPCCall around it: the hot path's one message."""
 
     new_requests: list[NewRequest]
     scheduled_ids: list[int]  # requests that run this step, in batch order
@@ -172,9 +170,8 @@ class RPCResult:
 
 SHUTDOWN = "shutdown"  # the method name that ends the worker loop
 
-# Pickle writes the module and name of each class in a message, and finds the class by that
-# name again on each side, which costs as much as the rest of a decode step's pickling
-# (docs/performance.md). So the classes above go as their number and a tuple of their fields.
+# Pickle writes each class's module and name, and looks the class up by them on each side, as costly as the rest of
+# a decode step's pickling (docs/performance.md): so the classes above go as their number and a tuple of their fields.
 MESSAGE_CLASSES = (SchedulerOutput, ModelRunnerOutput, RPCCall, RPCResult)
 MESSAGE_FIELDS = {cls: (number, operator.attrgetter(*(f.name for f in fields(cls))))
                   for number, cls in enumerate(MESSAGE_CLASSES)}
@@ -192,24 +189,21 @@ def decode(data: bytes | memoryview) -> Any:
 
 
 # Waiting: poll while yielding the core, then sleep until the doorbell rings -----------
-# Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a
-# spinner can hold the very core that the process it waits for needs, which made a pure
-# spin's round trips several times slower (docs/performance.md).
+# Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a spinner can hold the very
+# core that the process it waits for needs (docs/performance.md has a pure spin's round trips).
 YIELD_SECONDS = 1e-3
 SLEEP_FRACTION = 0.05  # then, with no doorbell, sleep 5% of the time waited so far
 MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
-# With a doorbell, the ring ends the sleep, and its timeout only spaces the liveness checks:
-# long, since each timed wake-up of the driver takes a core from a rank (naps of 5% woke it
-# dozens of times a step and slowed every tp; docs/performance.md has the bench.py figures).
+# With a doorbell, the ring ends the sleep, and its timeout only spaces the liveness checks: long, since each timed
+# wake-up of the driver takes a core from a rank (naps of 5% woke it dozens of times a step; docs/performance.md).
 DOORBELL_SLEEP = 50e-3
 
 
 def wait_until(ready: Callable[[], bool], timeout: float | None, what: str | Callable[[], str],
                check: Callable[[], None] | None = None, doorbell=None) -> None:
-    """Return once ready() is true; after `timeout` seconds, raise TimeoutError naming `what`
-    (or what(), a message worth building only then). Past the polling, call check(), which
-    raises if waiting is pointless (a worker or the driver died), then sleep; a `doorbell` (a
-    semaphore the writer releases after each chunk) ends the sleep once a message is written."""
+    """Return once ready() is true; after `timeout` seconds, raise TimeoutError naming `what` (or what(), a message
+    worth building only then). Past the polling, call check(), which raises if waiting is pointless (a worker or the
+    driver died), then sleep; a `doorbell` (a semaphore the writer releases after each chunk) ends the sleep."""
     start = time.perf_counter()
     while not ready():
         waited = time.perf_counter() - start
@@ -240,9 +234,8 @@ def new_shared_memory(size: int) -> shared_memory.SharedMemory:
 
 
 def check_free_shared_memory(blocks: list[shared_memory.SharedMemory | None]) -> None:
-    """New blocks are sparse: tmpfs hands out a page when it is first touched, and when
-    /dev/shm is full that touch is a SIGBUS ("Bus error") that kills the process. So a
-    creator checks that all its blocks fit before it uses them."""
+    """New blocks are sparse: tmpfs hands out a page when it is first touched, and when /dev/shm is full that touch
+    is a SIGBUS ("Bus error") that kills the process. So a creator checks that all its blocks fit before using them."""
     needed = sum(block.size for block in blocks if block is not None)
     stat = os.statvfs("/dev/shm")
     if stat.f_bavail * stat.f_frsize < needed:
@@ -265,19 +258,15 @@ CHUNK_HEADER = struct.Struct("<IQ")  # payload bytes in this chunk, bytes in the
 
 
 class MessageQueue:
-    """One writer, N readers, a ring of fixed-size chunks in one shared-memory block. A
-    pickled message longer than a chunk continues in the next ones, so any size goes
-    through a small ring; a sleeping reader is woken by its doorbell (see wait_until).
+    """One writer, N readers, a ring of fixed-size chunks in one shared-memory block. A pickled message longer than a
+    chunk continues in the next ones, so any size goes through a small ring; a sleeping reader is woken by its doorbell.
 
-    Why the flag order is safe: the writer clears *written*, resets the read flags, fills
-    the chunk and sets *written* last; a reader is done with the chunk before it sets its
-    *read* flag, so no chunk is overwritten while read. A reader checks its own *read* flag
-    *before* *written*: a reset flag means the writer has already cleared *written* for
-    this round, so *written* then truthfully says the chunk is complete (the other order
-    can read a half-written chunk). This needs each process's stores to become visible in
-    program order, as on x86; ARM would need a fence that Python cannot issue (vLLM's
-    shm_broadcast has the same caveat).
-    """
+    Why the flag order is safe: the writer clears *written*, resets the read flags, fills the chunk and sets *written*
+    last; a reader is done with the chunk before it sets its *read* flag, so no chunk is overwritten while read. A
+    reader checks its own *read* flag *before* *written*: a reset flag means the writer has already cleared *written*
+    for this round, so *written* then truthfully says the chunk is complete (the other order can read a half-written
+    chunk). This needs each process's stores to become visible in program order, as on x86; ARM would need a fence
+    that Python cannot issue (vLLM's shm_broadcast has the same caveat)."""
 
     def __init__(self, handle: QueueHandle, shm: shared_memory.SharedMemory, reader: int | None, owner: bool):
         self.handle = handle
@@ -308,8 +297,7 @@ class MessageQueue:
     @classmethod
     def create(cls, num_readers: int, num_chunks: int = 8, chunk_bytes: int = 1 << 20,
                reader: int | None = None, doorbells: list | None = None) -> MessageQueue:
-        """A new queue. Readers may share a doorbell with other queues (the driver has one
-        for all the reply queues it polls); by default each reader gets its own."""
+        """A new queue. Readers may share a doorbell with other queues (the driver has one for all its reply queues)."""
         doorbells = doorbells or [multiprocessing.get_context("spawn").Semaphore(0) for _ in range(num_readers)]
         shm = new_shared_memory(num_chunks * (1 + num_readers + chunk_bytes))  # zero-filled: no flags set
         handle = QueueHandle(shm.name, num_readers, num_chunks, chunk_bytes, tuple(doorbells))
@@ -377,8 +365,7 @@ class MessageQueue:
                 return message if size == total else decode(memoryview(self.receive_buffer)[:total])
 
     def close(self) -> None:
-        """Detach; the creator also removes the block from /dev/shm (and, when nothing holds
-        them any more, multiprocessing removes the doorbells)."""
+        """Detach; the creator also removes the block (and multiprocessing the doorbells, once nothing holds them)."""
         self.buf = self.handle = None
         self.shm.close()
         if self.owner:
@@ -397,12 +384,11 @@ def collective_block_bytes(world_size: int) -> int:
 
 
 class SharedMemoryCollectives(Collectives):
-    """All-reduce and all-gather through one shared block, for CPU ranks on one machine
-    (gloo's TCP path costs far more per all-reduce, dozens a step: docs/performance.md).
-    Each rank copies its tensor into its buffer, publishes the step's generation number,
-    waits until every rank has, and reads all buffers; all ranks sum them in one order, so
-    agree. Two sets of buffers alternate: once everyone has published g, everyone has
-    finished reading g-1's set, which g+1 reuses. MessageQueue's store-order caveat holds too."""
+    """All-reduce and all-gather through one shared block, for CPU ranks on one machine (gloo's TCP path costs far
+    more per all-reduce, dozens a step: docs/performance.md). Each rank copies its tensor into its buffer, publishes
+    the step's generation number, waits until every rank has, and reads all buffers; all ranks sum them in one order,
+    so agree. Two sets of buffers alternate: once everyone has published g, everyone has finished reading g-1's set,
+    which g+1 reuses. MessageQueue's store-order caveat holds too."""
 
     def __init__(self, block_name: str, group: TPGroup):
         self.group = group
@@ -490,10 +476,9 @@ class Worker:
 
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int,
                     collective_block: str | None = None) -> None:
-        """Pick the device and join the process group through the driver's TCP store. "cuda"
-        puts rank r on GPU r, over nccl; "cuda:N" puts every rank on GPU N (tp > 1 on one GPU,
-        for tests) over gloo, which carries CUDA tensors through the host: nccl refuses two
-        ranks on one GPU. With a collective block (CPU, tp > 1), collectives use shared memory."""
+        """Pick the device and join the process group through the driver's TCP store. "cuda" puts rank r on GPU r,
+        over nccl; "cuda:N" puts every rank on GPU N (tp > 1 on one GPU, for tests) over gloo, which carries CUDA
+        tensors through the host: nccl refuses two ranks on one GPU. A collective block (CPU, tp > 1): shared memory."""
         torch.set_num_threads(num_threads)
         self.device = torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
         if self.device.type == "cuda":
@@ -526,18 +511,15 @@ class Worker:
             pack_for_cpu(self.model)
 
     def init_kv_cache(self, max_num_seqs: int) -> None:
-        """Preallocate keys and values: one slot per running request, max_model_len positions
-        each. Zeros: never-written positions are masked, but a masked NaN would still poison
-        the weighted sum."""
+        """Preallocate keys and values: one slot per running request, max_model_len positions each. Zeros:
+        never-written positions are masked, but a masked NaN would still poison the weighted sum."""
         attn = self.model.layers[0].self_attn
         shape = (2, max_num_seqs, self.max_model_len, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in self.model.layers]
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
 
     def prepare_inputs(self, scheduled: list[CachedRequest]) -> ModelInputs:
-        """Turn the scheduled requests into padded tensors. A new request feeds its whole
-        prompt, a running one its last sampled token. Padding takes the positions after its
-        sequence's end, which attention hides and the sequence's own tokens overwrite."""
+        """Padded tensors of the scheduled requests: a new one feeds its whole prompt, a running one its last sampled
+        token. Padding takes the positions after a sequence's end, which attention hides and its tokens overwrite."""
         new_tokens = [r.token_ids[r.num_computed:] for r in scheduled]
         width = max(len(t) for t in new_tokens)
         contexts = [r.num_computed + len(t) for r, t in zip(scheduled, new_tokens)]
@@ -558,8 +540,7 @@ class Worker:
         )
 
     def sample(self, logits: torch.Tensor, scheduled: list[CachedRequest]) -> list[int]:
-        """Every rank has the same logits (all-gathered) and the same seeded generators,
-        so every rank picks the same tokens without talking to the others."""
+        """Every rank has the same logits (all-gathered) and seeded generators: all pick the same tokens, unspoken."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
         for i, request in enumerate(scheduled):
@@ -569,8 +550,7 @@ class Worker:
         return tokens
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: update the request table from the deltas, run the model, sample, and
-        append the sampled tokens to this worker's copies of the requests."""
+        """One step: update the requests from the deltas, run the model, sample, append the tokens to our copies."""
         start = time.perf_counter()
         for request_id in scheduler_output.finished_ids:
             self.requests.pop(request_id, None)  # after an interrupted generate, maybe never sent
@@ -589,9 +569,9 @@ class Worker:
         return ModelRunnerOutput(scheduler_output.call_id, tokens, time.perf_counter() - start)
 
     def start_trace(self) -> None:  # --trace: this and stop_trace run through the driver's collective_rpc
-        """Record (start, end, what, bytes) events in self.trace, by wrapping the step's and the
-        collectives' methods, so the model code stays as it is (worker_main adds the reply).
-        perf_counter() is one clock in every process, so the timelines line up (on CUDA: launch times)."""
+        """Record (start, end, what, bytes) events in self.trace by wrapping the step's and the collectives' methods,
+        so the model code stays as it is (worker_main adds the reply). perf_counter() is one clock in every process,
+        so the timelines line up (on CUDA: launch times)."""
         events = self.trace = []
 
         def timed(what: str, method: Callable) -> Callable:
@@ -613,8 +593,7 @@ class Worker:
         return events
 
     def parameter_bytes(self) -> int:
-        """Bytes of weights this rank really holds (tied weights counted once, packed
-        weights in place of the plain ones they replaced)."""
+        """Bytes of weights this rank holds (tied ones once, packed ones in place of the plain ones)."""
         packed = [m.packed_weight for m in self.model.modules() if getattr(m, "packed_weight", None) is not None]
         return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *packed])
 
@@ -632,13 +611,13 @@ class DriverGone(Exception):
 
 def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, response_handle: QueueHandle,
                 driver_pid: int) -> None:
-    """The loop of one worker process: take the next step or call from the broadcast
-    queue, run it, reply. Nothing else happens here (design discussion: workers "sit in a very
-    tight model execution loop" of model execution and termination). driver_pid is passed
-    in: a driver that died while we imported torch has re-parented us before we could look."""
+    """The loop of one worker process: take the next step or call from the broadcast queue, run it, reply. Nothing
+    else happens here (design discussion: workers "sit in a very tight model execution loop" of model execution and
+    termination). driver_pid is passed in: a driver that died while we imported torch has re-parented us already."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    # tqdm's default lock is a named semaphore, which the resource tracker reports "leaked" when
-    # a killed worker leaves it behind. One thread here draws progress bars: a thread lock does.
+    # tqdm's default lock is a named semaphore, which the resource tracker reports "leaked" when a killed worker
+    # leaves it behind. One thread here draws progress bars: a thread lock does.
+
     tqdm.set_lock(threading.RLock())
     broadcast = MessageQueue.attach(broadcast_handle, reader=rank)  # the Executor's broadcast and our response queue
     response = MessageQueue.attach(response_handle)
