@@ -85,9 +85,8 @@ TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-
 
 
 def resolve_model(model: str | None, weights: bool = True) -> str:
-    """A local checkpoint directory for `model`: the tiny default, a directory, or a hub id
-    (with weights=False, only its json and tokenizer files are fetched)."""
-    # A shell expands ~ on the command line, but not in LLM("~/...").
+    """A local checkpoint directory for `model`: the tiny default, a directory (~ expanded, as a shell would not in
+    LLM("~/...")), or a hub id (with weights=False, only its json and tokenizer files are fetched)."""
     model = os.path.expanduser(model or TINY_MODEL_DIR)
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
@@ -111,9 +110,8 @@ def has_tokenizer(model_dir: str) -> bool:
 
 
 def default_sampling_params(model_dir: str) -> SamplingParams:
-    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens
-    from the checkpoint's generation_config.json, vLLM's defaults for the rest (do_sample is not
-    read, as in vLLM)."""
+    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens from the checkpoint's
+    generation_config.json, vLLM's defaults for the rest (do_sample is not read, as in vLLM)."""
     path = os.path.join(model_dir, "generation_config.json")
     try:
         with open(path) as f:
@@ -131,10 +129,9 @@ def default_sampling_params(model_dir: str) -> SamplingParams:
 
 # The executor: N worker processes and the queues between them and us ------------------
 def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dtype: str) -> tuple[str, str]:
-    """The device (default: cuda where there are GPUs, else cpu) and the dtype ("auto": the
-    checkpoint's; on cpu bfloat16 only where oneDNN runs it natively (AVX-512 and newer: faster
-    than float32 and half the memory, docs/performance.md has the measurements), float32 otherwise, float16
-    included: slow on CPUs)."""
+    """The device (default: cuda where there are GPUs, else cpu) and the dtype ("auto": the checkpoint's; on cpu
+    bfloat16 only where oneDNN runs it natively (AVX-512 and newer: faster than float32 and half the memory,
+    docs/performance.md), float32 otherwise, float16 included: slow on CPUs)."""
     gpus = torch.cuda.device_count()
     if device is None and 0 < gpus < tp:  # not a silent fall back to the CPU, minutes of loading later
         raise ValueError(f"tp={tp} needs {tp} GPUs and {gpus} are visible; --device cpu runs it on the CPU")
@@ -182,10 +179,9 @@ class WorkerError(RuntimeError):
 
 
 class Executor:
-    """Spawns one worker process per rank, rank 0 included (design discussion: "N worker
-    processes rather than N-1"), and runs methods on all of them. Calls go out on one
-    shared-memory broadcast queue (one writer, N readers); each worker answers on its own
-    queue, and a step (execute_model) rank 0 alone, since every rank sampled the same tokens."""
+    """Spawns one worker process per rank, rank 0 included (design discussion: "N worker processes rather than N-1"),
+    and runs methods on all of them. Calls go out on one shared-memory broadcast queue (one writer, N readers); each
+    worker answers on its own queue, and a step (execute_model) rank 0 alone: every rank sampled the same tokens."""
 
     def __init__(self, model_dir: str, tp: int, device: str, dtype: str, max_num_seqs: int, max_model_len: int,
                  load_format: str = "auto"):
@@ -231,15 +227,14 @@ class Executor:
             raise
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, *args, **kwargs) -> list:
-        """Run `method` on every worker; return each rank's result, in rank order. A
-        callable (picklable: defined at module level) is called with the Worker first; it
-        travels pickled on its own, so a worker that cannot import it answers with an error."""
+        """Run `method` on every worker; return each rank's result, in rank order. A callable (picklable: defined at
+        module level) is called with the Worker first, pickled on its own: a worker that cannot import it says so."""
         name, payload = (method, method) if isinstance(method, str) else (method.__name__, pickle.dumps(method))
         return self._call(RPCCall(next(self.call_ids), payload, args, kwargs), range(self.tp), timeout, name)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on every rank; only rank 0 replies. A failure here is fatal: the
-        ranks may now disagree about the requests, so the workers are shut down."""
+        """One step on every rank; only rank 0 replies. A failure is fatal: the ranks may now disagree about the
+        requests, so the workers are shut down."""
         scheduler_output.call_id = next(self.call_ids)
         traced = self.trace_next_decode and not scheduler_output.new_requests
         try:
@@ -256,10 +251,9 @@ class Executor:
 
     def _call(self, message: SchedulerOutput | RPCCall, ranks: Sequence[int], timeout: float | None,
               name: str) -> list:
-        """Broadcast `message` and wait for the replies of `ranks` (RPCResults' values, or
-        rank 0's ModelRunnerOutput for a step)."""
-        # Another thread waits its turn (a step takes milliseconds), rather than being refused as
-        # a second generate() is: it shares no batch, and no paused stream holds the lock.
+        """Broadcast `message` and wait for the replies of `ranks` (RPCResults' values, or rank 0's ModelRunnerOutput).
+        Another thread waits its turn (a step is short), rather than being refused as a second generate() is: it shares
+        no batch, and no paused stream holds this lock."""
         with self.one_at_a_time:
             if self.broadcast.cut_off and self.failure is None:  # a timeout or Ctrl-C part-way through sending
                 self._fail("a message to them was cut off part-way, and they would misread what follows")
@@ -268,8 +262,7 @@ class Executor:
             results: dict[int, object] = {}
 
             def poll() -> bool:
-                # Read every rank's queue, not only the ones that owe a reply: a rank that
-                # fails sends its error unasked, and another may be stuck waiting for it.
+                # Every rank's queue, not only those that owe a reply: a rank that fails sends its error unasked.
                 for rank, queue in enumerate(self.responses):
                     while queue.ready():
                         reply = queue.dequeue(timeout, check=self._check_workers)  # may span chunks
@@ -310,8 +303,8 @@ class Executor:
         self.shutdown(grace)
 
     def shutdown(self, grace: float = 2.0) -> None:
-        """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory
-        block and semaphore. Only in the process that made them: not in a forked child at its exit."""
+        """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory block and semaphore,
+        in the process that made them only: not in a forked child at its exit."""
         if self.broadcast.buf is None or os.getpid() != self.creator:  # done already, or not ours
             return
         workers = [process for process in self.workers if process.pid is not None]  # the started ones
@@ -327,7 +320,6 @@ class Executor:
             if process.is_alive():  # stuck in a long step, a collective or loading
                 process.kill()
                 process.join()
-        # The doorbells now, not when the last reference goes: a traceback a caller keeps may hold one.
         unlink_semaphores([*self.broadcast.handle.doorbells, *filter(None, [getattr(self, "doorbell", None)])])
         for queue in [self.broadcast, *self.responses]:
             queue.close()
@@ -338,8 +330,7 @@ class Executor:
 
 
 def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]) -> str:
-    """--trace's table: the driver's broadcast and wait (Executor._call's times) and every rank's
-    events (Worker.start_trace), by start time."""
+    """--trace's table: the driver's broadcast and wait (Executor._call) and every rank's events, by start time."""
     start, sent, replied, size = driver_call
     events = [("driver", start, sent, "broadcast execute_model", size),
               ("driver", sent, replied, "waited for the reply", 0)]
@@ -352,9 +343,8 @@ def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: li
 
 # The scheduler ------------------------------------------------------------------------
 class Scheduler:
-    """Continuous batching over a fixed number of KV-cache slots: new requests take free
-    slots and are prefilled in a step of their own, otherwise every running request decodes
-    one token. A finished request frees its slot at once; a waiting one takes it next step."""
+    """Continuous batching over a fixed number of KV-cache slots: new requests take free slots and are prefilled in a
+    step of their own, else every running request decodes one token. A finished request frees its slot at once."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int, eos_token_ids: set[int],
                  detokenize: Callable[[list[int]], str]):
@@ -408,8 +398,7 @@ class Scheduler:
         return finished
 
     def found_stop_string(self, request: Request) -> bool:
-        """Does the text now contain one of the request's stop strings? Then it ends before
-        the first of them. Decoded whole: a stop string may span tokens."""
+        """Does the text (decoded whole: a stop string may span tokens) hold a stop string? It ends before the first."""
         text = self.detokenize(request.output_token_ids)
         found = [(text.find(stop), stop) for stop in request.params.stop if stop in text]
         if found:
@@ -488,8 +477,7 @@ class LLM:
         self.executor = executor_class(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format)
 
     def end_of_sequence_ids(self) -> set[int]:
-        """Every token that ends a sequence: config.json's, generation_config.json's (Llama
-        3.1 lists three) and the tokenizer's."""
+        """The tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3), the tokenizer's."""
         ids = set(self.config.eos_token_ids)
         generation_config = os.path.join(self.model_dir, "generation_config.json")
         if os.path.exists(generation_config):
@@ -502,10 +490,9 @@ class LLM:
     def generate(self, prompts: str | dict | list[str | dict | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for each prompt, in prompt order. A prompt is a string, a list
-        of token ids, or vLLM's {"prompt": text} or {"prompt_token_ids": ids}; a bare string or
-        dict is one prompt. sampling_params: one for all prompts, or a list of one per prompt.
-        Every prompt is checked before any runs: one bad prompt rejects the whole call."""
+        """Generate completions for each prompt, in prompt order. A prompt is a string, a list of token ids, or vLLM's
+        {"prompt": text} or {"prompt_token_ids": ids}; a bare string or dict is one prompt. sampling_params: one for
+        all prompts, or one per prompt. Every prompt is checked before any runs: one bad prompt rejects the call."""
         from tqdm import tqdm
 
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
@@ -527,8 +514,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate the next message of a conversation (a list of {"role", "content"} dicts) or
-        of each of a list of them, through the tokenizer's chat template or `chat_template`."""
+        """The next message of a conversation (a list of {"role", "content"} dicts), or of each of a list of them,
+        through the tokenizer's chat template or `chat_template`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self._chat_prompt(conversation, chat_template, add_generation_prompt)
                               for conversation in conversations], sampling_params, use_tqdm)
@@ -549,17 +536,15 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     def stream(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield one prompt's completion text piece by piece as it is generated. The prompt
-        is checked now, not when the first piece is asked for."""
+        """Yield one prompt's completion text as it is generated; the prompt is checked now, not at the first piece."""
         requests = self._make_requests(prompt, sampling_params)
         if len(requests) > 1:
             raise ValueError(f"stream yields one completion: n must be 1, got {len(requests)}")
         return self._stream(requests[0])
 
     def _stream(self, request: Request) -> Iterator[str]:
-        # Decode a window, not the whole output at every step: the tokens not shown yet,
-        # after those shown last time (a tokenizer may spell a token by its neighbour). The
-        # text's last characters wait while a stop string could still begin in them.
+        # Decode a window, not the whole output at every step: the tokens not shown yet, after those shown last time
+        # (a tokenizer may spell a token by its neighbour). The last characters wait while a stop string could begin.
         hold = max(map(len, request.params.stop), default=1) - 1
         start = shown = 0  # the window, and where its shown part ends
         decoded, sent = "", 0  # the text so far, and how much of it was yielded
@@ -622,9 +607,9 @@ class LLM:
             raise ValueError(f"{what} {outside[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
 
     def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
-        """Step until these requests are done; yield the requests finished at each step. One
-        caller at a time (callers sharing the batch would finish each other's requests); a
-        second is refused, not made to wait: it could wait for a stream its own thread paused."""
+        """Step until these requests are done; yield those finished at each step. One caller at a time (callers sharing
+        the batch would finish each other's requests); a second is refused, not made to wait: it could wait for a
+        stream its own thread paused."""
         if not self.busy.acquire(blocking=False):
             raise RuntimeError("this LLM is busy with another generate() or an unfinished stream(): one at a time")
         self.scheduler.waiting.extend(requests)
@@ -654,9 +639,10 @@ class LLM:
 
 # --explain: how the checkpoint is cut, without running anything -----------------------
 def explain(config: ModelConfig, tp: int, dtype: str) -> str:
-    """Build every rank's model on the "meta" device (shapes, no memory) with the same
-    code the workers run, and describe the cut: per checkpoint tensor its full shape,
-    a rank's slice and the split dimension, then bytes per rank and the traffic per step."""
+    """Build every rank's model on the "meta" device (shapes, no memory) with the workers' code, and describe the cut:
+    per checkpoint tensor its full shape, a rank's slice and split dimension, then bytes per rank, traffic per step."""
+
+
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
     whole, mine = checkpoint_shapes(config), checkpoint_shapes(config, TPGroup(0, tp))
