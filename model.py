@@ -147,6 +147,12 @@ def is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def check_count(name: str, value) -> None:
+    """Refuse a count (n, max_tokens, max_num_seqs) that is not an integer >= 1."""
+    if not is_integer(value) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 def positive(raw: dict, key: str, default: float | None = None, kind: type = int):
     """raw[key] (`default` where missing or null): a positive integer, or with kind=float a finite positive number."""
     value = raw.get(key)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import dataclasses
 import heapq
 import itertools
 import json
@@ -25,14 +24,14 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import (ModelConfig, TPGroup, check_checkpoint, check_tensor_parallel_size, checkpoint_shapes,
+from model import (ModelConfig, TPGroup, check_checkpoint, check_count, check_tensor_parallel_size, checkpoint_shapes,
                    cpu_has_native_bfloat16, is_integer, meta_model, packing_wanted, token_id_list, vocab_rows_per_rank)
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams, SchedulerOutput,
                     check_free_shared_memory, collective_block_bytes, forget_child_processes, importing_main_for_spawn,
@@ -445,8 +444,7 @@ class LLM:
         if not is_integer(self.max_model_len) or not 1 < self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be an integer in 2..{limit} (the model's max_position_embeddings), "
                              f"got {self.max_model_len}")
-        if not is_integer(max_num_seqs) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        check_count("max_num_seqs", max_num_seqs)
         # The KV cache (as init_kv_cache makes it) against its memory: one line now, not N failures later.
         kv_bytes = (2 * self.config.num_layers * max_num_seqs * max(1, self.config.num_kv_heads // tp)
                     * self.config.head_dim * (self.max_model_len + 1)
@@ -720,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         if not has_tokenizer(model_dir):  # said now, not after minutes of loading
             raise ValueError(f"{model_dir} has no tokenizer files, so it cannot take text prompts")
         if not chosen:
-            params = dataclasses.replace(default_sampling_params(model_dir), **others)
+            params = replace(default_sampling_params(model_dir), **others)
         with LLM(model_dir, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len) as llm:
             if args.model is None:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "

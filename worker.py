@@ -27,8 +27,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import model as model_code  # for model_code.collectives, which init_device may replace
-from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, cpu_has_native_bfloat16,
-                   init_dummy_weights, is_integer, is_number, load_checkpoint, pack_for_cpu, packing_wanted, token_id_list)
+from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, check_count,
+                   cpu_has_native_bfloat16, init_dummy_weights, is_integer, is_number, load_checkpoint, pack_for_cpu,
+                   packing_wanted, token_id_list)
 
 # Not Python's public API, in one place --------------------------------------------------
 # multiprocessing internals that no public call replaces in Python 3.11, each used once.
@@ -97,8 +98,7 @@ class SamplingParams:
     def __post_init__(self):
         # Checked for type as well as range, here in the driver: a NaN or a float count that
         # reached the workers would fail inside a step and take every request with it.
-        if not is_integer(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        check_count("n", self.n)
         if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -116,8 +116,7 @@ class SamplingParams:
         self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if not is_integer(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check_count("max_tokens", self.max_tokens)
 
 
 @dataclass
