@@ -596,8 +596,6 @@ def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
 def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) -> None:
     """Copy into every parameter exactly the slices its `shards` name: `get_slice` reads only those bytes, so a rank
     never holds a whole weight it does not need. (check_checkpoint has compared the shapes with config.json.)"""
-
-
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 
     files = open_checkpoint(checkpoint_dir)

@@ -639,8 +639,6 @@ class LLM:
 def explain(config: ModelConfig, tp: int, dtype: str) -> str:
     """Build every rank's model on the "meta" device (shapes, no memory) with the workers' code, and describe the cut:
     per checkpoint tensor its full shape, a rank's slice and split dimension, then bytes per rank, traffic per step."""
-
-
     itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
     whole, mine = checkpoint_shapes(config), checkpoint_shapes(config, TPGroup(0, tp))

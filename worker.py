@@ -616,7 +616,6 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     # tqdm's default lock is a named semaphore, which the resource tracker reports "leaked" when a killed worker
     # leaves it behind. One thread here draws progress bars: a thread lock does.
-
     tqdm.set_lock(threading.RLock())
     broadcast = MessageQueue.attach(broadcast_handle, reader=rank)  # the Executor's broadcast and our response queue
     response = MessageQueue.attach(response_handle)
