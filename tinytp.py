@@ -475,7 +475,7 @@ class LLM:
         self.executor = executor_class(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format)
 
     def end_of_sequence_ids(self) -> set[int]:
-        """The tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3), the tokenizer's."""
+        """Tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3), the tokenizer's."""
         ids = set(self.config.eos_token_ids)
         generation_config = os.path.join(self.model_dir, "generation_config.json")
         if os.path.exists(generation_config):
@@ -656,14 +656,12 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
     for rank in range(tp):
         held = sum(p.numel() for p in meta_model(config, TPGroup(rank, tp)).parameters()) * itemsize
         lines.append(f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})")
-    hidden = config.hidden_size * itemsize
-    vocab = padded_vocab * itemsize
-    lines += ["", "communication per decode step, per sequence in the batch:" if tp > 1 else
-              "communication: none (tp=1)"]
-    if tp > 1:
-        lines += [f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes "
-                  f"(2 per layer, after o_proj and down_proj, and 1 after the embedding)",
-                  f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all"]
+    hidden, vocab = config.hidden_size * itemsize, padded_vocab * itemsize
+    lines += ["", "communication: none (tp=1)"] if tp == 1 else [
+        "", "communication per decode step, per sequence in the batch:",
+        f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes (2 per layer, after o_proj and down_proj, "
+        "and 1 after the embedding)",
+        f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all"]
     return "\n".join(lines)
 
 
