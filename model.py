@@ -210,8 +210,7 @@ collectives = Collectives()
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place in the tensor-parallel group (the default process group). The
-    layers call it `group`; elsewhere `tp` is the group's size, an int."""
+    """This process's place in the TP group (the default process group): `group` in the layers, of size `tp`."""
 
     rank: int
     size: int
@@ -220,8 +219,7 @@ class TPGroup:
 # Which slice of which checkpoint tensor a parameter holds -----------------------------
 @dataclass(frozen=True)
 class Shard:
-    """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this
-    rank's parameter holds at [offset, offset + size) along the same dim."""
+    """Elements [start, start + size) along `dim` of checkpoint tensor `name`; a parameter's [offset, offset + size)."""
 
     name: str
     dim: int
@@ -237,8 +235,7 @@ def split(name: str, full_size: int, group: TPGroup, dim: int = 0) -> Shard:
 
 
 def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
-    """An inference parameter that remembers where its data comes from in the checkpoint.
-    Zeros, not empty: padded vocab rows are never loaded and must stay zero."""
+    """A parameter that knows its checkpoint slices. Zeros, not empty: padded vocab rows are never loaded."""
     param = nn.Parameter(torch.zeros(*shape), requires_grad=False)
     offsets = itertools.accumulate([0, *(shard.size for shard in shards)])  # the parts one after another
     param.shards = [replace(shard, offset=offset) for shard, offset in zip(shards, offsets)]
@@ -569,8 +566,7 @@ def meta_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
 
 
 def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> dict[str, list[int]]:
-    """The shape of the part of each checkpoint tensor that `group`'s rank holds: at tp=1
-    (the default), where a shard is a whole tensor, the full shapes config.json implies."""
+    """Each checkpoint tensor's shape in `group`'s rank (at tp=1, the default: the full shapes config.json implies)."""
     return {shard.name: [*param.shape[:shard.dim], shard.size, *param.shape[shard.dim + 1:]]
             for param in meta_model(config, group).parameters() for shard in param.shards}
 

@@ -232,8 +232,7 @@ class Executor:
         return self._call(RPCCall(next(self.call_ids), payload, args, kwargs), range(self.tp), timeout, name)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on every rank; only rank 0 replies. A failure is fatal: the ranks may now disagree about the
-        requests, so the workers are shut down."""
+        """One step; rank 0 replies. A failure shuts the workers down: the ranks may now disagree about the requests."""
         scheduler_output.call_id = next(self.call_ids)
         traced = self.trace_next_decode and not scheduler_output.new_requests
         try:
@@ -512,8 +511,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """The next message of a conversation (a list of {"role", "content"} dicts), or of each of a list of them,
-        through the tokenizer's chat template or `chat_template`."""
+        """The next message of a conversation (a list of {"role", "content"} dicts), or of each in a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self._chat_prompt(conversation, chat_template, add_generation_prompt)
                               for conversation in conversations], sampling_params, use_tqdm)

@@ -465,8 +465,7 @@ TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods tha
 
 
 class Worker:
-    """Everything one rank does. execute_model runs each step; every other method is
-    reached through the driver's collective_rpc."""
+    """Everything one rank does: execute_model runs each step, the other methods come through collective_rpc."""
 
     def __init__(self, rank: int, world_size: int):
         self.group = TPGroup(rank, world_size)
@@ -492,8 +491,7 @@ class Worker:
             model_code.collectives = SharedMemoryCollectives(collective_block, self.group)
 
     def load_model(self, model_dir: str, max_model_len: int, load_format: str = "auto") -> None:
-        """Build this rank's part of the model and fill it from the checkpoint (or with
-        random numbers, for load_format "dummy")."""
+        """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy": random numbers)."""
         self.config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
         self.max_model_len = max_model_len
         torch.set_default_dtype(self.dtype)
