@@ -219,7 +219,8 @@ class TPGroup:
 # Which slice of which checkpoint tensor a parameter holds -----------------------------
 @dataclass(frozen=True)
 class Shard:
-    """Elements [start, start + size) along `dim` of checkpoint tensor `name`; a parameter's [offset, offset + size)."""
+    """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this rank's parameter holds at
+    [offset, offset + size) along the same dim."""
 
     name: str
     dim: int
