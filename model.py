@@ -368,8 +368,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_scaling is None:
         return inv_freq
-    # llama3: slow rotations (long wavelengths) are slowed down by `factor`, fast ones kept,
-    # and the band in between blends the two smoothly.
+    # llama3: slow rotations (long wavelengths) slowed down by `factor`, fast ones kept, the band between blended.
     s = config.rope_scaling
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
@@ -411,8 +410,7 @@ class LlamaAttention(nn.Module):
         qk = qk * cos + qk.flip(2) * sin
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
-        # Write this step's keys and values into the slots' rows for their positions, then
-        # attend over each slot's cache up to the longest context.
+        # This step's keys and values into their slots' rows, then attention over each slot up to the longest context.
         k_cache, v_cache = kv_cache  # each [slots, max_model_len, kv_heads, hd]
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, inputs.cache_rows, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, inputs.cache_rows, v)
@@ -426,8 +424,8 @@ class LlamaAttention(nn.Module):
             # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on
             # CUDA, only half-precision kernels, and a float32 prefill would fall to the unfused one.
             keys, values = (t.repeat_interleave(q_per_kv, dim=1) for t in (keys, values))
-        # The mask hides later positions and whatever an earlier request left in the slot; a
-        # prefill's causal attention needs none (an 8k-token prompt: the upper half skipped).
+        # The mask hides later positions and whatever an earlier request left in the slot; a prefill's causal
+        # attention needs none (an 8k-token prompt: the upper half skipped).
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=inputs.attn_mask, is_causal=inputs.causal)
         return self.o_proj(out.reshape(B, -1, T, hd).transpose(1, 2).reshape(B * T, -1))
 

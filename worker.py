@@ -645,8 +645,8 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
                 if step and worker.trace is not None:  # --trace (Worker.start_trace)
                     worker.trace.append((start, time.perf_counter(), "replied", size))
     except DriverGone:
-        # Nobody else will unlink the blocks and doorbells now (which also keeps the dead
-        # driver's resource tracker quiet): rank 0 the shared ones, each rank its reply block.
+        # Nobody else will unlink the blocks and doorbells now (which also keeps the dead driver's resource tracker
+        # quiet): rank 0 the shared ones, each rank its reply block.
         broadcast.owner = rank == 0
         response.owner = True
         if rank == 0:  # what the driver's exit would do
