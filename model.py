@@ -39,7 +39,6 @@ def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
 @dataclass
 class ModelConfig:
     """The parts of a Hugging Face Llama `config.json` that inference needs."""
-
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -211,7 +210,6 @@ collectives = Collectives()
 @dataclass(frozen=True)
 class TPGroup:
     """This process's place in the TP group (the default process group): `group` in the layers, of size `tp`."""
-
     rank: int
     size: int
 
@@ -221,7 +219,6 @@ class TPGroup:
 class Shard:
     """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this rank's parameter holds at
     [offset, offset + size) along the same dim."""
-
     name: str
     dim: int
     start: int
@@ -330,7 +327,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 class ModelInputs:
     """One step's batch (Worker.prepare_inputs): B right-padded sequences of T tokens (T is 1 in decode). The layers
     see the N = B x T tokens as rows of one [N, hidden] matrix; only attention asks which sequence a row is in."""
-
     input_ids: torch.Tensor  # [B, T]
     positions: torch.Tensor  # [N] the position of each token in its sequence
     cache_rows: torch.Tensor  # [N] the KV-cache row of each token: slot x max_model_len + position

@@ -64,7 +64,6 @@ class RequestOutput:
 @dataclass
 class Request:
     """The driver's view of one sample of a prompt; the workers keep their own copy (`CachedRequest`)."""
-
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]

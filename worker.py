@@ -75,7 +75,6 @@ class SamplingParams:
     """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy, sampling_probabilities
     applies the rest; n samples per prompt, repeatable with a seed. A sequence ends at an end-of-sequence token (unless
     ignore_eos), one of stop_token_ids, a stop string (the text ends before it) or after max_tokens."""
-
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -122,7 +121,6 @@ class SamplingParams:
 @dataclass
 class NewRequest:
     """A request the workers have not seen: sent in full once, then referred to by id."""
-
     request_id: int
     prompt_token_ids: list[int]
     slot: int  # its row of the KV cache, chosen by the driver so every rank agrees
@@ -134,7 +132,6 @@ class NewRequest:
 class SchedulerOutput:
     """One step, as deltas: never the last sampled token, which every worker appended to its own copy of the request.
     It travels bare, as does rank 0's ModelRunnerOutput, with no RPCCall around it: the hot path's one message."""
-
     new_requests: list[NewRequest]
     scheduled_ids: list[int]  # requests that run this step, in batch order
     finished_ids: list[int]  # requests whose slots can be freed
@@ -144,7 +141,6 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     """Rank 0's reply to one step."""
-
     call_id: int
     sampled_token_ids: list[int]  # one per scheduled request, in the same order
     execute_seconds: float  # time inside the worker, to measure the executor's overhead
@@ -153,7 +149,6 @@ class ModelRunnerOutput:
 @dataclass
 class RPCCall:
     """A method call broadcast to every worker; every rank replies."""
-
     call_id: int
     method: str | bytes  # a Worker method's name, or a pickled function called with the Worker
     args: tuple = ()
@@ -245,7 +240,6 @@ def check_free_shared_memory(blocks: list[shared_memory.SharedMemory | None]) ->
 @dataclass(frozen=True)
 class QueueHandle:
     """What a process needs to attach to a queue that another process created."""
-
     name: str
     num_readers: int
     num_chunks: int
@@ -453,7 +447,6 @@ def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
 @dataclass
 class CachedRequest:
     """A worker's own copy of a running request."""
-
     token_ids: list[int]  # prompt, then every sampled token
     num_computed: int  # tokens whose keys and values are in the KV cache
     slot: int
