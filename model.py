@@ -588,7 +588,6 @@ def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) 
     """Copy into every parameter exactly the slices its `shards` name: `get_slice` reads only those bytes, so a rank
     never holds a whole weight it does not need. (check_checkpoint has compared the shapes with config.json.)"""
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
-
     files = open_checkpoint(checkpoint_dir)
     embedding = model.embed_tokens.weight
     if model.lm_head.weight is embedding and "lm_head.weight" in files:  # tied, yet a head of its own: check_checkpoint

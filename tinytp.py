@@ -93,7 +93,6 @@ def resolve_model(model: str | None, weights: bool = True) -> str:
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise FileNotFoundError(f"model path {model} does not exist (nor is it a hub id like org/name)")
     from huggingface_hub import snapshot_download
-
     patterns = ["*.json", "tokenizer.model"] + (["*.safetensors"] if weights else [])
     try:  # only what inference needs: configs, safetensors weights, tokenizer files
         return snapshot_download(model, allow_patterns=patterns)
@@ -419,7 +418,6 @@ class LLM:
                  dtype: str = "auto", max_num_seqs: int = 8, max_model_len: int | None = None,
                  load_format: str = "auto", distributed_executor_backend: str | type = "mp"):
         from transformers import AutoTokenizer
-
         if importing_main_for_spawn():
             sys.exit("tinytp: a worker process, importing your script as spawn does, ran its LLM(...) too: "
                      'put the code that creates the LLM under if __name__ == "__main__":')
@@ -490,7 +488,6 @@ class LLM:
         {"prompt": text} or {"prompt_token_ids": ids}; a bare string or dict is one prompt. sampling_params: one for
         all prompts, or one per prompt. Every prompt is checked before any runs: one bad prompt rejects the call."""
         from tqdm import tqdm
-
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):

@@ -495,7 +495,6 @@ class Worker:
             init_dummy_weights(self.model)
         else:
             load_checkpoint(self.model, model_dir, show_progress=self.group.rank == 0)
-        # oneDNN packs float32 on any CPU, bfloat16 where the CPU has it natively.
         packable = {torch.float32: torch.backends.mkldnn.is_available(), torch.bfloat16: cpu_has_native_bfloat16()}
         if self.device.type == "cpu" and packable.get(self.dtype) and packing_wanted():
             pack_for_cpu(self.model)
