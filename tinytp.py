@@ -387,11 +387,15 @@ class Scheduler:
             else:
                 continue
             finished.append(request)
-        for request in finished:
+        self.release(finished)
+        return finished
+
+    def release(self, requests: list[Request]) -> None:
+        """Free the requests' slots at once; the workers free theirs with the next step."""
+        for request in requests:
             self.running.remove(request)
             heapq.heappush(self.free_slots, request.slot)
             self.finished_ids.append(request.request_id)
-        return finished
 
     def found_stop_string(self, request: Request) -> bool:
         """Does the text (decoded whole: a stop string may span tokens) hold a stop string? It ends before the first."""
@@ -402,11 +406,8 @@ class Scheduler:
         return bool(found)
 
     def abort_all(self) -> None:
-        """Forget every request (after an interrupted generate); the workers free theirs next step."""
-        self.finished_ids += [r.request_id for r in self.running]
-        for request in self.running:
-            heapq.heappush(self.free_slots, request.slot)
-        self.running.clear()
+        """Forget every request (after an interrupted generate)."""
+        self.release(list(self.running))
         self.waiting.clear()
 
 
