@@ -193,9 +193,8 @@ class Executor:
         self.broadcast = MessageQueue.create(num_readers=tp)
         atexit.register(self.shutdown)
         try:
-            # One doorbell for all the reply queues: we wait on all of them at once.
             context = mp.get_context("spawn")
-            self.doorbell = context.Semaphore(0)
+            self.doorbell = context.Semaphore(0)  # one for all the reply queues: we wait on all of them at once
             for _ in range(tp):
                 self.responses.append(MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0,
                                                           doorbells=[self.doorbell]))

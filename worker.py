@@ -281,8 +281,7 @@ class MessageQueue:
                           else f"queue {handle.name}: reader {reader} waited for a message")  # built once
         self.next_chunk = 0  # the writer's or this reader's position in the ring
         self.cut_off = False  # the writer gave up part-way through a message (see enqueue)
-        # Kept between multi-chunk messages: a new 16 MiB buffer each costs more in page faults.
-        self.receive_buffer = bytearray()
+        self.receive_buffer = bytearray()  # kept between multi-chunk messages: a new 16 MiB one each costs page faults
 
     # Sizes: vLLM's ring is 10 chunks of up to 16-24 MiB (it carries images). A step here is
     # ~50 bytes, a prefill of 8 prompts of 4096 tokens ~130 KB: 8 chunks of 1 MiB hold a few
@@ -368,8 +367,7 @@ class MessageQueue:
 
 # Collectives through shared memory, for ranks on one CPU machine ----------------------
 COLLECTIVE_BUFFER_BYTES = 1 << 20  # larger tensors (long prefills) take torch.distributed's way
-# Ranks do the same work, so a minute's wait in one collective means a rank is stopped or stuck.
-COLLECTIVE_TIMEOUT = 60.0
+COLLECTIVE_TIMEOUT = 60.0  # ranks do the same work: a minute's wait in a collective means one is stopped or stuck
 
 
 def collective_block_bytes(world_size: int) -> int:
