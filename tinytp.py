@@ -83,8 +83,8 @@ TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-
 
 
 def resolve_model(model: str | None, weights: bool = True) -> str:
-    """A local checkpoint directory for `model`: the tiny default, a directory (~ expanded, as a shell would not in
-    LLM("~/...")), or a hub id (with weights=False, only its json and tokenizer files are fetched)."""
+    """A local checkpoint directory for `model`: the tiny default, a directory (~ expanded here, as a shell does on the
+    command line but not in LLM("~/...")) or a hub id (weights=False: only its json and tokenizer files are fetched)."""
     model = os.path.expanduser(model or TINY_MODEL_DIR)
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
