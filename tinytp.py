@@ -257,7 +257,8 @@ class Executor:
             results: dict[int, object] = {}
 
             def poll() -> bool:
-                # Every rank's queue, not only those that owe a reply: a rank that fails sends its error unasked.
+                # Every rank's queue, not only those that owe a reply: a rank that fails sends its error unasked,
+                # and another may be stuck waiting for it.
                 for rank, queue in enumerate(self.responses):
                     while queue.ready():
                         reply = queue.dequeue(timeout, check=self._check_workers)  # may span chunks
@@ -325,7 +326,7 @@ class Executor:
 
 
 def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]) -> str:
-    """--trace's table: the driver's broadcast and wait (Executor._call) and every rank's events, by start time."""
+    """--trace's rows by start time: the driver's broadcast and wait (Executor._call), each rank's events (start_trace)."""
     start, sent, replied, size = driver_call
     events = [("driver", start, sent, "broadcast execute_model", size),
               ("driver", sent, replied, "waited for the reply", 0)]
@@ -339,7 +340,7 @@ def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: li
 # The scheduler ------------------------------------------------------------------------
 class Scheduler:
     """Continuous batching over a fixed number of KV-cache slots: new requests take free slots and are prefilled in a
-    step of their own, else every running request decodes one token. A finished request frees its slot at once."""
+    step of their own, else every running request decodes one token. A finished request's slot is free for the next."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int, eos_token_ids: set[int],
                  detokenize: Callable[[list[int]], str]):
