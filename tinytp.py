@@ -326,7 +326,7 @@ class Executor:
 
 
 def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]) -> str:
-    """--trace's rows by start time: the driver's broadcast and wait (Executor._call), each rank's events (start_trace)."""
+    """--trace's rows by start time: the driver's broadcast and wait (Executor._call), the ranks' (start_trace)."""
     start, sent, replied, size = driver_call
     events = [("driver", start, sent, "broadcast execute_model", size),
               ("driver", sent, replied, "waited for the reply", 0)]
