@@ -233,7 +233,7 @@ def split(name: str, full_size: int, group: TPGroup, dim: int = 0) -> Shard:
 
 
 def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
-    """A parameter that knows its checkpoint slices. Zeros, not empty: padded vocab rows are never loaded."""
+    """A parameter that knows its checkpoint slices. Zeros, not empty: padded vocab rows, never loaded, stay zero."""
     param = nn.Parameter(torch.zeros(*shape), requires_grad=False)
     offsets = itertools.accumulate([0, *(shard.size for shard in shards)])  # the parts one after another
     param.shards = [replace(shard, offset=offset) for shard, offset in zip(shards, offsets)]

@@ -189,7 +189,7 @@ YIELD_SECONDS = 1e-3
 SLEEP_FRACTION = 0.05  # then, with no doorbell, sleep 5% of the time waited so far
 MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
 # With a doorbell, the ring ends the sleep, and its timeout only spaces the liveness checks: long, since each timed
-# wake-up of the driver takes a core from a rank (naps of 5% woke it dozens of times a step; docs/performance.md).
+# wake-up of the driver takes a core from a rank (naps of 5% woke it often each step, slowing every tp).
 DOORBELL_SLEEP = 50e-3
 
 
