@@ -445,7 +445,7 @@ class LLM:
         # The KV cache (as init_kv_cache makes it) against its memory: one line now, not N failures later.
         kv_bytes = (2 * self.config.num_layers * max_num_seqs * max(1, self.config.num_kv_heads // tp)
                     * self.config.head_dim * (self.max_model_len + 1)
-                    * torch.empty((), dtype=getattr(torch, dtype)).element_size()) * (1 if device == "cuda" else tp)
+                    * getattr(torch, dtype).itemsize) * (1 if device == "cuda" else tp)
         memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                   else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         if kv_bytes > memory:
@@ -634,7 +634,7 @@ class LLM:
 def explain(config: ModelConfig, tp: int, dtype: str) -> str:
     """Build every rank's model on the "meta" device (shapes, no memory) with the workers' code, and describe the cut:
     per checkpoint tensor its full shape, a rank's slice and split dimension, then bytes per rank, traffic per step."""
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    itemsize = getattr(torch, dtype).itemsize
     padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
     whole, mine = checkpoint_shapes(config), checkpoint_shapes(config, TPGroup(0, tp))
     lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
