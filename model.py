@@ -39,7 +39,6 @@ def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
 @dataclass
 class ModelConfig:
     """The parts of a Hugging Face Llama `config.json` that inference needs."""
-
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -147,9 +146,14 @@ def is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def check_count(name: str, value) -> None:
+    """Refuse a count (n, max_tokens, max_num_seqs) that is not an integer >= 1."""
+    if not is_integer(value) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 def positive(raw: dict, key: str, default: float | None = None, kind: type = int):
-    """raw[key], or `default` where it is missing or null, checked to be a positive int (or,
-    with kind=float, a finite positive number; bool, which Python counts as an int, is neither)."""
+    """raw[key] (`default` where missing or null): a positive integer, or with kind=float a finite positive number."""
     value = raw.get(key)
     if value is None and default is None:
         raise ValueError(f"{key} is missing")
@@ -170,9 +174,8 @@ def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
 
 
 def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
-    """Refuse a tp that cannot split this model evenly, naming the numbers and the choices:
-    tp must divide the query heads, the KV heads (or be a multiple of them, which are then
-    replicated) and the MLP's intermediate features. (The vocabulary is padded instead.)"""
+    """Refuse a tp that cannot split this model evenly: it must divide the query heads, the KV heads (or be a
+    multiple of them, which are then replicated) and the MLP's features. (The vocabulary is padded instead.)"""
     def fits(n: int) -> bool:
         kv_ok = config.num_kv_heads % n == 0 or n % config.num_kv_heads == 0
         return config.num_heads % n == 0 and kv_ok and config.intermediate_size % n == 0
@@ -187,9 +190,8 @@ def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
 
 
 class Collectives:
-    """The two collectives the parallel layers use, over torch.distributed (gloo on CPU,
-    nccl on CUDA). The layers reach them through the module variable `collectives`, so
-    a worker can install a faster implementation (worker.SharedMemoryCollectives)."""
+    """The two collectives the parallel layers use, over torch.distributed (gloo on CPU, nccl on CUDA), reached
+    through the module variable `collectives`, so a worker can install a faster one (worker.SharedMemoryCollectives)."""
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the ranks, in place."""
@@ -207,9 +209,7 @@ collectives = Collectives()
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place in the tensor-parallel group (the default process group). The
-    layers call it `group`; elsewhere `tp` is the group's size, an int."""
-
+    """This process's place in the TP group (the default process group): `group` in the layers, of size `tp`."""
     rank: int
     size: int
 
@@ -217,9 +217,8 @@ class TPGroup:
 # Which slice of which checkpoint tensor a parameter holds -----------------------------
 @dataclass(frozen=True)
 class Shard:
-    """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this
-    rank's parameter holds at [offset, offset + size) along the same dim."""
-
+    """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this rank's parameter holds at
+    [offset, offset + size) along the same dim."""
     name: str
     dim: int
     start: int
@@ -234,8 +233,7 @@ def split(name: str, full_size: int, group: TPGroup, dim: int = 0) -> Shard:
 
 
 def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
-    """An inference parameter that remembers where its data comes from in the checkpoint.
-    Zeros, not empty: padded vocab rows are never loaded and must stay zero."""
+    """A parameter that knows its checkpoint slices. Zeros, not empty: padded vocab rows, never loaded, stay zero."""
     param = nn.Parameter(torch.zeros(*shape), requires_grad=False)
     offsets = itertools.accumulate([0, *(shard.size for shard in shards)])  # the parts one after another
     param.shards = [replace(shard, offset=offset) for shard, offset in zip(shards, offsets)]
@@ -251,9 +249,8 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's rows (output features) split across ranks: no communication. The
-    rank's weight may stack several checkpoint tensors (q, k and v; gate and up), so one
-    matmul computes all of them: `shards` lists the rows this rank takes from each."""
+    """y = x W^T with W's rows (output features) split across ranks: no communication. The rank's weight may stack
+    several checkpoint tensors (q, k and v; gate and up) for one matmul: `shards` lists the rows taken from each."""
 
     def __init__(self, in_features: int, shards: list[Shard]):
         super().__init__()
@@ -265,9 +262,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's columns (input features) split across ranks. Its input arrives
-    already split (the output of a column-parallel layer), so each rank computes a partial
-    sum of y, and one all-reduce adds them up."""
+    """y = x W^T with W's columns (input features) split across ranks. Its input arrives split (a column-parallel
+    layer's output), so each rank computes a partial sum of y, and one all-reduce adds them up."""
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, name: str):
         super().__init__()
@@ -284,15 +280,13 @@ class RowParallelLinear(nn.Module):
 
 
 def vocab_rows_per_rank(vocab_size: int, tp: int) -> int:
-    """Rows of the embedding and the LM head that each rank holds: the vocabulary padded
-    to a multiple of tp, then split."""
+    """Rows of the embedding and LM head per rank: the vocabulary padded to a multiple of tp, then split."""
     return math.ceil(vocab_size / tp)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table with its rows (the vocabulary) split across ranks, padded with zero
-    rows so that every rank holds as many. A rank looks up only the ids in its own slice and
-    writes zeros for the rest, so an all-reduce (a sum) assembles every embedding."""
+    """Embedding table with its rows (the vocabulary) split across ranks, padded with zero rows so that every rank
+    holds as many. A rank looks up the ids in its slice only, zeros for the rest: an all-reduce (a sum) adds them."""
 
     def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup, name: str):
         super().__init__()
@@ -315,10 +309,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection, split by vocabulary rows like the embedding. Each rank computes
-    the logits of its own vocabulary slice; an all-gather (not a gather to rank 0) gives every
-    rank the full logits, because every rank samples (design discussion: "the logits_processor
-    has an AllGather instead of a Gather")."""
+    """The output projection, split by vocabulary rows like the embedding. Each rank computes its slice's logits; an
+    all-gather (not a gather to rank 0) gives every rank the full logits, because every rank samples (design
+    discussion: "the logits_processor has an AllGather instead of a Gather")."""
 
     packed_weight = None
 
@@ -332,10 +325,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 # Llama --------------------------------------------------------------------------------
 @dataclass
 class ModelInputs:
-    """One step's batch, built by the worker's prepare_inputs: B sequences of T tokens
-    (right-padded; during decode T is 1). The layers see the N = B x T tokens as the rows
-    of one [N, hidden] matrix; only attention needs to know which sequence a row is in."""
-
+    """One step's batch (Worker.prepare_inputs): B right-padded sequences of T tokens (T is 1 in decode). The layers
+    see the N = B x T tokens as rows of one [N, hidden] matrix; only attention asks which sequence a row is in."""
     input_ids: torch.Tensor  # [B, T]
     positions: torch.Tensor  # [N] the position of each token in its sequence
     cache_rows: torch.Tensor  # [N] the KV-cache row of each token: slot x max_model_len + position
@@ -373,8 +364,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_scaling is None:
         return inv_freq
-    # llama3: slow rotations (long wavelengths) are slowed down by `factor`, fast ones kept,
-    # and the band in between blends the two smoothly.
+    # llama3: slow rotations (long wavelengths) slowed down by `factor`, fast ones kept, the band between blended.
     s = config.rope_scaling
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
@@ -387,13 +377,10 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention with this rank's heads: q/k/v column-parallel, o_proj row-parallel.
-
-    Rank r's query heads start at head r * nh / tp, and each KV head serves nh / n_kv query
-    heads, so its first KV head is r * n_kv // tp: a block of n_kv / tp of them, or, when
-    tp > n_kv, the one KV head that tp / n_kv ranks share. Those ranks each keep a copy of it
-    (weights and KV cache): replicated, as in vLLM.
-    """
+    """Self-attention with this rank's heads: q/k/v column-parallel, o_proj row-parallel. Rank r's query heads start
+    at head r * nh / tp, and each KV head serves nh / n_kv query heads, so its first KV head is r * n_kv // tp: a block
+    of n_kv / tp of them, or, when tp > n_kv, the one KV head that tp / n_kv ranks share, each keeping a copy of it
+    (weights and KV cache): replicated, as in vLLM."""
 
     def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
@@ -419,8 +406,7 @@ class LlamaAttention(nn.Module):
         qk = qk * cos + qk.flip(2) * sin
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
-        # Write this step's keys and values into the slots' rows for their positions, then
-        # attend over each slot's cache up to the longest context.
+        # This step's keys and values into their slots' rows, then attention over each slot up to the longest context.
         k_cache, v_cache = kv_cache  # each [slots, max_model_len, kv_heads, hd]
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, inputs.cache_rows, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, inputs.cache_rows, v)
@@ -434,8 +420,8 @@ class LlamaAttention(nn.Module):
             # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on
             # CUDA, only half-precision kernels, and a float32 prefill would fall to the unfused one.
             keys, values = (t.repeat_interleave(q_per_kv, dim=1) for t in (keys, values))
-        # The mask hides later positions and whatever an earlier request left in the slot; a
-        # prefill's causal attention needs none (an 8k-token prompt: the upper half skipped).
+        # The mask hides later positions and whatever an earlier request left in the slot; a prefill's causal
+        # attention needs none (an 8k-token prompt: the upper half skipped).
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=inputs.attn_mask, is_causal=inputs.causal)
         return self.o_proj(out.reshape(B, -1, T, hd).transpose(1, 2).reshape(B * T, -1))
 
@@ -512,10 +498,9 @@ def packing_wanted() -> bool:
 
 
 def pack_for_cpu(model: nn.Module) -> None:
-    """Lay out every matmul weight once in oneDNN's blocked layout, the CPU's fastest kernel
-    at a decode step's few rows, as torch.compile does on CPU (the same results but for
-    rounding). The packed copy replaces the plain one, except in a tied LM head, whose table
-    the embedding still reads. docs/performance.md has the measurements."""
+    """Lay out every matmul weight once in oneDNN's blocked layout, the CPU's fastest kernel at a decode step's few
+    rows, as torch.compile does on CPU (the same results but for rounding; docs/performance.md). The packed copy
+    replaces the plain one, except in a tied LM head, whose table the embedding still reads."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             weight = module.weight.detach()
@@ -525,8 +510,7 @@ def pack_for_cpu(model: nn.Module) -> None:
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Small random weights instead of a checkpoint (`--load-format dummy`): the real
-    shapes and speed, without weight files. Uniform in +-1e-3, as vLLM does."""
+    """Random weights, uniform in +-1e-3 as vLLM does (load_format "dummy"): real shapes and speed, no files."""
     torch.manual_seed(seed)
     for param in model.parameters():
         param.data.uniform_(-1e-3, 1e-3)
@@ -577,8 +561,7 @@ def meta_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
 
 
 def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> dict[str, list[int]]:
-    """The shape of the part of each checkpoint tensor that `group`'s rank holds: at tp=1
-    (the default), where a shard is a whole tensor, the full shapes config.json implies."""
+    """Each checkpoint tensor's shape in `group`'s rank (at tp=1, the default: the full shapes config.json implies)."""
     return {shard.name: [*param.shape[:shard.dim], shard.size, *param.shape[shard.dim + 1:]]
             for param in meta_model(config, group).parameters() for shard in param.shards}
 
@@ -602,11 +585,9 @@ def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
 
 
 def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) -> None:
-    """Copy into every parameter exactly the slices its `shards` name: `get_slice` reads
-    only those bytes, so a rank never holds a whole weight it does not need. (The driver
-    has checked every tensor's shape against the config: check_checkpoint.)"""
+    """Copy into every parameter exactly the slices its `shards` name: `get_slice` reads only those bytes, so a rank
+    never holds a whole weight it does not need. (check_checkpoint has compared the shapes with config.json.)"""
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
-
     files = open_checkpoint(checkpoint_dir)
     embedding = model.embed_tokens.weight
     if model.lm_head.weight is embedding and "lm_head.weight" in files:  # tied, yet a head of its own: check_checkpoint

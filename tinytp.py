@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import dataclasses
 import heapq
 import itertools
 import json
@@ -25,14 +24,14 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import (ModelConfig, TPGroup, check_checkpoint, check_tensor_parallel_size, checkpoint_shapes,
+from model import (ModelConfig, TPGroup, check_checkpoint, check_count, check_tensor_parallel_size, checkpoint_shapes,
                    cpu_has_native_bfloat16, is_integer, meta_model, packing_wanted, token_id_list, vocab_rows_per_rank)
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams, SchedulerOutput,
                     check_free_shared_memory, collective_block_bytes, forget_child_processes, importing_main_for_spawn,
@@ -65,7 +64,6 @@ class RequestOutput:
 @dataclass
 class Request:
     """The driver's view of one sample of a prompt; the workers keep their own copy (`CachedRequest`)."""
-
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
@@ -85,9 +83,8 @@ TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-
 
 
 def resolve_model(model: str | None, weights: bool = True) -> str:
-    """A local checkpoint directory for `model`: the tiny default, a directory, or a hub id
-    (with weights=False, only its json and tokenizer files are fetched)."""
-    # A shell expands ~ on the command line, but not in LLM("~/...").
+    """A local checkpoint directory for `model`: the tiny default, a directory (~ expanded here, as a shell does on the
+    command line but not in LLM("~/...")) or a hub id (weights=False: only its json and tokenizer files are fetched)."""
     model = os.path.expanduser(model or TINY_MODEL_DIR)
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
@@ -96,7 +93,6 @@ def resolve_model(model: str | None, weights: bool = True) -> str:
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise FileNotFoundError(f"model path {model} does not exist (nor is it a hub id like org/name)")
     from huggingface_hub import snapshot_download
-
     patterns = ["*.json", "tokenizer.model"] + (["*.safetensors"] if weights else [])
     try:  # only what inference needs: configs, safetensors weights, tokenizer files
         return snapshot_download(model, allow_patterns=patterns)
@@ -111,9 +107,8 @@ def has_tokenizer(model_dir: str) -> bool:
 
 
 def default_sampling_params(model_dir: str) -> SamplingParams:
-    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens
-    from the checkpoint's generation_config.json, vLLM's defaults for the rest (do_sample is not
-    read, as in vLLM)."""
+    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens from the checkpoint's
+    generation_config.json, vLLM's defaults for the rest (do_sample is not read, as in vLLM)."""
     path = os.path.join(model_dir, "generation_config.json")
     try:
         with open(path) as f:
@@ -131,10 +126,9 @@ def default_sampling_params(model_dir: str) -> SamplingParams:
 
 # The executor: N worker processes and the queues between them and us ------------------
 def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dtype: str) -> tuple[str, str]:
-    """The device (default: cuda where there are GPUs, else cpu) and the dtype ("auto": the
-    checkpoint's; on cpu bfloat16 only where oneDNN runs it natively (AVX-512 and newer: faster
-    than float32 and half the memory, docs/performance.md has the measurements), float32 otherwise, float16
-    included: slow on CPUs)."""
+    """The device (default: cuda where there are GPUs, else cpu) and the dtype ("auto": the checkpoint's; on cpu
+    bfloat16 only where oneDNN runs it natively (AVX-512 and newer: faster than float32 and half the memory,
+    docs/performance.md), float32 otherwise, float16 included: slow on CPUs)."""
     gpus = torch.cuda.device_count()
     if device is None and 0 < gpus < tp:  # not a silent fall back to the CPU, minutes of loading later
         raise ValueError(f"tp={tp} needs {tp} GPUs and {gpus} are visible; --device cpu runs it on the CPU")
@@ -182,10 +176,9 @@ class WorkerError(RuntimeError):
 
 
 class Executor:
-    """Spawns one worker process per rank, rank 0 included (design discussion: "N worker
-    processes rather than N-1"), and runs methods on all of them. Calls go out on one
-    shared-memory broadcast queue (one writer, N readers); each worker answers on its own
-    queue, and a step (execute_model) rank 0 alone, since every rank sampled the same tokens."""
+    """Spawns one worker process per rank, rank 0 included (design discussion: "N worker processes rather than N-1"),
+    and runs methods on all of them. Calls go out on one shared-memory broadcast queue (one writer, N readers); each
+    worker answers on its own queue, and a step (execute_model) rank 0 alone: every rank sampled the same tokens."""
 
     def __init__(self, model_dir: str, tp: int, device: str, dtype: str, max_num_seqs: int, max_model_len: int,
                  load_format: str = "auto"):
@@ -200,9 +193,8 @@ class Executor:
         self.broadcast = MessageQueue.create(num_readers=tp)
         atexit.register(self.shutdown)
         try:
-            # One doorbell for all the reply queues: we wait on all of them at once.
             context = mp.get_context("spawn")
-            self.doorbell = context.Semaphore(0)
+            self.doorbell = context.Semaphore(0)  # one for all the reply queues: we wait on all of them at once
             for _ in range(tp):
                 self.responses.append(MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0,
                                                           doorbells=[self.doorbell]))
@@ -231,15 +223,13 @@ class Executor:
             raise
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, *args, **kwargs) -> list:
-        """Run `method` on every worker; return each rank's result, in rank order. A
-        callable (picklable: defined at module level) is called with the Worker first; it
-        travels pickled on its own, so a worker that cannot import it answers with an error."""
+        """Run `method` on every worker; return each rank's result, in rank order. A callable (picklable: defined at
+        module level) is called with the Worker first, pickled on its own: a worker that cannot import it says so."""
         name, payload = (method, method) if isinstance(method, str) else (method.__name__, pickle.dumps(method))
         return self._call(RPCCall(next(self.call_ids), payload, args, kwargs), range(self.tp), timeout, name)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on every rank; only rank 0 replies. A failure here is fatal: the
-        ranks may now disagree about the requests, so the workers are shut down."""
+        """One step; rank 0 replies. A failure shuts the workers down: the ranks may now disagree about the requests."""
         scheduler_output.call_id = next(self.call_ids)
         traced = self.trace_next_decode and not scheduler_output.new_requests
         try:
@@ -256,10 +246,9 @@ class Executor:
 
     def _call(self, message: SchedulerOutput | RPCCall, ranks: Sequence[int], timeout: float | None,
               name: str) -> list:
-        """Broadcast `message` and wait for the replies of `ranks` (RPCResults' values, or
-        rank 0's ModelRunnerOutput for a step)."""
-        # Another thread waits its turn (a step takes milliseconds), rather than being refused as
-        # a second generate() is: it shares no batch, and no paused stream holds the lock.
+        """Broadcast `message` and wait for the replies of `ranks` (RPCResults' values, or rank 0's ModelRunnerOutput).
+        Another thread waits its turn (a step is short), rather than being refused as a second generate() is: it shares
+        no batch, and no paused stream holds this lock."""
         with self.one_at_a_time:
             if self.broadcast.cut_off and self.failure is None:  # a timeout or Ctrl-C part-way through sending
                 self._fail("a message to them was cut off part-way, and they would misread what follows")
@@ -268,8 +257,8 @@ class Executor:
             results: dict[int, object] = {}
 
             def poll() -> bool:
-                # Read every rank's queue, not only the ones that owe a reply: a rank that
-                # fails sends its error unasked, and another may be stuck waiting for it.
+                # Every rank's queue, not only those that owe a reply: a rank that fails sends its error unasked,
+                # and another may be stuck waiting for it.
                 for rank, queue in enumerate(self.responses):
                     while queue.ready():
                         reply = queue.dequeue(timeout, check=self._check_workers)  # may span chunks
@@ -310,8 +299,8 @@ class Executor:
         self.shutdown(grace)
 
     def shutdown(self, grace: float = 2.0) -> None:
-        """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory
-        block and semaphore. Only in the process that made them: not in a forked child at its exit."""
+        """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory block and semaphore,
+        in the process that made them only: not in a forked child at its exit."""
         if self.broadcast.buf is None or os.getpid() != self.creator:  # done already, or not ours
             return
         workers = [process for process in self.workers if process.pid is not None]  # the started ones
@@ -327,7 +316,6 @@ class Executor:
             if process.is_alive():  # stuck in a long step, a collective or loading
                 process.kill()
                 process.join()
-        # The doorbells now, not when the last reference goes: a traceback a caller keeps may hold one.
         unlink_semaphores([*self.broadcast.handle.doorbells, *filter(None, [getattr(self, "doorbell", None)])])
         for queue in [self.broadcast, *self.responses]:
             queue.close()
@@ -338,8 +326,7 @@ class Executor:
 
 
 def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]) -> str:
-    """--trace's table: the driver's broadcast and wait (Executor._call's times) and every rank's
-    events (Worker.start_trace), by start time."""
+    """--trace's rows by start time: the driver's broadcast and wait (Executor._call), the ranks' (start_trace)."""
     start, sent, replied, size = driver_call
     events = [("driver", start, sent, "broadcast execute_model", size),
               ("driver", sent, replied, "waited for the reply", 0)]
@@ -352,9 +339,8 @@ def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: li
 
 # The scheduler ------------------------------------------------------------------------
 class Scheduler:
-    """Continuous batching over a fixed number of KV-cache slots: new requests take free
-    slots and are prefilled in a step of their own, otherwise every running request decodes
-    one token. A finished request frees its slot at once; a waiting one takes it next step."""
+    """Continuous batching over a fixed number of KV-cache slots: new requests take free slots and are prefilled in a
+    step of their own, else every running request decodes one token. A finished request's slot is free for the next."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int, eos_token_ids: set[int],
                  detokenize: Callable[[list[int]], str]):
@@ -401,15 +387,18 @@ class Scheduler:
             else:
                 continue
             finished.append(request)
-        for request in finished:
+        self.release(finished)
+        return finished
+
+    def release(self, requests: list[Request]) -> None:
+        """Free the requests' slots at once; the workers free theirs with the next step."""
+        for request in requests:
             self.running.remove(request)
             heapq.heappush(self.free_slots, request.slot)
             self.finished_ids.append(request.request_id)
-        return finished
 
     def found_stop_string(self, request: Request) -> bool:
-        """Does the text now contain one of the request's stop strings? Then it ends before
-        the first of them. Decoded whole: a stop string may span tokens."""
+        """Does the text (decoded whole: a stop string may span tokens) hold a stop string? It ends before the first."""
         text = self.detokenize(request.output_token_ids)
         found = [(text.find(stop), stop) for stop in request.params.stop if stop in text]
         if found:
@@ -417,11 +406,8 @@ class Scheduler:
         return bool(found)
 
     def abort_all(self) -> None:
-        """Forget every request (after an interrupted generate); the workers free theirs next step."""
-        self.finished_ids += [r.request_id for r in self.running]
-        for request in self.running:
-            heapq.heappush(self.free_slots, request.slot)
-        self.running.clear()
+        """Forget every request (after an interrupted generate)."""
+        self.release(list(self.running))
         self.waiting.clear()
 
 
@@ -433,7 +419,6 @@ class LLM:
                  dtype: str = "auto", max_num_seqs: int = 8, max_model_len: int | None = None,
                  load_format: str = "auto", distributed_executor_backend: str | type = "mp"):
         from transformers import AutoTokenizer
-
         if importing_main_for_spawn():
             sys.exit("tinytp: a worker process, importing your script as spawn does, ran its LLM(...) too: "
                      'put the code that creates the LLM under if __name__ == "__main__":')
@@ -456,12 +441,11 @@ class LLM:
         if not is_integer(self.max_model_len) or not 1 < self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be an integer in 2..{limit} (the model's max_position_embeddings), "
                              f"got {self.max_model_len}")
-        if not is_integer(max_num_seqs) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        check_count("max_num_seqs", max_num_seqs)
         # The KV cache (as init_kv_cache makes it) against its memory: one line now, not N failures later.
         kv_bytes = (2 * self.config.num_layers * max_num_seqs * max(1, self.config.num_kv_heads // tp)
                     * self.config.head_dim * (self.max_model_len + 1)
-                    * torch.empty((), dtype=getattr(torch, dtype)).element_size()) * (1 if device == "cuda" else tp)
+                    * getattr(torch, dtype).itemsize) * (1 if device == "cuda" else tp)
         memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                   else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         if kv_bytes > memory:
@@ -488,8 +472,7 @@ class LLM:
         self.executor = executor_class(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format)
 
     def end_of_sequence_ids(self) -> set[int]:
-        """Every token that ends a sequence: config.json's, generation_config.json's (Llama
-        3.1 lists three) and the tokenizer's."""
+        """Tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3), the tokenizer's."""
         ids = set(self.config.eos_token_ids)
         generation_config = os.path.join(self.model_dir, "generation_config.json")
         if os.path.exists(generation_config):
@@ -502,12 +485,10 @@ class LLM:
     def generate(self, prompts: str | dict | list[str | dict | list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for each prompt, in prompt order. A prompt is a string, a list
-        of token ids, or vLLM's {"prompt": text} or {"prompt_token_ids": ids}; a bare string or
-        dict is one prompt. sampling_params: one for all prompts, or a list of one per prompt.
-        Every prompt is checked before any runs: one bad prompt rejects the whole call."""
+        """Generate completions for each prompt, in prompt order. A prompt is a string, a list of token ids, or vLLM's
+        {"prompt": text} or {"prompt_token_ids": ids}; a bare string or dict is one prompt. sampling_params: one for
+        all prompts, or one per prompt. Every prompt is checked before any runs: one bad prompt rejects the call."""
         from tqdm import tqdm
-
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -527,8 +508,7 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate the next message of a conversation (a list of {"role", "content"} dicts) or
-        of each of a list of them, through the tokenizer's chat template or `chat_template`."""
+        """The next message of a conversation (a list of {"role", "content"} dicts), or of each in a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self._chat_prompt(conversation, chat_template, add_generation_prompt)
                               for conversation in conversations], sampling_params, use_tqdm)
@@ -549,17 +529,15 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     def stream(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield one prompt's completion text piece by piece as it is generated. The prompt
-        is checked now, not when the first piece is asked for."""
+        """Yield one prompt's completion text as it is generated; the prompt is checked now, not at the first piece."""
         requests = self._make_requests(prompt, sampling_params)
         if len(requests) > 1:
             raise ValueError(f"stream yields one completion: n must be 1, got {len(requests)}")
         return self._stream(requests[0])
 
     def _stream(self, request: Request) -> Iterator[str]:
-        # Decode a window, not the whole output at every step: the tokens not shown yet,
-        # after those shown last time (a tokenizer may spell a token by its neighbour). The
-        # text's last characters wait while a stop string could still begin in them.
+        # Decode a window, not the whole output at every step: the tokens not shown yet, after those shown last time
+        # (a tokenizer may spell a token by its neighbour). The last characters wait while a stop string could begin.
         hold = max(map(len, request.params.stop), default=1) - 1
         start = shown = 0  # the window, and where its shown part ends
         decoded, sent = "", 0  # the text so far, and how much of it was yielded
@@ -622,9 +600,9 @@ class LLM:
             raise ValueError(f"{what} {outside[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
 
     def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
-        """Step until these requests are done; yield the requests finished at each step. One
-        caller at a time (callers sharing the batch would finish each other's requests); a
-        second is refused, not made to wait: it could wait for a stream its own thread paused."""
+        """Step until these requests are done; yield those finished at each step. One caller at a time (callers sharing
+        the batch would finish each other's requests); a second is refused, not made to wait: it could wait for a
+        stream its own thread paused."""
         if not self.busy.acquire(blocking=False):
             raise RuntimeError("this LLM is busy with another generate() or an unfinished stream(): one at a time")
         self.scheduler.waiting.extend(requests)
@@ -654,10 +632,9 @@ class LLM:
 
 # --explain: how the checkpoint is cut, without running anything -----------------------
 def explain(config: ModelConfig, tp: int, dtype: str) -> str:
-    """Build every rank's model on the "meta" device (shapes, no memory) with the same
-    code the workers run, and describe the cut: per checkpoint tensor its full shape,
-    a rank's slice and the split dimension, then bytes per rank and the traffic per step."""
-    itemsize = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    """Build every rank's model on the "meta" device (shapes, no memory) with the workers' code, and describe the cut:
+    per checkpoint tensor its full shape, a rank's slice and split dimension, then bytes per rank, traffic per step."""
+    itemsize = getattr(torch, dtype).itemsize
     padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
     whole, mine = checkpoint_shapes(config), checkpoint_shapes(config, TPGroup(0, tp))
     lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
@@ -674,14 +651,12 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
     for rank in range(tp):
         held = sum(p.numel() for p in meta_model(config, TPGroup(rank, tp)).parameters()) * itemsize
         lines.append(f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})")
-    hidden = config.hidden_size * itemsize
-    vocab = padded_vocab * itemsize
-    lines += ["", "communication per decode step, per sequence in the batch:" if tp > 1 else
-              "communication: none (tp=1)"]
-    if tp > 1:
-        lines += [f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes "
-                  f"(2 per layer, after o_proj and down_proj, and 1 after the embedding)",
-                  f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all"]
+    hidden, vocab = config.hidden_size * itemsize, padded_vocab * itemsize
+    lines += ["", "communication: none (tp=1)"] if tp == 1 else [
+        "", "communication per decode step, per sequence in the batch:",
+        f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes (2 per layer, after o_proj and down_proj, "
+        "and 1 after the embedding)",
+        f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all"]
     return "\n".join(lines)
 
 
@@ -734,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         if not has_tokenizer(model_dir):  # said now, not after minutes of loading
             raise ValueError(f"{model_dir} has no tokenizer files, so it cannot take text prompts")
         if not chosen:
-            params = dataclasses.replace(default_sampling_params(model_dir), **others)
+            params = replace(default_sampling_params(model_dir), **others)
         with LLM(model_dir, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len) as llm:
             if args.model is None:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import model as model_code  # for model_code.collectives, which init_device may replace
-from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, cpu_has_native_bfloat16,
-                   init_dummy_weights, is_integer, is_number, load_checkpoint, pack_for_cpu, packing_wanted, token_id_list)
+from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, check_count,
+                   cpu_has_native_bfloat16, init_dummy_weights, is_integer, is_number, load_checkpoint, pack_for_cpu,
+                   packing_wanted, token_id_list)
 
 # Not Python's public API, in one place --------------------------------------------------
 # multiprocessing internals that no public call replaces in Python 3.11, each used once.
@@ -71,11 +72,9 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
 # Messages between the driver and the workers ------------------------------------------
 @dataclass(kw_only=True)  # keywords only: vLLM's positional order differs
 class SamplingParams:
-    """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy,
-    sampling_probabilities applies the rest; n samples per prompt, repeatable with a seed. A
-    sequence ends at an end-of-sequence token (unless ignore_eos), one of stop_token_ids, a stop
-    string (the text ends before it) or after max_tokens."""
-
+    """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy, sampling_probabilities
+    applies the rest; n samples per prompt, repeatable with a seed. A sequence ends at an end-of-sequence token (unless
+    ignore_eos), one of stop_token_ids, a stop string (the text ends before it) or after max_tokens."""
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -98,8 +97,7 @@ class SamplingParams:
     def __post_init__(self):
         # Checked for type as well as range, here in the driver: a NaN or a float count that
         # reached the workers would fail inside a step and take every request with it.
-        if not is_integer(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        check_count("n", self.n)
         if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -117,14 +115,12 @@ class SamplingParams:
         self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if not is_integer(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check_count("max_tokens", self.max_tokens)
 
 
 @dataclass
 class NewRequest:
     """A request the workers have not seen: sent in full once, then referred to by id."""
-
     request_id: int
     prompt_token_ids: list[int]
     slot: int  # its row of the KV cache, chosen by the driver so every rank agrees
@@ -134,10 +130,8 @@ class NewRequest:
 
 @dataclass
 class SchedulerOutput:
-    """One step, as deltas. It never carries the last sampled token: every worker
-    appended it to its own copy of the request last step. It travels bare, as does rank
-    0's ModelRunnerOutput, with no RPCCall around it: this is the one message of the hot path."""
-
+    """One step, as deltas: never the last sampled token, which every worker appended to its own copy of the request.
+    It travels bare, as does rank 0's ModelRunnerOutput, with no RPCCall around it: the hot path's one message."""
     new_requests: list[NewRequest]
     scheduled_ids: list[int]  # requests that run this step, in batch order
     finished_ids: list[int]  # requests whose slots can be freed
@@ -147,7 +141,6 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     """Rank 0's reply to one step."""
-
     call_id: int
     sampled_token_ids: list[int]  # one per scheduled request, in the same order
     execute_seconds: float  # time inside the worker, to measure the executor's overhead
@@ -156,7 +149,6 @@ class ModelRunnerOutput:
 @dataclass
 class RPCCall:
     """A method call broadcast to every worker; every rank replies."""
-
     call_id: int
     method: str | bytes  # a Worker method's name, or a pickled function called with the Worker
     args: tuple = ()
@@ -172,9 +164,8 @@ class RPCResult:
 
 SHUTDOWN = "shutdown"  # the method name that ends the worker loop
 
-# Pickle writes the module and name of each class in a message, and finds the class by that
-# name again on each side, which costs as much as the rest of a decode step's pickling
-# (docs/performance.md). So the classes above go as their number and a tuple of their fields.
+# Pickle writes each class's module and name, and looks the class up by them on each side, as costly as the rest of
+# a decode step's pickling (docs/performance.md): so the classes above go as their number and a tuple of their fields.
 MESSAGE_CLASSES = (SchedulerOutput, ModelRunnerOutput, RPCCall, RPCResult)
 MESSAGE_FIELDS = {cls: (number, operator.attrgetter(*(f.name for f in fields(cls))))
                   for number, cls in enumerate(MESSAGE_CLASSES)}
@@ -192,24 +183,21 @@ def decode(data: bytes | memoryview) -> Any:
 
 
 # Waiting: poll while yielding the core, then sleep until the doorbell rings -----------
-# Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a
-# spinner can hold the very core that the process it waits for needs, which made a pure
-# spin's round trips several times slower (docs/performance.md).
+# Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a spinner can hold the very
+# core that the process it waits for needs (docs/performance.md has a pure spin's round trips).
 YIELD_SECONDS = 1e-3
 SLEEP_FRACTION = 0.05  # then, with no doorbell, sleep 5% of the time waited so far
 MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
-# With a doorbell, the ring ends the sleep, and its timeout only spaces the liveness checks:
-# long, since each timed wake-up of the driver takes a core from a rank (naps of 5% woke it
-# dozens of times a step and slowed every tp; docs/performance.md has the bench.py figures).
+# With a doorbell, the ring ends the sleep, and its timeout only spaces the liveness checks: long, since each timed
+# wake-up of the driver takes a core from a rank (naps of 5% woke it often each step, slowing every tp).
 DOORBELL_SLEEP = 50e-3
 
 
 def wait_until(ready: Callable[[], bool], timeout: float | None, what: str | Callable[[], str],
                check: Callable[[], None] | None = None, doorbell=None) -> None:
-    """Return once ready() is true; after `timeout` seconds, raise TimeoutError naming `what`
-    (or what(), a message worth building only then). Past the polling, call check(), which
-    raises if waiting is pointless (a worker or the driver died), then sleep; a `doorbell` (a
-    semaphore the writer releases after each chunk) ends the sleep once a message is written."""
+    """Return once ready() is true; after `timeout` seconds, raise TimeoutError naming `what` (or what(), a message
+    worth building only then). Past the polling, call check(), which raises if waiting is pointless (a worker or the
+    driver died), then sleep; a `doorbell` (a semaphore the writer releases after each chunk) ends the sleep."""
     start = time.perf_counter()
     while not ready():
         waited = time.perf_counter() - start
@@ -240,9 +228,8 @@ def new_shared_memory(size: int) -> shared_memory.SharedMemory:
 
 
 def check_free_shared_memory(blocks: list[shared_memory.SharedMemory | None]) -> None:
-    """New blocks are sparse: tmpfs hands out a page when it is first touched, and when
-    /dev/shm is full that touch is a SIGBUS ("Bus error") that kills the process. So a
-    creator checks that all its blocks fit before it uses them."""
+    """New blocks are sparse: tmpfs hands out a page when it is first touched, and when /dev/shm is full that touch
+    is a SIGBUS ("Bus error") that kills the process. So a creator checks that all its blocks fit before using them."""
     needed = sum(block.size for block in blocks if block is not None)
     stat = os.statvfs("/dev/shm")
     if stat.f_bavail * stat.f_frsize < needed:
@@ -253,7 +240,6 @@ def check_free_shared_memory(blocks: list[shared_memory.SharedMemory | None]) ->
 @dataclass(frozen=True)
 class QueueHandle:
     """What a process needs to attach to a queue that another process created."""
-
     name: str
     num_readers: int
     num_chunks: int
@@ -265,19 +251,15 @@ CHUNK_HEADER = struct.Struct("<IQ")  # payload bytes in this chunk, bytes in the
 
 
 class MessageQueue:
-    """One writer, N readers, a ring of fixed-size chunks in one shared-memory block. A
-    pickled message longer than a chunk continues in the next ones, so any size goes
-    through a small ring; a sleeping reader is woken by its doorbell (see wait_until).
+    """One writer, N readers, a ring of fixed-size chunks in one shared-memory block. A pickled message longer than a
+    chunk continues in the next ones, so any size goes through a small ring; a sleeping reader is woken by its doorbell.
 
-    Why the flag order is safe: the writer clears *written*, resets the read flags, fills
-    the chunk and sets *written* last; a reader is done with the chunk before it sets its
-    *read* flag, so no chunk is overwritten while read. A reader checks its own *read* flag
-    *before* *written*: a reset flag means the writer has already cleared *written* for
-    this round, so *written* then truthfully says the chunk is complete (the other order
-    can read a half-written chunk). This needs each process's stores to become visible in
-    program order, as on x86; ARM would need a fence that Python cannot issue (vLLM's
-    shm_broadcast has the same caveat).
-    """
+    Why the flag order is safe: the writer clears *written*, resets the read flags, fills the chunk and sets *written*
+    last; a reader is done with the chunk before it sets its *read* flag, so no chunk is overwritten while read. A
+    reader checks its own *read* flag *before* *written*: a reset flag means the writer has already cleared *written*
+    for this round, so *written* then truthfully says the chunk is complete (the other order can read a half-written
+    chunk). This needs each process's stores to become visible in program order, as on x86; ARM would need a fence
+    that Python cannot issue (vLLM's shm_broadcast has the same caveat)."""
 
     def __init__(self, handle: QueueHandle, shm: shared_memory.SharedMemory, reader: int | None, owner: bool):
         self.handle = handle
@@ -299,8 +281,7 @@ class MessageQueue:
                           else f"queue {handle.name}: reader {reader} waited for a message")  # built once
         self.next_chunk = 0  # the writer's or this reader's position in the ring
         self.cut_off = False  # the writer gave up part-way through a message (see enqueue)
-        # Kept between multi-chunk messages: a new 16 MiB buffer each costs more in page faults.
-        self.receive_buffer = bytearray()
+        self.receive_buffer = bytearray()  # kept between multi-chunk messages: a new 16 MiB one each costs page faults
 
     # Sizes: vLLM's ring is 10 chunks of up to 16-24 MiB (it carries images). A step here is
     # ~50 bytes, a prefill of 8 prompts of 4096 tokens ~130 KB: 8 chunks of 1 MiB hold a few
@@ -308,8 +289,7 @@ class MessageQueue:
     @classmethod
     def create(cls, num_readers: int, num_chunks: int = 8, chunk_bytes: int = 1 << 20,
                reader: int | None = None, doorbells: list | None = None) -> MessageQueue:
-        """A new queue. Readers may share a doorbell with other queues (the driver has one
-        for all the reply queues it polls); by default each reader gets its own."""
+        """A new queue. Readers may share a doorbell with other queues (the driver has one for all its reply queues)."""
         doorbells = doorbells or [multiprocessing.get_context("spawn").Semaphore(0) for _ in range(num_readers)]
         shm = new_shared_memory(num_chunks * (1 + num_readers + chunk_bytes))  # zero-filled: no flags set
         handle = QueueHandle(shm.name, num_readers, num_chunks, chunk_bytes, tuple(doorbells))
@@ -377,8 +357,7 @@ class MessageQueue:
                 return message if size == total else decode(memoryview(self.receive_buffer)[:total])
 
     def close(self) -> None:
-        """Detach; the creator also removes the block from /dev/shm (and, when nothing holds
-        them any more, multiprocessing removes the doorbells)."""
+        """Detach; the creator also removes the block (and multiprocessing the doorbells, once nothing holds them)."""
         self.buf = self.handle = None
         self.shm.close()
         if self.owner:
@@ -388,8 +367,7 @@ class MessageQueue:
 
 # Collectives through shared memory, for ranks on one CPU machine ----------------------
 COLLECTIVE_BUFFER_BYTES = 1 << 20  # larger tensors (long prefills) take torch.distributed's way
-# Ranks do the same work, so a minute's wait in one collective means a rank is stopped or stuck.
-COLLECTIVE_TIMEOUT = 60.0
+COLLECTIVE_TIMEOUT = 60.0  # ranks do the same work: a minute's wait in a collective means one is stopped or stuck
 
 
 def collective_block_bytes(world_size: int) -> int:
@@ -397,12 +375,11 @@ def collective_block_bytes(world_size: int) -> int:
 
 
 class SharedMemoryCollectives(Collectives):
-    """All-reduce and all-gather through one shared block, for CPU ranks on one machine
-    (gloo's TCP path costs far more per all-reduce, dozens a step: docs/performance.md).
-    Each rank copies its tensor into its buffer, publishes the step's generation number,
-    waits until every rank has, and reads all buffers; all ranks sum them in one order, so
-    agree. Two sets of buffers alternate: once everyone has published g, everyone has
-    finished reading g-1's set, which g+1 reuses. MessageQueue's store-order caveat holds too."""
+    """All-reduce and all-gather through one shared block, for CPU ranks on one machine (gloo's TCP path costs far
+    more per all-reduce, dozens a step: docs/performance.md). Each rank copies its tensor into its buffer, publishes
+    the step's generation number, waits until every rank has, and reads all buffers; all ranks sum them in one order,
+    so agree. Two sets of buffers alternate: once everyone has published g, everyone has finished reading g-1's set,
+    which g+1 reuses. MessageQueue's store-order caveat holds too."""
 
     def __init__(self, block_name: str, group: TPGroup):
         self.group = group
@@ -468,7 +445,6 @@ def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
 @dataclass
 class CachedRequest:
     """A worker's own copy of a running request."""
-
     token_ids: list[int]  # prompt, then every sampled token
     num_computed: int  # tokens whose keys and values are in the KV cache
     slot: int
@@ -480,8 +456,7 @@ TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods tha
 
 
 class Worker:
-    """Everything one rank does. execute_model runs each step; every other method is
-    reached through the driver's collective_rpc."""
+    """Everything one rank does: execute_model runs each step, the other methods come through collective_rpc."""
 
     def __init__(self, rank: int, world_size: int):
         self.group = TPGroup(rank, world_size)
@@ -490,10 +465,9 @@ class Worker:
 
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int,
                     collective_block: str | None = None) -> None:
-        """Pick the device and join the process group through the driver's TCP store. "cuda"
-        puts rank r on GPU r, over nccl; "cuda:N" puts every rank on GPU N (tp > 1 on one GPU,
-        for tests) over gloo, which carries CUDA tensors through the host: nccl refuses two
-        ranks on one GPU. With a collective block (CPU, tp > 1), collectives use shared memory."""
+        """Pick the device and join the process group through the driver's TCP store. "cuda" puts rank r on GPU r,
+        over nccl; "cuda:N" puts every rank on GPU N (tp > 1 on one GPU, for tests) over gloo, which carries CUDA
+        tensors through the host: nccl refuses two ranks on one GPU. A collective block (CPU, tp > 1): shared memory."""
         torch.set_num_threads(num_threads)
         self.device = torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
         if self.device.type == "cuda":
@@ -508,8 +482,7 @@ class Worker:
             model_code.collectives = SharedMemoryCollectives(collective_block, self.group)
 
     def load_model(self, model_dir: str, max_model_len: int, load_format: str = "auto") -> None:
-        """Build this rank's part of the model and fill it from the checkpoint (or with
-        random numbers, for load_format "dummy")."""
+        """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy": random numbers)."""
         self.config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
         self.max_model_len = max_model_len
         torch.set_default_dtype(self.dtype)
@@ -520,24 +493,20 @@ class Worker:
             init_dummy_weights(self.model)
         else:
             load_checkpoint(self.model, model_dir, show_progress=self.group.rank == 0)
-        # oneDNN packs float32 on any CPU, bfloat16 where the CPU has it natively.
         packable = {torch.float32: torch.backends.mkldnn.is_available(), torch.bfloat16: cpu_has_native_bfloat16()}
         if self.device.type == "cpu" and packable.get(self.dtype) and packing_wanted():
             pack_for_cpu(self.model)
 
     def init_kv_cache(self, max_num_seqs: int) -> None:
-        """Preallocate keys and values: one slot per running request, max_model_len positions
-        each. Zeros: never-written positions are masked, but a masked NaN would still poison
-        the weighted sum."""
+        """Preallocate keys and values: one slot per running request, max_model_len positions each. Zeros:
+        never-written positions are masked, but a masked NaN would still poison the weighted sum."""
         attn = self.model.layers[0].self_attn
         shape = (2, max_num_seqs, self.max_model_len, attn.num_kv_heads, attn.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in self.model.layers]
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
 
     def prepare_inputs(self, scheduled: list[CachedRequest]) -> ModelInputs:
-        """Turn the scheduled requests into padded tensors. A new request feeds its whole
-        prompt, a running one its last sampled token. Padding takes the positions after its
-        sequence's end, which attention hides and the sequence's own tokens overwrite."""
+        """Padded tensors of the scheduled requests: a new one feeds its whole prompt, a running one its last sampled
+        token. Padding takes the positions after a sequence's end, which attention hides and its tokens overwrite."""
         new_tokens = [r.token_ids[r.num_computed:] for r in scheduled]
         width = max(len(t) for t in new_tokens)
         contexts = [r.num_computed + len(t) for r, t in zip(scheduled, new_tokens)]
@@ -558,8 +527,7 @@ class Worker:
         )
 
     def sample(self, logits: torch.Tensor, scheduled: list[CachedRequest]) -> list[int]:
-        """Every rank has the same logits (all-gathered) and the same seeded generators,
-        so every rank picks the same tokens without talking to the others."""
+        """Every rank has the same logits (all-gathered) and seeded generators: all pick the same tokens, unspoken."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
         for i, request in enumerate(scheduled):
@@ -569,8 +537,7 @@ class Worker:
         return tokens
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: update the request table from the deltas, run the model, sample, and
-        append the sampled tokens to this worker's copies of the requests."""
+        """One step: update the requests from the deltas, run the model, sample, append the tokens to our copies."""
         start = time.perf_counter()
         for request_id in scheduler_output.finished_ids:
             self.requests.pop(request_id, None)  # after an interrupted generate, maybe never sent
@@ -589,9 +556,9 @@ class Worker:
         return ModelRunnerOutput(scheduler_output.call_id, tokens, time.perf_counter() - start)
 
     def start_trace(self) -> None:  # --trace: this and stop_trace run through the driver's collective_rpc
-        """Record (start, end, what, bytes) events in self.trace, by wrapping the step's and the
-        collectives' methods, so the model code stays as it is (worker_main adds the reply).
-        perf_counter() is one clock in every process, so the timelines line up (on CUDA: launch times)."""
+        """Record (start, end, what, bytes) events in self.trace by wrapping the step's and the collectives' methods,
+        so the model code stays as it is (worker_main adds the reply). perf_counter() is one clock in every process,
+        so the timelines line up (on CUDA: launch times)."""
         events = self.trace = []
 
         def timed(what: str, method: Callable) -> Callable:
@@ -613,8 +580,7 @@ class Worker:
         return events
 
     def parameter_bytes(self) -> int:
-        """Bytes of weights this rank really holds (tied weights counted once, packed
-        weights in place of the plain ones they replaced)."""
+        """Bytes of weights this rank holds (tied ones once, packed ones in place of the plain ones)."""
         packed = [m.packed_weight for m in self.model.modules() if getattr(m, "packed_weight", None) is not None]
         return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *packed])
 
@@ -632,13 +598,12 @@ class DriverGone(Exception):
 
 def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, response_handle: QueueHandle,
                 driver_pid: int) -> None:
-    """The loop of one worker process: take the next step or call from the broadcast
-    queue, run it, reply. Nothing else happens here (design discussion: workers "sit in a very
-    tight model execution loop" of model execution and termination). driver_pid is passed
-    in: a driver that died while we imported torch has re-parented us before we could look."""
+    """The loop of one worker process: take the next step or call from the broadcast queue, run it, reply. Nothing
+    else happens here (design discussion: workers "sit in a very tight model execution loop" of model execution and
+    termination). driver_pid is passed in: a driver that died while we imported torch has re-parented us already."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    # tqdm's default lock is a named semaphore, which the resource tracker reports "leaked" when
-    # a killed worker leaves it behind. One thread here draws progress bars: a thread lock does.
+    # tqdm's default lock is a named semaphore, which the resource tracker reports "leaked" when a killed worker
+    # leaves it behind. One thread here draws progress bars: a thread lock does.
     tqdm.set_lock(threading.RLock())
     broadcast = MessageQueue.attach(broadcast_handle, reader=rank)  # the Executor's broadcast and our response queue
     response = MessageQueue.attach(response_handle)
@@ -670,8 +635,8 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
                 if step and worker.trace is not None:  # --trace (Worker.start_trace)
                     worker.trace.append((start, time.perf_counter(), "replied", size))
     except DriverGone:
-        # Nobody else will unlink the blocks and doorbells now (which also keeps the dead
-        # driver's resource tracker quiet): rank 0 the shared ones, each rank its reply block.
+        # Nobody else will unlink the blocks and doorbells now (which also keeps the dead driver's resource tracker
+        # quiet): rank 0 the shared ones, each rank its reply block.
         broadcast.owner = rank == 0
         response.owner = True
         if rank == 0:  # what the driver's exit would do
