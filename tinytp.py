@@ -678,7 +678,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", help="end the text before this string; repeat for more")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when tp GPUs are visible")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                         help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)")
     parser.add_argument("--max-num-seqs", type=int, default=8)
