@@ -740,6 +740,49 @@ class TestTp2MultiHeadAttention:
         assert [o.outputs[0].token_ids for o in other_seed] != [o.outputs[0].token_ids for o in first]
 
 
+def record_step_shapes(worker):  # run in the workers: each step's (rows, tokens per row, positions attended)
+    worker.step_shapes = []
+    worker.model.register_forward_pre_hook(
+        lambda module, args: worker.step_shapes.append((*args[0].input_ids.shape, args[0].context_len)))
+
+
+def step_shapes(worker):
+    return worker.step_shapes
+
+
+class TestStaticDecode:
+    """The fixed-shape decode step that CUDA graphs replay (Worker.static_decode_step), run eagerly on CPU at tp=2:
+    5 prompts of 2 to 31 tokens on 3 slots, each with its own max_tokens, so slots empty and refill (the free ones
+    are pad rows) and contexts cross from 16 attended positions to 32 and 64."""
+    PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[4], PROMPTS[2]]  # 6, 2, 12, 5 and 31 tokens
+    PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 4, 8, 25, 30)]
+
+    @pytest.fixture(scope="class")
+    def runs(self, mha_checkpoint):
+        with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=3, max_model_len=64) as llm:
+            llm.collective_rpc(record_step_shapes)
+            normal = llm.generate(self.PROMPTS, self.PARAMS)
+            normal_shapes = llm.collective_rpc(step_shapes)[0]
+            llm.collective_rpc("init_kv_cache", None, 3, True)  # the same slots, decoded at one shape
+            llm.collective_rpc(record_step_shapes)
+            static = llm.generate(self.PROMPTS, self.PARAMS)
+            return normal, static, normal_shapes, llm.collective_rpc(step_shapes)
+
+    def test_every_decode_step_has_a_row_per_slot_and_a_power_of_two_context(self, runs):
+        _, _, normal_shapes, (rank0, rank1) = runs
+        assert rank0 == rank1
+        decodes = [(rows, context) for rows, tokens, context in rank0 if tokens == 1]
+        assert {rows for rows, _ in decodes} == {3} and {context for _, context in decodes} == {16, 32, 64}
+        assert any(rows < 3 for rows, tokens, _ in normal_shapes if tokens == 1)  # the normal path: scheduled rows
+
+    def test_greedy_tokens_equal_the_normal_path_and_transformers(self, runs, mha_checkpoint):
+        normal, static, _, _ = runs
+        assert [o.outputs[0].token_ids for o in static] == [o.outputs[0].token_ids for o in normal]
+        for prompt, output, params in zip(self.PROMPTS, static, self.PARAMS):
+            assert len(output.outputs[0].token_ids) == params.max_tokens
+            assert_tokens_match_hf(mha_checkpoint[1], prompt, output.outputs[0].token_ids)
+
+
 def test_tp1_mha_text_prompts(mha_checkpoint):
     path, hf_model = mha_checkpoint
     with LLM(path, tensor_parallel_size=1, device="cpu", max_model_len=64) as llm:

@@ -497,19 +497,24 @@ class Worker:
         if self.device.type == "cpu" and packable.get(self.dtype) and packing_wanted():
             pack_for_cpu(self.model)
 
-    def init_kv_cache(self, max_num_seqs: int) -> None:
+    def init_kv_cache(self, max_num_seqs: int, static_decode: bool = False) -> None:
         """Preallocate keys and values: one slot per running request, max_model_len positions each. Zeros:
-        never-written positions are masked, but a masked NaN would still poison the weighted sum."""
+        never-written positions are masked, but a masked NaN would still poison the weighted sum. static_decode
+        (LLM(cuda_graphs=True)): every decode step at one shape (static_decode_step), as a CUDA graph replays it."""
         attn = self.model.layers[0].self_attn
         shape = (2, max_num_seqs, self.max_model_len, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+        self.max_num_seqs = max_num_seqs
+        self.cuda_graphs = {} if static_decode else None  # context length: (graph, its inputs, its logits)
 
-    def prepare_inputs(self, scheduled: list[CachedRequest]) -> ModelInputs:
+    def prepare_inputs(self, scheduled: list[CachedRequest], context_len: int | None = None) -> ModelInputs:
         """Padded tensors of the scheduled requests: a new one feeds its whole prompt, a running one its last sampled
-        token. Padding takes the positions after a sequence's end, which attention hides and its tokens overwrite."""
+        token. Padding takes the positions after a sequence's end, which attention hides and its tokens overwrite.
+        A context_len (a static decode step's) fixes how many positions attention reads, always through the mask."""
         new_tokens = [r.token_ids[r.num_computed:] for r in scheduled]
         width = max(len(t) for t in new_tokens)
         contexts = [r.num_computed + len(t) for r, t in zip(scheduled, new_tokens)]
+        static, context_len = context_len is not None, context_len or max(contexts)
         positions = torch.tensor([[r.num_computed + i for i in range(width)] for r in scheduled], device=self.device)
         slots = [r.slot for r in scheduled]
         slot_ids = torch.tensor(slots, device=self.device)
@@ -520,11 +525,34 @@ class Worker:
             positions=positions.view(-1),
             cache_rows=(slot_ids[:, None] * self.max_model_len + positions).view(-1),
             slot_index=slice(slots[0], slots[0] + len(slots)) if contiguous else slot_ids,
-            context_len=max(contexts), causal=causal,
-            attn_mask=None if causal or min(contexts) == max(contexts) and width == 1
-            else torch.arange(max(contexts), device=self.device) <= positions[:, None, :, None],
+            context_len=context_len, causal=causal,
+            attn_mask=None if causal or not static and min(contexts) == max(contexts) and width == 1
+            else torch.arange(context_len, device=self.device) <= positions[:, None, :, None],
             last_index=torch.tensor([i * width + len(t) - 1 for i, t in enumerate(new_tokens)], device=self.device),
         )
+
+    def static_decode_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
+        """A decode step at the one shape a CUDA graph replays: every slot is a row (row i = slot i; a free slot feeds
+        token 0 at its position 0, which the prefill that next takes it rewrites), and attention reads a power of two
+        of positions, so a few graphs serve every context length. Returns the scheduled requests' logits."""
+        rows = [CachedRequest([0], 0, slot, None, None) for slot in range(self.max_num_seqs)]
+        for request in scheduled:
+            rows[request.slot] = request
+        longest = max(r.num_computed for r in scheduled) + 1
+        inputs = self.prepare_inputs(rows, min(self.max_model_len, max(16, 1 << (longest - 1).bit_length())))
+        if self.device.type != "cuda" or dist.get_backend() != "nccl":  # gloo cannot be captured: run it as it is
+            return self.model(inputs, self.kv_caches)[[r.slot for r in scheduled]]
+        if inputs.context_len not in self.cuda_graphs:  # at a length's first step: every rank at the same step
+            self.model(inputs, self.kv_caches)  # warm-up (this very step): lazy initialization stays out of the graph
+            torch.cuda.synchronize()  # none of its collectives still in flight, for nccl's watchdog thread,
+            graph = torch.cuda.CUDAGraph()  # whose event queries "thread_local" lets run during the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self.cuda_graphs[inputs.context_len] = graph, inputs, self.model(inputs, self.kv_caches)
+        graph, captured, logits = self.cuda_graphs[inputs.context_len]
+        for name in ("input_ids", "positions", "cache_rows", "attn_mask"):  # the rest is the same every step
+            getattr(captured, name).copy_(getattr(inputs, name))
+        graph.replay()
+        return logits[[r.slot for r in scheduled]]
 
     def sample(self, logits: torch.Tensor, scheduled: list[CachedRequest]) -> list[int]:
         """Every rank has the same logits (all-gathered) and seeded generators: all pick the same tokens, unspoken."""
@@ -546,9 +574,12 @@ class Worker:
             self.requests[new.request_id] = CachedRequest(
                 list(new.prompt_token_ids), 0, new.slot, new.params, generator)
         scheduled = [self.requests[i] for i in scheduler_output.scheduled_ids]
-        inputs = self.prepare_inputs(scheduled)
+        decode = all(len(r.token_ids) == r.num_computed + 1 for r in scheduled)
         with torch.inference_mode():
-            logits = self.model(inputs, self.kv_caches)
+            if decode and self.cuda_graphs is not None:
+                logits = self.static_decode_step(scheduled)
+            else:
+                logits = self.model(self.prepare_inputs(scheduled), self.kv_caches)
         tokens = self.sample(logits, scheduled)  # .tolist() in it waits for the GPU to finish
         for request, token in zip(scheduled, tokens):
             request.num_computed = len(request.token_ids)
