@@ -442,10 +442,11 @@ class LLM:
             raise ValueError(f"max_model_len must be an integer in 2..{limit} (the model's max_position_embeddings), "
                              f"got {self.max_model_len}")
         check_count("max_num_seqs", max_num_seqs)
-        # The KV cache (as init_kv_cache makes it) against its memory: one line now, not N failures later.
-        kv_bytes = (2 * self.config.num_layers * max_num_seqs * max(1, self.config.num_kv_heads // tp)
-                    * self.config.head_dim * (self.max_model_len + 1)
-                    * getattr(torch, dtype).itemsize) * (1 if device == "cuda" else tp)
+        # init_kv_cache's tensors ([2, slots, max_model_len, KV heads, head_dim] per layer and rank) against the memory
+        # they go in (a GPU's; on cpu, every rank's): one line now, not N failures later.
+        kv_heads = max(1, self.config.num_kv_heads // tp)
+        kv_bytes = (self.config.num_layers * 2 * max_num_seqs * self.max_model_len * kv_heads * self.config.head_dim
+                    * getattr(torch, dtype).itemsize * (1 if device == "cuda" else tp))
         memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                   else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         if kv_bytes > memory:
