@@ -359,14 +359,10 @@ class Scheduler:
             request.slot = heapq.heappop(self.free_slots)
             new.append(request)
         self.running += new
-        scheduled = new or self.running
-        output = SchedulerOutput(
-            new_requests=[NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params, r.seed) for r in new],
-            scheduled_ids=[r.request_id for r in scheduled],
-            finished_ids=self.finished_ids,
-        )
-        self.finished_ids = []
-        return output
+        new_requests = [NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params, r.seed) for r in new]
+        scheduled_ids = [r.request_id for r in new or self.running]  # a prefill of the new ones alone, else a decode
+        finished_ids, self.finished_ids = self.finished_ids, []
+        return SchedulerOutput(new_requests, scheduled_ids, finished_ids)
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Append each sampled token; return the requests that finished with it."""
