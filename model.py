@@ -59,8 +59,8 @@ class ModelConfig:
         """Parse a config dict, accepting both the hub's old keys and transformers 5's. Every
         value is checked here, in the driver: a bad one would otherwise fail in N workers."""
         if raw.get("model_type") != "llama":
-            raise ValueError(f"tinytp runs Llama checkpoints only; this config has model_type={raw.get('model_type')!r} "
-                             f"(architectures={raw.get('architectures')})")
+            raise ValueError(f"tinytp runs Llama checkpoints only; this config has model_type="
+                             f"{raw.get('model_type')!r} (architectures={raw.get('architectures')})")
         unknown = sorted(raw.keys() - CONFIG_KEYS["read"].keys() - CONFIG_KEYS["change nothing"].keys())
         if unknown:
             raise ValueError(f"unknown key {unknown[0]}={raw[unknown[0]]!r}: tinytp cannot tell whether it changes "
