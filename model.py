@@ -563,9 +563,8 @@ def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> di
 
 
 def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
-    """Compare every checkpoint tensor's shape (from the safetensors headers: no data is
-    read) with the one config.json implies, in the driver before any worker starts: a config
-    that disagrees with its weights would load slices that fit and compute wrong tokens."""
+    """Compare each checkpoint tensor's shape (its safetensors header: no data read) with the one config.json implies,
+    before any worker starts: a config at odds with its weights would load slices that fit, and compute wrong tokens."""
     found = {name: file.get_slice(name).get_shape() for name, file in open_checkpoint(checkpoint_dir).items()}
     if config.tie_word_embeddings and "lm_head.weight" in found:  # untied by load_checkpoint; its shape checked
         print(f"tinytp: {checkpoint_dir} has an lm_head.weight of its own although tie_word_embeddings is true: "
