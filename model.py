@@ -59,10 +59,8 @@ class ModelConfig:
         """Parse a config dict, accepting both the hub's old keys and transformers 5's. Every
         value is checked here, in the driver: a bad one would otherwise fail in N workers."""
         if raw.get("model_type") != "llama":
-            raise ValueError(
-                f"tinytp runs Llama checkpoints only; this config has model_type="
-                f"{raw.get('model_type')!r} (architectures={raw.get('architectures')})"
-            )
+            raise ValueError(f"tinytp runs Llama checkpoints only; this config has model_type="
+                             f"{raw.get('model_type')!r} (architectures={raw.get('architectures')})")
         unknown = sorted(raw.keys() - CONFIG_KEYS["read"].keys() - CONFIG_KEYS["change nothing"].keys())
         if unknown:
             raise ValueError(f"unknown key {unknown[0]}={raw[unknown[0]]!r}: tinytp cannot tell whether it changes "
@@ -182,11 +180,9 @@ def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
 
     if not is_integer(tp) or tp < 1 or not fits(tp):
         valid = [n for n in range(1, config.num_heads + 1) if fits(n)]
-        raise ValueError(
-            f"tensor parallel size {tp!r} does not fit this model: it must divide "
-            f"num_attention_heads={config.num_heads} and intermediate_size={config.intermediate_size}, "
-            f"and divide or be a multiple of num_key_value_heads={config.num_kv_heads}; valid sizes: {valid}"
-        )
+        raise ValueError(f"tensor parallel size {tp!r} does not fit this model: it must divide num_attention_heads="
+                         f"{config.num_heads} and intermediate_size={config.intermediate_size}, and divide or be a "
+                         f"multiple of num_key_value_heads={config.num_kv_heads}; valid sizes: {valid}")
 
 
 class Collectives:
@@ -567,9 +563,8 @@ def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> di
 
 
 def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
-    """Compare every checkpoint tensor's shape (from the safetensors headers: no data is
-    read) with the one config.json implies, in the driver before any worker starts: a config
-    that disagrees with its weights would load slices that fit and compute wrong tokens."""
+    """Compare each checkpoint tensor's shape (its safetensors header: no data read) with the one config.json implies,
+    before any worker starts: a config at odds with its weights would load slices that fit, and compute wrong tokens."""
     found = {name: file.get_slice(name).get_shape() for name, file in open_checkpoint(checkpoint_dir).items()}
     if config.tie_word_embeddings and "lm_head.weight" in found:  # untied by load_checkpoint; its shape checked
         print(f"tinytp: {checkpoint_dir} has an lm_head.weight of its own although tie_word_embeddings is true: "

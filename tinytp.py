@@ -359,14 +359,10 @@ class Scheduler:
             request.slot = heapq.heappop(self.free_slots)
             new.append(request)
         self.running += new
-        scheduled = new or self.running
-        output = SchedulerOutput(
-            new_requests=[NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params, r.seed) for r in new],
-            scheduled_ids=[r.request_id for r in scheduled],
-            finished_ids=self.finished_ids,
-        )
-        self.finished_ids = []
-        return output
+        new_requests = [NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params, r.seed) for r in new]
+        scheduled_ids = [r.request_id for r in new or self.running]  # a prefill of the new ones alone, else a decode
+        finished_ids, self.finished_ids = self.finished_ids, []
+        return SchedulerOutput(new_requests, scheduled_ids, finished_ids)
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Append each sampled token; return the requests that finished with it."""
@@ -442,10 +438,11 @@ class LLM:
             raise ValueError(f"max_model_len must be an integer in 2..{limit} (the model's max_position_embeddings), "
                              f"got {self.max_model_len}")
         check_count("max_num_seqs", max_num_seqs)
-        # The KV cache (as init_kv_cache makes it) against its memory: one line now, not N failures later.
-        kv_bytes = (2 * self.config.num_layers * max_num_seqs * max(1, self.config.num_kv_heads // tp)
-                    * self.config.head_dim * (self.max_model_len + 1)
-                    * getattr(torch, dtype).itemsize) * (1 if device == "cuda" else tp)
+        # init_kv_cache's tensors ([2, slots, max_model_len, KV heads, head_dim] per layer and rank) against the memory
+        # they go in (a GPU's; on cpu, every rank's): one line now, not N failures later.
+        kv_heads = max(1, self.config.num_kv_heads // tp)
+        kv_bytes = (self.config.num_layers * 2 * max_num_seqs * self.max_model_len * kv_heads * self.config.head_dim
+                    * getattr(torch, dtype).itemsize * (1 if device == "cuda" else tp))
         memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                   else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         if kv_bytes > memory:
