@@ -19,9 +19,8 @@ from safetensors import safe_open
 from torch import nn
 
 # Not PyTorch's public API, in one place -------------------------------------------------
-# oneDNN's packed linear, as torch.compile's CPU backend (inductor) calls it: no public API
-# packs a weight once for oneDNN. The public path is F.linear, which TINYTP_PACK_WEIGHTS=0
-# runs (pack_for_cpu); these ops have these signatures in torch 2.x.
+# oneDNN's packed linear, as torch.compile's CPU backend (inductor) calls it: no public API packs a weight once for
+# oneDNN. The public path is F.linear, which TINYTP_PACK_WEIGHTS=0 runs (pack_for_cpu); signatures as in torch 2.x.
 def cpu_has_native_bfloat16() -> bool:
     """Does oneDNN run bfloat16 natively on this CPU (AVX-512 BF16, AMX)? Nothing public says."""
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -89,21 +88,14 @@ class ModelConfig:
         if heads % kv_heads:  # each KV head serves a whole group of query heads
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         return cls(
-            vocab_size=positive(raw, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=positive(raw, "intermediate_size"),
-            num_layers=positive(raw, "num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=positive(raw, "head_dim", hidden // heads),
-            rms_norm_eps=positive(raw, "rms_norm_eps", 1e-6, float),
-            rope_theta=rope_theta,
-            rope_scaling=rope if rope_type == "llama3" else None,
+            vocab_size=positive(raw, "vocab_size"), hidden_size=hidden, num_layers=positive(raw, "num_hidden_layers"),
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=positive(raw, "head_dim", hidden // heads),
+            intermediate_size=positive(raw, "intermediate_size"), rope_scaling=rope if rope_type == "llama3" else None,
+            rms_norm_eps=positive(raw, "rms_norm_eps", 1e-6, float), rope_theta=rope_theta,
             max_position_embeddings=positive(raw, "max_position_embeddings", 2048),
             tie_word_embeddings=one_of(raw, "tie_word_embeddings", (False, True)),
             dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
-            eos_token_ids=token_id_list(raw.get("eos_token_id"), "eos_token_id"),
-        )
+            eos_token_ids=token_id_list(raw.get("eos_token_id"), "eos_token_id"))
 
     @classmethod
     def from_file(cls, path: str) -> ModelConfig:
@@ -518,6 +510,9 @@ def open_checkpoint(checkpoint_dir: str) -> dict:
     model.safetensors.index.json lists, else every *.safetensors file, refusing a name two of them hold."""
     index_path = os.path.join(checkpoint_dir, "model.safetensors.index.json")
     file_names = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
+    if not file_names:
+        raise FileNotFoundError(f"{checkpoint_dir} has no *.safetensors weights (it has: "
+                                f"{', '.join(sorted(os.listdir(checkpoint_dir)))})")
     if "model.safetensors" in file_names or not os.path.exists(index_path):
         weight_map = {}
         for file_name in ["model.safetensors"] if "model.safetensors" in file_names else file_names:
