@@ -311,14 +311,15 @@ class InProcessExecutor:
     as its distributed_executor_backend and runs its scheduler and loop on top unchanged, and
     the difference from a tp=1 run of the real Executor is the cost of multiprocessing."""
 
-    def __init__(self, model_dir, tp, device, dtype, max_num_seqs, max_model_len, load_format="auto"):
+    def __init__(self, model_dir, tp, device, dtype, max_num_seqs, max_model_len, load_format="auto",
+                 cuda_graphs=False):
         if tp != 1:
             raise ValueError(f"--backend inprocess runs one rank: use --tp 1, not {tp}")
         self.store = tinytp.loopback_store()
         self.worker = Worker(0, 1)
         self.collective_rpc("init_device", None, device, dtype, self.store.port, CORES)
         self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)
-        self.collective_rpc("init_kv_cache", None, max_num_seqs)
+        self.collective_rpc("init_kv_cache", None, max_num_seqs, cuda_graphs)
 
     def collective_rpc(self, method, timeout=None, *args, **kwargs):
         call = method if callable(method) else getattr(Worker, method)
@@ -357,7 +358,7 @@ class EngineBackend:
         executor_class = timed(InProcessExecutor if inprocess else tinytp.Executor, self.steps)
         self.llm = tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=len(prompts),
                               max_model_len=args.input_len + args.output_len, load_format=load_format,
-                              distributed_executor_backend=executor_class)
+                              distributed_executor_backend=executor_class, cuda_graphs=args.cuda_graphs)
         self.prompts = prompts
         self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
         self.parameter_bytes = max(self.llm.collective_rpc("parameter_bytes"))
@@ -502,7 +503,8 @@ def run_latency(args) -> dict:
         backend = (HFBackend if args.backend == "hf" else EngineBackend)(
             args, model_dir, load_format, device, dtype, prompts.tolist())
         try:
-            print(f"{args.backend}, tp={args.tp}, {device}, {dtype}, {load_format} weights; threads: {backend.threads}")
+            print(f"{args.backend}, tp={args.tp}, {device}, {dtype}, {load_format} weights, "
+                  f"{'CUDA graphs' if args.cuda_graphs else 'eager'}; threads: {backend.threads}")
             for _ in tqdm(range(args.num_iters_warmup), desc="Warmup iterations"):
                 backend.generate()
             backend.steps.clear()
@@ -519,7 +521,8 @@ def run_latency(args) -> dict:
     # The ranks on a CPU share one memory and its bandwidth; each GPU has its own.
     shared, memory = (args.tp, "memory") if device == "cpu" else (1, "each GPU")
     result = report(latencies, backend.steps, weight_bytes * shared, *memory_bandwidth(device), memory)
-    return {"backend": args.backend, "tp": args.tp, "device": device, "dtype": dtype, **result}
+    return {"backend": args.backend, "tp": args.tp, "device": device, "dtype": dtype, "cuda_graphs": args.cuda_graphs,
+            **result}
 
 
 # --------------------------------------------------------------------------------------
@@ -674,6 +677,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)")
     parser.add_argument("--backend", choices=["tinytp", "hf", "inprocess"], default="tinytp",
                         help="inprocess: tinytp's worker in this process, no executor (tp=1)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="tinytp's decode steps as CUDA graphs (opt-in)")
     parser.add_argument("--output-json", default=None, help="write the results to this file")
     args = parser.parse_args(argv)
     for name, least in [("batch_size", 1), ("input_len", 1), ("output_len", 2), ("num_iters", 1), ("rounds", 1)]:
@@ -684,6 +688,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if path is not None and (not path or os.path.isdir(path) or not os.access(folder, os.W_OK)):
             parser.error(f"{flag} needs a file it can write, got {path!r}"
                          + ("" if os.path.isdir(folder) else f": there is no folder {folder}"))
+    if args.cuda_graphs and args.backend == "hf":
+        parser.error("--cuda-graphs is tinytp's: --backend hf runs transformers' generate as it is")
     if args.write_gguf and os.path.exists(args.write_gguf):
         parser.error(f"--write-gguf {args.write_gguf} exists already: remove it, or give another name")
     return args

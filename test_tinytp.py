@@ -1104,7 +1104,7 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
     with pytest.raises(ValueError, match="valid sizes"):
         LLM(str(tmp_path), tensor_parallel_size=3, load_format="dummy")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="needs 2 GPUs; 0 visible"):
+        with pytest.raises(ValueError, match="tp=2 needs 2 GPUs and 0 are visible"):
             LLM(str(tmp_path), tensor_parallel_size=2, device="cuda", load_format="dummy")
 
 
@@ -1261,6 +1261,8 @@ def test_a_malformed_config_is_one_line_naming_the_file_and_key(tmp_path, capsys
                                               r"got 'ray'"),
     ({"distributed_executor_backend": dict}, r"must be 'mp' or an Executor class, got <class 'dict'>"),
     ({"distributed_executor_backend": tinytp.Executor.execute_model}, r"or an Executor class, got <function"),
+    ({"cuda_graphs": True}, r"^cuda_graphs must be False, or True on device 'cuda'; got True on cpu$"),
+    ({"cuda_graphs": 1}, r"^cuda_graphs must be False, or True on device 'cuda'; got 1 on cpu$"),
 ])
 def test_llm_arguments_of_the_wrong_type_are_refused_before_spawning(mha_checkpoint, kwargs, message):
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
@@ -1579,8 +1581,9 @@ def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
     (["--write-gguf", ""], "--write-gguf needs a file it can write, got ''"),
     (["--write-gguf", "{tmp}"], "--write-gguf needs a file it can write, got '{tmp}'"),
     (["--write-gguf", "{tmp}/exists.gguf"], "--write-gguf {tmp}/exists.gguf exists already: remove it"),
+    (["--backend", "hf", "--cuda-graphs"], "--cuda-graphs is tinytp's: --backend hf runs transformers' generate"),
 ])
-def test_bench_checks_its_output_paths_before_running(tmp_path, capsys, args, message):
+def test_bench_checks_its_arguments_before_running(tmp_path, capsys, args, message):
     import bench
 
     (tmp_path / "exists.gguf").write_text("mine")
@@ -2358,7 +2361,8 @@ def test_cli_two_programs_at_once_on_a_fresh_machine(cli_env):
     (["--model", "/no/such/model"], "model path /no/such/model does not exist"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
     (["--prompt", "x" * 600], "prompt has 6"),  # spawned by then: the workers must still go away
-    pytest.param(["--device", "cuda"], "--device cuda with tp=1 needs 1 GPUs; 0 visible",
+    (["--device", "cpu", "--cuda-graphs"], "cuda_graphs must be False, or True on device 'cuda'; got True on cpu"),
+    pytest.param(["--device", "cuda"], "tp=1 needs 1 GPUs and 0 are visible; --device cpu runs it on the CPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(cli_env, args, message):

@@ -96,10 +96,9 @@ def resolve_model(model: str | None, weights: bool = True) -> str:
     patterns = ["*.json", "tokenizer.model"] + (["*.safetensors"] if weights else [])
     try:  # only what inference needs: configs, safetensors weights, tokenizer files
         return snapshot_download(model, allow_patterns=patterns)
-    except Exception as e:
-        reason = " ".join(str(e).split())  # the hub's messages span lines; ours is one
+    except Exception as e:  # the hub's messages span lines; ours is one
         raise FileNotFoundError(f"could not get {model} from the Hugging Face Hub or its cache "
-                                f"({type(e).__name__}: {reason})") from None
+                                f"({type(e).__name__}: {' '.join(str(e).split())})") from None
 
 
 def has_tokenizer(model_dir: str) -> bool:
@@ -130,11 +129,9 @@ def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dt
     bfloat16 only where oneDNN runs it natively (AVX-512 and newer: faster than float32 and half the memory,
     docs/performance.md), float32 otherwise, float16 included: slow on CPUs)."""
     gpus = torch.cuda.device_count()
-    if device is None and 0 < gpus < tp:  # not a silent fall back to the CPU, minutes of loading later
-        raise ValueError(f"tp={tp} needs {tp} GPUs and {gpus} are visible; --device cpu runs it on the CPU")
-    device = device or ("cuda" if gpus else "cpu")
+    device = device or ("cuda" if gpus else "cpu")  # too few GPUs: refused, not a silent fall back to the CPU
     if device == "cuda" and gpus < tp:
-        raise ValueError(f"--device cuda with tp={tp} needs {tp} GPUs; {gpus} visible")
+        raise ValueError(f"tp={tp} needs {tp} GPUs and {gpus} are visible; --device cpu runs it on the CPU")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dtype == "auto":
@@ -181,7 +178,7 @@ class Executor:
     worker answers on its own queue, and a step (execute_model) rank 0 alone: every rank sampled the same tokens."""
 
     def __init__(self, model_dir: str, tp: int, device: str, dtype: str, max_num_seqs: int, max_model_len: int,
-                 load_format: str = "auto"):
+                 load_format: str = "auto", cuda_graphs: bool = False):
         self.tp = tp
         self.call_ids = itertools.count(1)
         self.failure: str | None = None
@@ -217,7 +214,7 @@ class Executor:
             self.collective_rpc("init_device", None, device, dtype, self.store.port, threads_per_rank(tp),
                                 self.collective_block and self.collective_block.name)
             self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)
-            self.collective_rpc("init_kv_cache", None, max_num_seqs)
+            self.collective_rpc("init_kv_cache", None, max_num_seqs, cuda_graphs)
         except BaseException:
             self.shutdown()
             raise
@@ -264,13 +261,10 @@ class Executor:
                         reply = queue.dequeue(timeout, check=self._check_workers)  # may span chunks
                         if reply.call_id != message.call_id:
                             continue  # a late answer to a call that timed out or was interrupted
-                        if isinstance(reply, ModelRunnerOutput):
-                            results[rank] = reply
-                        elif reply.error is not None:
+                        if not isinstance(reply, ModelRunnerOutput) and reply.error is not None:
                             self._check_workers()  # a dead peer is the root cause of a collective's error
                             raise WorkerError(f"worker rank {rank} failed in {name}:\n{reply.error}")
-                        else:
-                            results[rank] = reply.value
+                        results[rank] = reply if isinstance(reply, ModelRunnerOutput) else reply.value
                 return len(results) == len(ranks)
 
             start = time.perf_counter()
@@ -413,7 +407,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, device: str | None = None,
                  dtype: str = "auto", max_num_seqs: int = 8, max_model_len: int | None = None,
-                 load_format: str = "auto", distributed_executor_backend: str | type = "mp"):
+                 load_format: str = "auto", distributed_executor_backend: str | type = "mp", cuda_graphs: bool = False):
         from transformers import AutoTokenizer
         if importing_main_for_spawn():
             sys.exit("tinytp: a worker process, importing your script as spawn does, ran its LLM(...) too: "
@@ -449,12 +443,11 @@ class LLM:
             raise ValueError(f"max_num_seqs={max_num_seqs} and max_model_len={self.max_model_len} need a "
                              f"{kv_bytes / 2**30:,.1f} GiB KV cache ({dtype}), more than the {memory / 2**30:,.1f} GiB "
                              f"of {'a GPU' if device == 'cuda' else 'this machine'}: lower one")
+        if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":  # graphs capture CUDA kernels
+            raise ValueError(f"cuda_graphs must be False, or True on device 'cuda'; got {cuda_graphs!r} on {device}")
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' (safetensors) or 'dummy', got {load_format!r}")
         packing_wanted()  # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
-        files = os.listdir(self.model_dir)
-        if load_format == "auto" and not any(f.endswith(".safetensors") for f in files):
-            raise FileNotFoundError(f"{self.model_dir} has no *.safetensors weights (it has: {', '.join(sorted(files))})")
         if load_format == "auto":
             check_checkpoint(self.config, self.model_dir)
         # A dummy-weight run of a bare config.json needs no tokenizer: its prompts are token ids.
@@ -466,7 +459,8 @@ class LLM:
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids(), self.detokenize)
         self.request_ids = itertools.count()
         self.busy = threading.Lock()  # held by the one generate() or stream() that runs (see _run)
-        self.executor = executor_class(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format)
+        self.executor = executor_class(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format,
+                                       cuda_graphs=cuda_graphs)
 
     def end_of_sequence_ids(self) -> set[int]:
         """Tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3), the tokenizer's."""
@@ -545,10 +539,8 @@ class LLM:
                 continue  # half of a multi-byte character: wait for the rest
             decoded += text[len(self.detokenize(token_ids[start:shown])):]
             start, shown = shown, len(token_ids)
-            if request.finish_reason is None:
-                end = max(sent, len(decoded) - hold)
-            else:  # all of it, up to the stop string if one ended it
-                end = len(decoded) if request.text_end is None else request.text_end
+            # At the end, all of it up to the stop string that ended it, if one did (text_end None: to the end).
+            end = max(sent, len(decoded) - hold) if request.finish_reason is None else request.text_end
             yield decoded[sent:end]
             sent = end
 
@@ -680,6 +672,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (opt-in)")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt text as it is")
     parser.add_argument("--trace", action="store_true", default=os.environ.get("TINYTP_TRACE") == "1",
                         help="print a timeline of one decode step across processes (also TINYTP_TRACE=1)")
@@ -707,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{model_dir} has no tokenizer files, so it cannot take text prompts")
         if not chosen:
             params = replace(default_sampling_params(model_dir), **others)
-        with LLM(model_dir, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len) as llm:
+        with LLM(model_dir, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len,
+                 cuda_graphs=args.cuda_graphs) as llm:
             if args.model is None:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
                       "so its text is gibberish", file=sys.stderr)

@@ -98,23 +98,21 @@ class SamplingParams:
         # Checked for type as well as range, here in the driver: a NaN or a float count that
         # reached the workers would fail inside a step and take every request with it.
         check_count("n", self.n)
-        if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not is_integer(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= 1, or 0 or -1 for all tokens, got {self.top_k!r}")
-        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not (is_integer(self.seed) and 0 <= self.seed < 2**64):  # what torch takes
-            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        for name, valid, allowed in [
+                ("temperature", is_number(self.temperature) and 0 <= self.temperature < math.inf, "a number >= 0"),
+                ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+                ("top_k", is_integer(self.top_k) and self.top_k >= -1, "an integer >= 1, or 0 or -1 for all tokens"),
+                ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+                ("seed", self.seed is None or is_integer(self.seed) and 0 <= self.seed < 2**64,  # what torch takes
+                 "None or an integer in [0, 2**64)"),
+                ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False")]:
+            if not valid:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
         stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(stop)
         self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         check_count("max_tokens", self.max_tokens)
 
 
@@ -499,22 +497,20 @@ class Worker:
 
     def init_kv_cache(self, max_num_seqs: int, static_decode: bool = False) -> None:
         """Preallocate keys and values: one slot per running request, max_model_len positions each. Zeros:
-        never-written positions are masked, but a masked NaN would still poison the weighted sum. static_decode
-        (LLM(cuda_graphs=True)): every decode step at one shape (static_decode_step), as a CUDA graph replays it."""
+        never-written positions are masked, but a masked NaN would still poison the weighted sum."""
         attn = self.model.layers[0].self_attn
         shape = (2, max_num_seqs, self.max_model_len, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
         self.max_num_seqs = max_num_seqs
-        self.cuda_graphs = {} if static_decode else None  # context length: (graph, its inputs, its logits)
+        self.cuda_graphs = {} if static_decode else None  # LLM(cuda_graphs=True): length: (graph, inputs, logits)
 
     def prepare_inputs(self, scheduled: list[CachedRequest], context_len: int | None = None) -> ModelInputs:
         """Padded tensors of the scheduled requests: a new one feeds its whole prompt, a running one its last sampled
-        token. Padding takes the positions after a sequence's end, which attention hides and its tokens overwrite.
-        A context_len (a static decode step's) fixes how many positions attention reads, always through the mask."""
+        token. Padding takes the positions after a sequence's end, which attention hides and its tokens overwrite."""
         new_tokens = [r.token_ids[r.num_computed:] for r in scheduled]
         width = max(len(t) for t in new_tokens)
         contexts = [r.num_computed + len(t) for r, t in zip(scheduled, new_tokens)]
-        static, context_len = context_len is not None, context_len or max(contexts)
+        static, context_len = context_len is not None, context_len or max(contexts)  # static_decode_step's: masked
         positions = torch.tensor([[r.num_computed + i for i in range(width)] for r in scheduled], device=self.device)
         slots = [r.slot for r in scheduled]
         slot_ids = torch.tensor(slots, device=self.device)
@@ -532,20 +528,17 @@ class Worker:
         )
 
     def static_decode_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
-        """A decode step at the one shape a CUDA graph replays: every slot is a row (row i = slot i; a free slot feeds
-        token 0 at its position 0, which the prefill that next takes it rewrites), and attention reads a power of two
-        of positions, so a few graphs serve every context length. Returns the scheduled requests' logits."""
-        rows = [CachedRequest([0], 0, slot, None, None) for slot in range(self.max_num_seqs)]
-        for request in scheduled:
-            rows[request.slot] = request
-        longest = max(r.num_computed for r in scheduled) + 1
-        inputs = self.prepare_inputs(rows, min(self.max_model_len, max(16, 1 << (longest - 1).bit_length())))
+        """A decode step at the one shape a CUDA graph replays: row i is slot i (a free one feeds token 0 at position 0,
+        which its next prefill rewrites), attention reads a power of two of positions. The scheduled rows' logits."""
+        by_slot = {request.slot: request for request in scheduled}
+        rows = [by_slot.get(slot) or CachedRequest([0], 0, slot, None, None) for slot in range(self.max_num_seqs)]
+        longest = max(r.num_computed for r in scheduled)  # + 1, this step's token: at most the power of two above
+        inputs = self.prepare_inputs(rows, min(self.max_model_len, max(16, 1 << longest.bit_length())))
         if self.device.type != "cuda" or dist.get_backend() != "nccl":  # gloo cannot be captured: run it as it is
             return self.model(inputs, self.kv_caches)[[r.slot for r in scheduled]]
         if inputs.context_len not in self.cuda_graphs:  # at a length's first step: every rank at the same step
             self.model(inputs, self.kv_caches)  # warm-up (this very step): lazy initialization stays out of the graph
-            torch.cuda.synchronize()  # none of its collectives still in flight, for nccl's watchdog thread,
-            graph = torch.cuda.CUDAGraph()  # whose event queries "thread_local" lets run during the capture
+            graph = torch.cuda.CUDAGraph()  # "thread_local": nccl's watchdog thread may query its events meanwhile
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self.cuda_graphs[inputs.context_len] = graph, inputs, self.model(inputs, self.kv_caches)
         graph, captured, logits = self.cuda_graphs[inputs.context_len]
@@ -574,12 +567,10 @@ class Worker:
             self.requests[new.request_id] = CachedRequest(
                 list(new.prompt_token_ids), 0, new.slot, new.params, generator)
         scheduled = [self.requests[i] for i in scheduler_output.scheduled_ids]
-        decode = all(len(r.token_ids) == r.num_computed + 1 for r in scheduled)
+        static = self.cuda_graphs is not None and all(len(r.token_ids) == r.num_computed + 1 for r in scheduled)
         with torch.inference_mode():
-            if decode and self.cuda_graphs is not None:
-                logits = self.static_decode_step(scheduled)
-            else:
-                logits = self.model(self.prepare_inputs(scheduled), self.kv_caches)
+            logits = (self.static_decode_step(scheduled) if static  # a decode step, with LLM(cuda_graphs=True)
+                      else self.model(self.prepare_inputs(scheduled), self.kv_caches))
         tokens = self.sample(logits, scheduled)  # .tolist() in it waits for the GPU to finish
         for request, token in zip(scheduled, tokens):
             request.num_computed = len(request.token_ids)
