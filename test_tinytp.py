@@ -929,7 +929,7 @@ def spawned_workers_of(pid: int) -> list[int]:
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline") as f:
                 spawned = "spawn_main" in f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # it exited between the listing and the read
             continue
         if parent == pid and spawned:
             found.append(int(entry))
