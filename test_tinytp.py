@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 # transformers.X, not from-imports: transformers loads a class on first use, and each worker imports
-# this module to run the functions collective_rpc sends it, which need none of them (seconds each).
+# this module to run the functions collective_rpc sends it, which need none of them (and loading them
+# would be most of that import's time).
 import transformers
 
 import checkpoints
