@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -2366,12 +2367,19 @@ def test_cli_dead_worker_is_one_line_and_exit_1(cli_env):
     assert not shm_entries(program.pid)
 
 
+@pytest.mark.quick
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_ci_gpu_script_without_a_gpu_says_to_use_device_cpu(capsys):
+    # Run in this process as `python3 .ci/gpu` runs it (runpy): it refuses before its first step.
+    with mock.patch.object(sys, "argv", [".ci/gpu"]), mock.patch.object(sys, "path", sys.path[:]):  # it adds its root
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(os.path.join(HERE, ".ci", "gpu"), run_name="__main__")
+    assert exited.value.code == 2 and capsys.readouterr().err.startswith(".ci/gpu: error: torch sees no CUDA GPU here")
+
+
 def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
     """.ci/gpu's logic where CI can run it: the same steps on CPU with tiny models (its
     CUDA tests are all skipped here, each saying why)."""
-    if not torch.cuda.is_available():
-        refused = subprocess.run([sys.executable, ".ci/gpu"], cwd=HERE, capture_output=True, text=True, timeout=120)
-        assert refused.returncode == 2 and refused.stderr.startswith(".ci/gpu: error: torch sees no CUDA GPU here")
     done = subprocess.run([sys.executable, ".ci/gpu", "--device", "cpu"], cwd=HERE, capture_output=True, text=True,
                           env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
