@@ -2329,17 +2329,26 @@ def test_cli_two_programs_at_once_on_a_fresh_machine(cli_env):
     assert "One decode step" in errors[1] and "rank 1  all_gather" in errors[1]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("args, message", [
     (["--tp", "3"], "tensor parallel size 3 does not fit this model"),
     (["--model", "/no/such/model"], "model path /no/such/model does not exist"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
-    (["--prompt", "x" * 600], "prompt has 6"),  # spawned by then: the workers must still go away
     pytest.param(["--device", "cuda"], "--device cuda with tp=1 needs 1 GPUs; 0 visible",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
 ])
-def test_cli_bad_input_is_one_line_and_exit_2(cli_env, args, message):
-    out, err = run_cli(args, cli_env).communicate(timeout=120)
+def test_cli_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    # In this process: each is refused before a worker starts; the next test runs the CLI as a process of its own.
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        assert tinytp.main(args) == 2
+    out, err = capsys.readouterr()
     assert err.strip().splitlines()[-1].startswith(f"tinytp: error: {message}")
+    assert "Traceback" not in err and "Output:" not in out
+
+
+def test_cli_prompt_too_long_is_one_line_and_exit_2_and_the_workers_go_away(cli_env):
+    out, err = run_cli(["--prompt", "x" * 600], cli_env).communicate(timeout=120)  # ends once nothing holds its pipes
+    assert err.strip().splitlines()[-1].startswith("tinytp: error: prompt has 6")
     assert "Traceback" not in err and "Output:" not in out
 
 
