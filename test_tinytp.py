@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import importlib.util
 import itertools
 import json
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -29,7 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+# transformers.X, not from-imports: transformers loads a class on first use, and each worker imports
+# this module to run the functions collective_rpc sends it, which need none of them (and loading them
+# would be most of that import's time).
+import transformers
 
 import checkpoints
 import model as model_code
@@ -69,7 +74,7 @@ def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
     new, shipped = (safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
                     for folder in (tmp_path, tinytp.TINY_MODEL_DIR))
     assert {k: (t.shape, t.dtype) for k, t in new.items()} == {k: (t.shape, t.dtype) for k, t in shipped.items()}
-    tokenizer = AutoTokenizer.from_pretrained(tinytp.TINY_MODEL_DIR)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tinytp.TINY_MODEL_DIR)
     assert tokenizer("hé!").input_ids == [256, *"hé!".encode()] and tokenizer.eos_token_id == 257
 
 
@@ -87,7 +92,7 @@ def test_the_8b_shapes_writer_at_a_small_width_loads_in_tinytp_and_transformers(
     assert written == {**config, "bos_token_id": 256, "eos_token_id": 257}  # the byte tokenizer's
     with safetensors.torch.safe_open(path / files[0], "pt") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
-    hf_model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with LLM(str(path), tensor_parallel_size=1, device="cpu", dtype="float32", max_model_len=64) as llm:
         assert max(llm.tokenizer.get_vocab().values()) < config["vocab_size"] and llm.tokenizer.chat_template
         check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
@@ -110,15 +115,17 @@ def test_checkpoints_cli_refuses_in_one_line(tmp_path, capsys, args, message):
 
 
 def make_checkpoint(path, *, heads=4, kv_heads=2, vocab=258, tied=False, rope_scaling=None,
-                    old_config_keys=False, max_shard_size=None, seed=0, hidden=64, intermediate=96) -> LlamaForCausalLM:
+                    old_config_keys=False, max_shard_size=None, seed=0, hidden=64,
+                    intermediate=96) -> transformers.LlamaForCausalLM:
     """Write a random Llama checkpoint (with the byte-level tokenizer) and return the
     transformers model that reads it back. Weights get a wider spread than the default
     init so that logits are far from ties and a wrong token shows."""
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                         tie_word_embeddings=tied, rope_scaling=rope_scaling, bos_token_id=256, eos_token_id=257)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                      num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                      max_position_embeddings=256, tie_word_embeddings=tied, rope_scaling=rope_scaling,
+                                      bos_token_id=256, eos_token_id=257)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -139,7 +146,7 @@ def make_checkpoint(path, *, heads=4, kv_heads=2, vocab=258, tied=False, rope_sc
         raw["rope_scaling"] = rope if rope["rope_type"] != "default" else None
         with open(config_path, "w") as f:
             json.dump(raw, f)
-    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -376,7 +383,8 @@ def test_tinytp_pack_weights_0_keeps_the_loaded_layout_and_the_tokens(monkeypatc
         assert matmul_layouts(worker) == layouts  # 4 per layer, then the LM head
         tokens[pack] = worker.requests[0].token_ids[len(PROMPTS[3]):]
     assert tokens["0"] == tokens["1"]
-    assert_tokens_match_hf(LlamaForCausalLM.from_pretrained(tinytp.TINY_MODEL_DIR).eval(), PROMPTS[3], tokens["0"])
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tinytp.TINY_MODEL_DIR).eval()
+    assert_tokens_match_hf(hf_model, PROMPTS[3], tokens["0"])
     monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "no")
     with pytest.raises(ValueError, match="TINYTP_PACK_WEIGHTS must be 0 or 1, not 'no'"):
         worker_in_process([PROMPTS[3]], decode_steps=0)
@@ -836,7 +844,7 @@ def test_tp2_bfloat16_tied_packed_tokens_within_tolerance_of_transformers_bfloat
     teacher-forced. These logits lie within +-2, where bfloat16 moves in steps of 1/128:
     the two sum in different orders, and 2 of 200 tokens measured 2 steps (1/64) apart."""
     make_checkpoint(tmp_path, heads=4, kv_heads=2, tied=True)
-    hf_model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     with LLM(str(tmp_path), tensor_parallel_size=2, device="cpu", dtype="bfloat16", max_model_len=128) as llm:
         check_greedy_against_hf(llm, hf_model, max_tokens=40, tolerance=1 / 32)
         packed = torch.bfloat16 if model_code.cpu_has_native_bfloat16() else False
@@ -972,7 +980,7 @@ def spawned_workers_of(pid: int) -> list[int]:
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline") as f:
                 spawned = "spawn_main" in f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # it exited between the listing and the read
             continue
         if parent == pid and spawned:
             found.append(int(entry))
@@ -1305,7 +1313,8 @@ def refused_before_spawning(path, message: str, capsys) -> None:
 
 def check_tp1_and_tp2_against_transformers(path, hf_model=None) -> None:
     """transformers reads the directory as it will; tinytp's greedy tokens must be its tokens."""
-    hf_model = hf_model or LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False).eval()
+    hf_model = hf_model or transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                         trust_remote_code=False).eval()
     for tp in (1, 2):
         with LLM(str(path), tensor_parallel_size=tp, device="cpu", max_model_len=64) as llm:
             check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
@@ -1316,7 +1325,7 @@ def test_every_llama_config_field_is_read_or_known_to_change_nothing():
     """A field that a new transformers release adds to LlamaConfig fails here until someone
     decides whether it changes the model (and either reads it or lists why not)."""
     classified = model_code.CONFIG_KEYS["read"].keys() | model_code.CONFIG_KEYS["change nothing"].keys()
-    fields = set(LlamaConfig().to_dict()) | set(vars(LlamaConfig())) | set(LLAMA_31_8B)
+    fields = set(transformers.LlamaConfig().to_dict()) | set(vars(transformers.LlamaConfig())) | set(LLAMA_31_8B)
     fields = {name for name in fields if not name.startswith("_") or name == "_name_or_path"}  # private state
     assert not fields - classified, f"unclassified config.json keys: {sorted(fields - classified)}"
     assert all(isinstance(why, str) and len(why) > 10 for why in model_code.CONFIG_KEYS["change nothing"].values())
@@ -1332,7 +1341,8 @@ def test_every_llama_config_field_is_read_or_known_to_change_nothing():
             read.add(key)
             return super().__getitem__(key)
 
-    ModelConfig.from_dict(RecordingDict({**LlamaConfig().to_dict(), "rope_scaling": None, "torch_dtype": None}))
+    ModelConfig.from_dict(RecordingDict({**transformers.LlamaConfig().to_dict(), "rope_scaling": None,
+                                         "torch_dtype": None}))
     assert read == model_code.CONFIG_KEYS["read"].keys()
 
 
@@ -1688,7 +1698,7 @@ class TestVllmAPI:
 
     def test_each_request_output_has_outputs_with_text_token_ids_and_finish_reason(self, tp2, mha_checkpoint):
         path, hf_model = mha_checkpoint
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         prompts = ["Hello, my name is", "The capital of France is"]
         outputs = tp2.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
         assert [output.prompt for output in outputs] == prompts
@@ -1732,7 +1742,7 @@ class TestVllmAPI:
         assert [o.outputs[0].token_ids[:10] for o in top_3] != [o.outputs[0].token_ids for o in greedy]
 
     def test_stop_strings_and_stop_token_ids_end_the_sequence(self, tp2, mha_checkpoint):
-        tokenizer = AutoTokenizer.from_pretrained(mha_checkpoint[0])
+        tokenizer = transformers.AutoTokenizer.from_pretrained(mha_checkpoint[0])
         greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
         full = tp2.generate([PROMPTS[0]], SamplingParams(**greedy))[0].outputs[0]
         stop_token = full.token_ids[6]
@@ -1850,16 +1860,26 @@ def smollm2():
     path = os.path.join(cache, "tinytp", "smollm2-135m-instruct")
     if not os.path.isdir(path):
         convert_smollm2(path)
-    return path, LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 LONG_TEXT = ("Tensor parallelism splits each weight matrix of a transformer across several devices, "
              "so that every device holds and multiplies only its own slice. ") * 12
 
 
+@pytest.fixture(scope="module")
+def smollm2_greedy(smollm2):
+    """transformers' greedy tokens after a prompt, each computed once: every tp size is checked on the same prompts."""
+    @functools.cache
+    def greedy(prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        return smollm2[1].generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   max_new_tokens=max_new_tokens, do_sample=False)[0, len(prompt):].tolist()
+    return greedy
+
+
 @pytest.mark.parametrize("tp", [1, 3])
-def test_real_llama_greedy_tokens_equal_transformers(smollm2, tp):
-    path, hf_model = smollm2
+def test_real_llama_greedy_tokens_equal_transformers(smollm2, smollm2_greedy, tp):
+    path, _ = smollm2
     with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=512) as llm:
         tokenizer = llm.tokenizer
         chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
@@ -1869,10 +1889,9 @@ def test_real_llama_greedy_tokens_equal_transformers(smollm2, tp):
         assert 280 <= len(prompts[-1]) <= 320, len(prompts[-1])  # a ~300-token prompt
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
         for prompt, output in zip(prompts, outputs):
-            expected = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                         max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
             completion = output.outputs[0]
-            assert completion.token_ids == expected, (tp, tokenizer.decode(prompt[-20:]), completion.text)
+            assert completion.token_ids == smollm2_greedy(tuple(prompt), 16), (tp, tokenizer.decode(prompt[-20:]),
+                                                                              completion.text)
         answer = outputs[2].outputs[0]
         assert answer.text == "The capital of France is Paris." and answer.finish_reason == "stop"
 
@@ -2011,7 +2030,7 @@ def test_cuda_bfloat16_teacher_forced_within_transformers_own_bfloat16_error(cud
     picked, are within twice transformers' own bfloat16 error (its largest difference from
     its float32 logits, on the same tokens) of float32."""
     path, hf_model = cuda_checkpoint
-    hf_bfloat16 = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    hf_bfloat16 = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
     with LLM(path, tensor_parallel_size=1, device="cuda", dtype="bfloat16", max_model_len=64) as llm:
         check_each_rank_holds_its_share(llm.collective_rpc(cuda_memory), hf_model, itemsize=2)
         llm.collective_rpc(disable_unfused_attention)
@@ -2356,18 +2375,27 @@ def test_cli_two_programs_at_once_on_a_fresh_machine(cli_env):
     assert "One decode step" in errors[1] and "rank 1  all_gather" in errors[1]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("args, message", [
     (["--tp", "3"], "tensor parallel size 3 does not fit this model"),
     (["--model", "/no/such/model"], "model path /no/such/model does not exist"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
-    (["--prompt", "x" * 600], "prompt has 6"),  # spawned by then: the workers must still go away
     (["--device", "cpu", "--cuda-graphs"], "cuda_graphs must be False, or True on device 'cuda'; got True on cpu"),
     pytest.param(["--device", "cuda"], "tp=1 needs 1 GPUs and 0 are visible; --device cpu runs it on the CPU",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
 ])
-def test_cli_bad_input_is_one_line_and_exit_2(cli_env, args, message):
-    out, err = run_cli(args, cli_env).communicate(timeout=120)
+def test_cli_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    # In this process: each is refused before a worker starts; the next test runs the CLI as a process of its own.
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        assert tinytp.main(args) == 2
+    out, err = capsys.readouterr()
     assert err.strip().splitlines()[-1].startswith(f"tinytp: error: {message}")
+    assert "Traceback" not in err and "Output:" not in out
+
+
+def test_cli_prompt_too_long_is_one_line_and_exit_2_and_the_workers_go_away(cli_env):
+    out, err = run_cli(["--prompt", "x" * 600], cli_env).communicate(timeout=120)  # ends once nothing holds its pipes
+    assert err.strip().splitlines()[-1].startswith("tinytp: error: prompt has 6")
     assert "Traceback" not in err and "Output:" not in out
 
 
@@ -2395,12 +2423,19 @@ def test_cli_dead_worker_is_one_line_and_exit_1(cli_env):
     assert not shm_entries(program.pid)
 
 
+@pytest.mark.quick
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_ci_gpu_script_without_a_gpu_says_to_use_device_cpu(capsys):
+    # Run in this process as `python3 .ci/gpu` runs it (runpy): it refuses before its first step.
+    with mock.patch.object(sys, "argv", [".ci/gpu"]), mock.patch.object(sys, "path", sys.path[:]):  # it adds its root
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(os.path.join(HERE, ".ci", "gpu"), run_name="__main__")
+    assert exited.value.code == 2 and capsys.readouterr().err.startswith(".ci/gpu: error: torch sees no CUDA GPU here")
+
+
 def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
     """.ci/gpu's logic where CI can run it: the same steps on CPU with tiny models (its
     CUDA tests are all skipped here, each saying why)."""
-    if not torch.cuda.is_available():
-        refused = subprocess.run([sys.executable, ".ci/gpu"], cwd=HERE, capture_output=True, text=True, timeout=120)
-        assert refused.returncode == 2 and refused.stderr.startswith(".ci/gpu: error: torch sees no CUDA GPU here")
     done = subprocess.run([sys.executable, ".ci/gpu", "--device", "cpu"], cwd=HERE, capture_output=True, text=True,
                           env={**os.environ, "OUT": str(tmp_path)}, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
