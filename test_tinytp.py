@@ -2463,8 +2463,11 @@ def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
     assert mission["cli"]["same_text_as_tp=1"] and [len(mission["tokens"][tp]["ranks"]) for tp in ("tp=1", "tp=2")] == [1, 2]
     assert all(run["passed"] and run["tokens"] == 32 for run in mission["transformers"].values())
     assert report["table"] in done.stdout and "Unproven on one GPU: nccl at tp=2" in report["table"]
+    graphs = report["cuda_graphs"]  # on CPU the fixed-shape step runs eagerly: nothing is captured
+    assert graphs["captured_lengths"] == [] and graphs["decode_steps_compared"] >= 1
+    assert set(graphs["step_ms"]) == {"eager", "cuda graphs"} and "cuda graphs (the mission's" in report["table"]
     assert sorted(os.listdir(tmp_path)) == [
-        "decode-step.log", "gpu.json", "mission-cli.log", "mission-tokens.log", "mission-transformers.log",
+        "cuda-graphs.log", "decode-step.log", "gpu.json", "mission-cli.log", "mission-tokens.log", "mission-transformers.log",
         "mission-write.log", "sdpa.log", "tests.log", "tinytp.log", "transformers.log"]
 
 
