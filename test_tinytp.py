@@ -1571,6 +1571,22 @@ def test_a_kv_cache_larger_than_memory_is_refused_naming_its_size(mha_checkpoint
             LLM(mha_checkpoint[0], device="cpu", max_num_seqs=10**9)
 
 
+def kv_cache_bytes(worker) -> int:  # run in the workers, through collective_rpc
+    return sum(cache.nbytes for cache in worker.kv_caches)
+
+
+def test_the_kv_cache_check_counts_the_bytes_the_workers_allocate(mha_checkpoint):
+    """To the byte: memory for exactly the workers' KV caches (every rank's, on one CPU) passes, one byte less not."""
+    with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=3, max_model_len=64) as llm:
+        allocated = sum(llm.collective_rpc(kv_cache_bytes))
+    for memory, refused in [(allocated, False), (allocated - 1, True)]:
+        pages = {"SC_PHYS_PAGES": memory, "SC_PAGE_SIZE": 1}
+        with mock.patch.object(os, "sysconf", side_effect=pages.get), \
+                mock.patch.object(tinytp, "Executor", side_effect=AssertionError("checked")):
+            with pytest.raises(ValueError if refused else AssertionError, match="KV cache" if refused else "checked"):
+                LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=3, max_model_len=64)
+
+
 @pytest.mark.quick
 def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
     config = ModelConfig.from_dict(LLAMA_31_8B)
