@@ -100,17 +100,23 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str) -> ModelConfig:
         """Read config.json; any problem with it is one ValueError that names the file."""
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
-            raise ValueError(f"{path} is not valid JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{path} holds a {type(raw).__name__}, not a JSON object")
+        raw = read_json_object(path)
         try:
             return cls.from_dict(raw)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
+
+
+def read_json_object(path: str) -> dict:
+    """A JSON file that must hold an object (config.json, generation_config.json): else one ValueError naming it."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a {type(raw).__name__}, not a JSON object")
+    return raw
 
 
 # Every config.json key tinytp knows: those from_dict reads (refusing values it cannot honour) and those that

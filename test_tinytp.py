@@ -1571,6 +1571,18 @@ def test_a_kv_cache_larger_than_memory_is_refused_naming_its_size(mha_checkpoint
             LLM(mha_checkpoint[0], device="cpu", max_num_seqs=10**9)
 
 
+@pytest.mark.parametrize("text, message", [("{not json", "is not valid JSON"), ("[1, 2]", "holds a list, not a JSON object")])
+@pytest.mark.parametrize("flags", [[], ["--temperature", "0"]])  # the model's sampling defaults read, or only its eos ids
+def test_a_bad_generation_config_is_one_line_naming_it(tmp_path, capsys, text, message, flags):
+    make_checkpoint(tmp_path)
+    (tmp_path / "generation_config.json").write_text(text)
+    capsys.readouterr()  # not the checkpoint writer's progress bars
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        assert tinytp.main(["--model", str(tmp_path), "--prompt", "hi", *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"tinytp: error: {tmp_path}/generation_config.json {message}")
+
+
 def kv_cache_bytes(worker) -> int:  # run in the workers, through collective_rpc
     return sum(cache.nbytes for cache in worker.kv_caches)
 

@@ -14,7 +14,6 @@ import atexit
 import contextlib
 import heapq
 import itertools
-import json
 import os
 import pickle
 import random
@@ -32,15 +31,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model import (ModelConfig, TPGroup, check_checkpoint, check_count, check_tensor_parallel_size, checkpoint_shapes,
-                   cpu_has_native_bfloat16, is_integer, meta_model, packing_wanted, token_id_list, vocab_rows_per_rank)
+                   cpu_has_native_bfloat16, is_integer, meta_model, packing_wanted, read_json_object, token_id_list,
+                   vocab_rows_per_rank)
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams, SchedulerOutput,
                     check_free_shared_memory, collective_block_bytes, forget_child_processes, importing_main_for_spawn,
                     new_shared_memory, unlink_semaphores, wait_until, worker_main)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
-# transformers is imported inside functions: spawned workers re-import this module as
-# __mp_main__, and they need neither the tokenizer nor the seconds that import costs.
+# transformers is imported in functions: spawned workers re-import this module and need neither it nor its seconds.
 
 # Requests and outputs, in vLLM's shape -----------------------------------------------
 @dataclass
@@ -109,17 +108,14 @@ def default_sampling_params(model_dir: str) -> SamplingParams:
     """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens from the checkpoint's
     generation_config.json, vLLM's defaults for the rest (do_sample is not read, as in vLLM)."""
     path = os.path.join(model_dir, "generation_config.json")
+    config = read_json_object(path) if os.path.exists(path) else {}
     try:
-        with open(path) as f:
-            config = json.load(f)
         if config.get("repetition_penalty", 1.0) != 1.0:
             raise ValueError(f"repetition_penalty={config['repetition_penalty']}: tinytp does not support penalties")
         config["max_tokens"] = config.get("max_new_tokens")  # transformers' name for it
         return SamplingParams(**{key: config[key] for key in ("temperature", "top_p", "top_k", "min_p", "max_tokens")
                                  if config.get(key) is not None})
-    except FileNotFoundError:
-        return SamplingParams()
-    except ValueError as e:  # bad JSON too
+    except ValueError as e:  # a value SamplingParams refuses
         raise ValueError(f"{path}: {e}") from None
 
 
@@ -254,8 +250,7 @@ class Executor:
             results: dict[int, object] = {}
 
             def poll() -> bool:
-                # Every rank's queue, not only those that owe a reply: a rank that fails sends its error unasked,
-                # and another may be stuck waiting for it.
+                # Every rank's queue, not only those that owe a reply: a failed rank sends its error unasked.
                 for rank, queue in enumerate(self.responses):
                     while queue.ready():
                         reply = queue.dequeue(timeout, check=self._check_workers)  # may span chunks
@@ -465,10 +460,9 @@ class LLM:
     def end_of_sequence_ids(self) -> set[int]:
         """Tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3), the tokenizer's."""
         ids = set(self.config.eos_token_ids)
-        generation_config = os.path.join(self.model_dir, "generation_config.json")
-        if os.path.exists(generation_config):
-            with open(generation_config) as f:
-                ids.update(token_id_list(json.load(f).get("eos_token_id"), f"{generation_config}: eos_token_id"))
+        path = os.path.join(self.model_dir, "generation_config.json")
+        if os.path.exists(path):
+            ids.update(token_id_list(read_json_object(path).get("eos_token_id"), f"{path}: eos_token_id"))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
