@@ -771,7 +771,7 @@ class TestStaticDecode:
             llm.collective_rpc(record_step_shapes)
             normal = llm.generate(self.PROMPTS, self.PARAMS)
             normal_shapes = llm.collective_rpc(step_shapes)[0]
-            llm.collective_rpc("init_kv_cache", None, 3, True)  # the same slots, decoded at one shape
+            llm.collective_rpc("init_kv_cache", args=(3, True))  # the same slots, decoded at one shape
             llm.collective_rpc(record_step_shapes)
             static = llm.generate(self.PROMPTS, self.PARAMS)
             return normal, static, normal_shapes, llm.collective_rpc(step_shapes)
@@ -1003,10 +1003,10 @@ def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoin
             llm.collective_rpc(raise_on_rank_1)
         start = time.monotonic()
         with pytest.raises(TimeoutError, match="sleep_in_worker on the workers: nothing after 0.5 s"):
-            llm.collective_rpc(sleep_in_worker, 0.5, 2.0)
+            llm.collective_rpc(sleep_in_worker, 0.5, args=(2.0,))
         assert time.monotonic() - start < 2.0  # it gave up after about 0.5 s, not after the sleep
         # The late replies to the timed-out call are recognised and dropped.
-        assert llm.collective_rpc(sleep_in_worker, None, 0.0) == [0.0, 0.0]
+        assert llm.collective_rpc(sleep_in_worker, args=(0.0,)) == [0.0, 0.0]
         # A function the workers cannot import (its module is on the driver's path only,
         # added after they started) comes back as an error, and the workers stay up.
         (tmp_path / "driver_only.py").write_text("def where(worker):\n    return worker.group.rank\n")
@@ -2141,11 +2141,11 @@ def test_a_message_cut_off_part_way_fails_the_llm_clearly(mha_checkpoint):
     path, _ = mha_checkpoint
     with LLM(path, device="cpu", max_model_len=64) as llm:
         with pytest.raises(TimeoutError):
-            llm.collective_rpc(sleep_in_worker, 0.1, 1.0)  # the worker is busy for a second
+            llm.collective_rpc(sleep_in_worker, 0.1, args=(1.0,))  # the worker is busy for a second
         with pytest.raises(TimeoutError, match="writer waited"):  # 8 of its 20 chunks fill the ring
-            llm.collective_rpc(length_of, 0.3, b"x" * 20_000_000)
+            llm.collective_rpc(length_of, 0.3, args=(b"x" * 20_000_000,))
         with pytest.raises(RuntimeError, match=r"workers are gone \(a message to them was cut off part-way"):
-            llm.collective_rpc(length_of, 5, b"y")
+            llm.collective_rpc(length_of, 5, args=(b"y",))
         with pytest.raises(RuntimeError, match="workers are gone"):
             llm.generate([[256, 1, 2]])
     assert not shm_entries()
@@ -2222,7 +2222,7 @@ def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(m
                                   daemon=True)  # a thread: a generate whose reply was taken fails the test, not hangs it
         thread.start()
         while thread.is_alive() and len(answers) < 1000:  # between the steps of the generate
-            answers.append(llm.collective_rpc(length_of, 10, b"x" * len(answers)))
+            answers.append(llm.collective_rpc(length_of, 10, args=(b"x" * len(answers),)))
         thread.join(timeout=30)
         assert not thread.is_alive() and during == [alone]
         assert len(answers) > 3 and answers == [[n] for n in range(len(answers))], answers[:10]

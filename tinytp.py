@@ -495,10 +495,10 @@ class LLM:
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """The next message of a conversation (a list of {"role", "content"} dicts), or of each in a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self._chat_prompt(conversation, chat_template, add_generation_prompt)
+        return self.generate([self.chat_prompt(conversation, chat_template, add_generation_prompt)
                               for conversation in conversations], sampling_params, use_tqdm)
 
-    def _chat_prompt(self, conversation: list[dict], chat_template: str | None = None,
+    def chat_prompt(self, conversation: list[dict], chat_template: str | None = None,
                      add_generation_prompt: bool = True) -> dict:
         """A conversation as a prompt: its text, and its token ids (the template writes the special tokens)."""
         if not (self.tokenizer and (chat_template or self.tokenizer.chat_template)):
@@ -600,8 +600,11 @@ class LLM:
         finally:
             self.busy.release()
 
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None, *args, **kwargs) -> list:
-        return self.executor.collective_rpc(method, timeout, *args, **kwargs)
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's public form: args and kwargs as a tuple and a dict, so that no name of the method's own
+        arguments can collide with collective_rpc's (the Executor keeps the PR's `*args, **kwargs`)."""
+        return self.executor.collective_rpc(method, timeout, *args, **(kwargs or {}))
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -701,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                       "so its text is gibberish", file=sys.stderr)
             llm.executor.trace_next_decode = args.trace
             template = llm.tokenizer.chat_template and not args.no_chat_template
-            inputs = [llm._chat_prompt([{"role": "user", "content": p}]) if template else p for p in prompts]
+            inputs = [llm.chat_prompt([{"role": "user", "content": p}]) if template else p for p in prompts]
             if len(prompts) == 1:  # stream a single completion as it is generated
                 pieces = llm.stream(inputs[0], params)  # checks the prompt before anything is printed
                 print(f"Prompt: {prompts[0]!r}\nOutput: ", end="", flush=True)
