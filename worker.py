@@ -625,7 +625,10 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
     """The loop of one worker process: take the next step or call from the broadcast queue, run it, reply. Nothing
     else happens here (design discussion: workers "sit in a very tight model execution loop" of model execution and
     termination). driver_pid is passed in: a driver that died while we imported torch has re-parented us already."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    # Ctrl-C, and a SIGTERM sent to the whole process group (timeout, systemd), are the driver's to handle: it stops
+    # us in order. (The driver's force is SIGKILL.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # tqdm's default lock is a named semaphore, which the resource tracker reports "leaked" when a killed worker
     # leaves it behind. One thread here draws progress bars: a thread lock does.
     tqdm.set_lock(threading.RLock())
