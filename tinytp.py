@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,9 @@ import torch.multiprocessing as mp
 from model import (ModelConfig, TPGroup, check_checkpoint, check_count, check_tensor_parallel_size, checkpoint_shapes,
                    cpu_has_native_bfloat16, is_integer, meta_model, packing_wanted, read_json_object, token_id_list,
                    vocab_rows_per_rank)
-from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams, SchedulerOutput,
-                    check_free_shared_memory, collective_block_bytes, forget_child_processes, importing_main_for_spawn,
-                    new_shared_memory, unlink_semaphores, wait_until, worker_main)
+from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, RPCResult, SamplingParams,
+                    SchedulerOutput, check_free_shared_memory, collective_block_bytes, forget_child_processes,
+                    importing_main_for_spawn, new_shared_memory, unlink_semaphores, wait_until, worker_main)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -296,7 +296,7 @@ class Executor:
     def _send(self, call: RPCCall, timeout: float | None, name: str) -> int:
         """Number the call, broadcast it, and expect its answers; return its number."""
         with self.sending:
-            if self.failure is None and any(queue.cut_off for queue in [self.broadcast, *self.responses]):
+            if self.failure is None and any(q.cut_off for q in [self.broadcast, *self.responses]):
                 self._fail("a message to them was cut off part-way, and they would misread what follows")
             if self.failure is not None:
                 raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
@@ -328,9 +328,9 @@ class Executor:
     def _take_replies(self) -> None:
         """Every reply that has come, from every rank's queue (not only those that owe one: a failed rank sends its
         error unasked), filed under the call it answers."""
-        for rank, queue in enumerate(self.responses):
-            while queue.ready():
-                reply: RPCResult = queue.dequeue(check=self._check_workers)  # may span chunks
+        for rank, replies in enumerate(self.responses):
+            while replies.ready():
+                reply: RPCResult = replies.dequeue(check=self._check_workers)  # may span chunks
                 if reply.call_id not in self.awaited:
                     continue  # a late answer to a call that timed out or was interrupted
                 name, answers, _ = self.awaited[reply.call_id]
@@ -387,8 +387,8 @@ class Executor:
                 process.kill()
                 process.join()
         unlink_semaphores([*self.broadcast.handle.doorbells, *filter(None, [getattr(self, "doorbell", None)])])
-        for queue in [self.broadcast, *self.responses]:
-            queue.close()
+        for message_queue in [self.broadcast, *self.responses]:
+            message_queue.close()
         if self.collective_block is not None:
             self.collective_block.close()
             self.collective_block.unlink()
