@@ -451,16 +451,12 @@ class CachedRequest:
     generator: torch.Generator
 
 
-TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods that --trace times
-
-
 class Worker:
     """Everything one rank does: execute_model runs each step, the other methods come through collective_rpc."""
 
     def __init__(self, rank: int, world_size: int):
         self.group = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
-        self.trace: list[tuple] | None = None  # (start, end, what, bytes) while --trace records
         self.steps_run = self.steps_with_the_next_waiting = 0  # counted by worker_main
 
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int,
@@ -579,30 +575,6 @@ class Worker:
             request.token_ids.append(token)
         return ModelRunnerOutput(tokens, time.perf_counter() - start)
 
-    def start_trace(self) -> None:  # --trace: this and stop_trace run through the driver's collective_rpc
-        """Record (start, end, what, bytes) events in self.trace by wrapping the step's and the collectives' methods,
-        so the model code stays as it is (worker_main adds the reply). perf_counter() is one clock in every process,
-        so the timelines line up (on CUDA: launch times)."""
-        events = self.trace = []
-
-        def timed(what: str, method: Callable) -> Callable:
-            def run(*args, **kwargs):
-                start = time.perf_counter()
-                result = method(*args, **kwargs)
-                events.append((start, time.perf_counter(), what, getattr(args[0], "nbytes", 0)))  # a tensor's
-                return result
-            return run
-        self.execute_model = timed("got the step and ran execute_model", self.execute_model)
-        for name in TRACED_COLLECTIVES:  # instance attributes shadow the methods
-            setattr(model_code.collectives, name, timed(name, getattr(model_code.collectives, name)))
-
-    def stop_trace(self) -> list[tuple]:
-        for name in TRACED_COLLECTIVES:
-            delattr(model_code.collectives, name)
-        del self.execute_model
-        events, self.trace = self.trace, None
-        return events
-
     def close(self, unlink_collective_block: bool = False) -> None:
         if isinstance(model_code.collectives, SharedMemoryCollectives):
             model_code.collectives.close(unlink_collective_block)
@@ -648,10 +620,7 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
             except Exception:
                 reply = RPCResult(call.call_id, error=traceback.format_exc())
             if call.unique_reply_rank in (None, rank) or reply.error is not None:
-                start = time.perf_counter()
-                size = response.enqueue(reply, check=driver_alive)
-                if call.method == "execute_model" and worker.trace is not None:  # --trace (Worker.start_trace)
-                    worker.trace.append((start, time.perf_counter(), "replied", size))
+                response.enqueue(reply, check=driver_alive)
             if call.method == "execute_model":  # with async scheduling, the next step is already here (bench.py)
                 worker.steps_run += 1
                 worker.steps_with_the_next_waiting += broadcast.ready()
