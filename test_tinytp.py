@@ -2812,3 +2812,19 @@ def test_no_measured_figure_in_the_core_modules_comments_or_docstrings():
                   if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))]
         found += [f"{name}:{line}: {text.strip()[:80]}" for line, text in texts if MEASURED_FIGURE.search(text)]
     assert not found, "\n".join(found)
+
+
+# --------------------------------------------------------------------------------------
+# Course, round 4: a worker's end, the README's commands, the trace
+# --------------------------------------------------------------------------------------
+
+
+def test_workers_exit_at_a_shutdown_within_its_grace_not_killed(mha_checkpoint):
+    """A worker's last step is os._exit: the interpreter's own exit, collecting torch's objects one by one, took
+    longer than shutdown's 2 s grace on a busy machine, so every shutdown waited 2 s and then killed (-9)."""
+    llm = LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=64)
+    workers = list(llm.executor.workers)
+    start = time.monotonic()
+    llm.shutdown()
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    assert time.monotonic() - start < 1.5
