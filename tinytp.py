@@ -36,8 +36,8 @@ import torch.multiprocessing as mp
 from model import (ModelConfig, TPGroup, check_checkpoint, check_count, check_tensor_parallel_size, checkpoint_shapes,
                    cpu_has_native_bfloat16, is_integer, meta_model, packing_wanted, read_json_object, token_id_list,
                    vocab_rows_per_rank)
-from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, RPCResult, SamplingParams,
-                    SchedulerOutput, check_free_shared_memory, collective_block_bytes, forget_child_processes,
+from worker import (SHUTDOWN, TRACED_COLLECTIVES, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, RPCResult,
+                    SamplingParams, SchedulerOutput, check_free_shared_memory, collective_block_bytes, forget_child_processes,
                     importing_main_for_spawn, new_shared_memory, unlink_semaphores, wait_until, worker_main)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
@@ -396,15 +396,24 @@ class Executor:
 
 
 def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]) -> str:
-    """--trace's rows by start time: the driver's broadcast and wait (Executor.traced_step), the ranks' (start_trace)."""
+    """--trace's rows, process by process (the driver's broadcast and wait: Executor.traced_step; each rank's:
+    start_trace), each in time order, all timed from the broadcast. Every rank runs the same collectives in the same
+    order, so numbering them (#1, #2, ...) pairs a collective's rows across ranks."""
     start, sent, replied, size = driver_call
-    events = [("driver", start, sent, "broadcast execute_model", size),
-              ("driver", sent, replied, "waited for the reply", 0)]
-    events += [(f"rank {rank}", *event) for rank, mine in enumerate(rank_events) for event in mine]
-    events.sort(key=lambda event: event[1])
-    return f"{'start':>12}  {'process':<7} {'event':<32} {'took':>10}  size\n" + "\n".join(
-        f"{(start - events[0][1]) * 1e6:9.0f} us  {who:<7} {what:<32} {(end - start) * 1e6:7.0f} us  "
-        + (f"{size:,} bytes" if size else "") for who, start, end, what, size in events)
+
+    def row(who: str, begin: float, end: float, what: str, nbytes: int) -> str:
+        return (f"{(begin - start) * 1e6:9.0f} us  {who:<7} {what:<32} {(end - begin) * 1e6:7.0f} us  "
+                + (f"{nbytes:,} bytes" if nbytes else ""))
+
+    blocks = [[row("driver", start, sent, "broadcast execute_model", size),
+               row("driver", sent, replied, "waited for the reply", 0)]]
+    for rank, mine in enumerate(rank_events):
+        collective_number = itertools.count(1)
+        blocks.append([row(f"rank {rank}", begin, end,
+                           f"#{next(collective_number)} {what}" if what in TRACED_COLLECTIVES else what, nbytes)
+                       for begin, end, what, nbytes in sorted(mine)])
+    header = f"{'start':>12}  {'process':<7} {'event':<32} {'took':>10}  size\n"
+    return header + "\n\n".join("\n".join(block) for block in blocks)
 
 
 # The scheduler ------------------------------------------------------------------------
