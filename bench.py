@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -232,7 +233,7 @@ def measure_transport(transport: Transport, context) -> tuple[dict[str, np.ndarr
 
 
 def run_ipc() -> dict:
-    """Time every transport; print a table and the targets' ratios; return it all."""
+    """Time every transport; print a table, the ratios to shm and the machine's load; return it all."""
     context = mp.get_context("spawn")
     roundtrip, throughput, idle = {}, {}, {}
     for name, transport in TRANSPORTS.items():
@@ -249,10 +250,13 @@ def run_ipc() -> dict:
         cells = "".join(f"{s['p50']:11.1f}{s['p99']:11.1f}" for s in by_size.values())
         print(f"{name:6}{cells}{throughput[name]:10.2f}{idle[name]:7.1%}")
     small = {name: by_size["small"]["p50"] for name, by_size in roundtrip.items()}
-    print(f"\nsmall message, median: pipe / shm = {small['pipe'] / small['shm']:.1f}x (target >= 3), "
-          f"queue / shm = {small['queue'] / small['shm']:.1f}x (target >= 10)")
-    print(f"16 MiB through shm: {throughput['shm']:.2f} GB/s (target >= 1)")
-    print(f"idle MessageQueue reader: {idle['shm']:.1%} of a core (target < 5%)")
+    # Reported, not judged: on a busy machine a reader waits for a core, which blurs the transports' differences.
+    print(f"\nsmall message, median: pipe / shm = {small['pipe'] / small['shm']:.1f}x, "
+          f"queue / shm = {small['queue'] / small['shm']:.1f}x")
+    print(f"16 MiB through shm: {throughput['shm']:.2f} GB/s")
+    print(f"idle MessageQueue reader: {idle['shm']:.1%} of a core")
+    print(f"load while timing: {os.getloadavg()[0]:.1f} processes wanting a core, of {os.cpu_count()} cores "
+          "(more than the cores: the figures above include waits for one)")
     return {"roundtrip_us": roundtrip, "idle_reader_cpu": idle["shm"], "throughput_16m_gbps": throughput}
 
 
@@ -691,8 +695,7 @@ def trace_decode_step(llm: tinytp.LLM, prompts: list[list[int]]) -> str:
         def result() -> ModelRunnerOutput:
             output = step.result()
             size = len(encode(RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0)))
-            driver[:] = [("driver", start, sent, "broadcast execute_model", size),
-                         ("driver", sent, time.perf_counter(), "waited for the reply", 0)]
+            driver[:] = [start, sent, time.perf_counter(), size]
             return output
         return tinytp.StepFuture(result) if non_block else result()
 
@@ -703,13 +706,29 @@ def trace_decode_step(llm: tinytp.LLM, prompts: list[list[int]]) -> str:
     finally:
         del llm.executor.execute_model
         rank_events = llm.collective_rpc(stop_trace)
-    decode_start = driver[0][1]  # the last step's: the decode
-    events = driver + [(f"rank {rank}", *event) for rank, mine in enumerate(rank_events) for event in mine
-                       if event[0] >= decode_start]
-    events.sort(key=lambda event: event[1])
-    return f"{'start':>12}  {'process':<7} {'event':<32} {'took':>10}  size\n" + "\n".join(
-        f"{(start - decode_start) * 1e6:9.0f} us  {who:<7} {what:<32} {(end - start) * 1e6:7.0f} us  "
-        + (f"{size:,} bytes" if size else "") for who, start, end, what, size in events)
+    start, sent, replied, size = driver  # the last step's: the decode
+    return trace_timeline(driver, [[event for event in mine if event[0] >= start] for mine in rank_events])
+
+
+def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]) -> str:
+    """--trace's rows, process by process (the driver's broadcast and wait; each rank's), each in time order, all timed
+    from the broadcast. Every rank runs the same collectives in the same order, so numbering them (#1, #2, ...) pairs
+    a collective's rows across ranks."""
+    start, sent, replied, size = driver_call
+
+    def row(who: str, begin: float, end: float, what: str, nbytes: int) -> str:
+        return (f"{(begin - start) * 1e6:9.0f} us  {who:<7} {what:<32} {(end - begin) * 1e6:7.0f} us  "
+                + (f"{nbytes:,} bytes" if nbytes else ""))
+
+    blocks = [[row("driver", start, sent, "broadcast execute_model", size),
+               row("driver", sent, replied, "waited for the reply", 0)]]
+    for rank, mine in enumerate(rank_events):
+        collective_number = itertools.count(1)
+        blocks.append([row(f"rank {rank}", begin, end,
+                           f"#{next(collective_number)} {what}" if what in TRACED_COLLECTIVES else what, nbytes)
+                       for begin, end, what, nbytes in sorted(mine)])
+    header = f"{'start':>12}  {'process':<7} {'event':<32} {'took':>10}  size\n"
+    return header + "\n\n".join("\n".join(block) for block in blocks)
 
 
 def run_trace(args) -> dict:

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import runpy
+import shlex
 import signal
 import subprocess
 import sys
@@ -2808,3 +2809,98 @@ def test_no_measured_figure_in_the_core_modules_comments_or_docstrings():
                   if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))]
         found += [f"{name}:{line}: {text.strip()[:80]}" for line, text in texts if MEASURED_FIGURE.search(text)]
     assert not found, "\n".join(found)
+
+
+# --------------------------------------------------------------------------------------
+# Course, round 4: a worker's end, the README's commands, the trace
+# --------------------------------------------------------------------------------------
+
+
+def test_workers_exit_at_a_shutdown_within_its_grace_not_killed(mha_checkpoint):
+    """A worker's last step is os._exit: the interpreter's own exit, collecting torch's objects one by one, took
+    longer than shutdown's 2 s grace on a busy machine, so every shutdown waited 2 s and then killed (-9)."""
+    llm = LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=64)
+    workers = list(llm.executor.workers)
+    start = time.monotonic()
+    llm.shutdown()
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    assert time.monotonic() - start < 1.5
+
+
+@pytest.mark.quick
+def test_trace_timeline_groups_each_process_and_numbers_the_collectives():
+    """--trace reads process by process: the ranks' rows interleaved by time were hard to follow; the numbers pair the
+    same collective across ranks, whose starts differ."""
+    driver = (10.0, 10.001, 10.010, 140)
+    ranks = [[(10.002, 10.009, "got the step and ran execute_model", 0), (10.003, 10.004, "all_reduce", 768),
+              (10.005, 10.006, "all_gather", 1548), (10.0091, 10.0092, "replied", 117)],
+             [(10.0015, 10.008, "got the step and ran execute_model", 0), (10.004, 10.005, "all_reduce", 768),
+              (10.0055, 10.006, "all_gather", 1548)]]
+    import bench
+
+    lines = bench.trace_timeline(driver, ranks).splitlines()
+    processes = [line[14:21].strip() for line in lines[1:]]
+    assert processes == ["driver"] * 2 + [""] + ["rank 0"] * 4 + [""] + ["rank 1"] * 3
+    assert "rank 0  #1 all_reduce" in lines[5] and "rank 1  #2 all_gather" in lines[-1]
+    assert lines[-1].lstrip().startswith("5500 us")  # from the driver's broadcast
+
+
+def commands_in(markdown: str) -> list[str]:
+    """Every `python X.py ...` and `pytest ...` command of a page: in code blocks (comments cut) and in `code`."""
+    found = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", markdown, re.S):
+        found += [line.split("  #")[0].strip() for line in block.splitlines()]
+    prose = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    found += re.findall(r"`((?:python \w+\.py|pytest test_tinytp\.py)[^`]*)`", prose)
+    return [command for command in found if re.match(r"(python \w+\.py|pytest )", command)]
+
+
+def names_for_k(test_module) -> list[set[str]]:
+    """Each test's names as pytest -k matches them: its function, its class, the module, its markers."""
+    def marks(obj) -> set[str]:
+        return {mark.name for mark in getattr(obj, "pytestmark", [])}
+    tests = []
+    for name, obj in vars(test_module).items():
+        if name.startswith("test_") and callable(obj):
+            tests.append({name, "test_tinytp.py", "test_tinytp"} | marks(obj))
+        elif name.startswith("Test") and isinstance(obj, type):
+            tests += [{name, method, "test_tinytp.py", "test_tinytp"} | marks(obj) | marks(getattr(obj, method))
+                      for method in dir(obj) if method.startswith("test_")]
+    return tests
+
+
+@pytest.mark.quick
+def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags():
+    """A renamed flag or test breaks this test, not a student: each command of the README (and docs/exercises.md) is
+    parsed by its program's own argparse parser, in this process; a pytest -k or -m must select a test; every
+    ```python block must compile."""
+    from _pytest.mark.expression import Expression  # pytest's own -k/-m language
+
+    import bench
+    parsers = {"tinytp.py": tinytp.parse_args, "bench.py": bench.parse_args, "checkpoints.py": checkpoints.parse_args}
+    tests = names_for_k(sys.modules[__name__])
+    pages = [path for path in ("README.md", "docs/exercises.md") if os.path.exists(os.path.join(HERE, path))]
+    checked = []
+    for page in pages:
+        markdown = open(os.path.join(HERE, page)).read()
+        for block in re.findall(r"```python\n(.*?)```", markdown, re.S):
+            compile(block, page, "exec")
+        for command in commands_in(markdown):
+            words = shlex.split(command.replace("\\|", "|").split(" | ")[0])
+            if words[0] == "python":
+                try:
+                    parsers[words[1]](words[2:])
+                except SystemExit as e:  # --help's is 0
+                    if e.code != 0:
+                        pytest.fail(f"{page}: `{command}` no longer parses (exit {e.code})")
+            else:
+                assert words[1] == "test_tinytp.py", f"{page}: `{command}`"
+                options = dict(zip(words[2:], words[3:]))  # an option and the word after it
+                for option, matches in (("-k", lambda names, word: any(word.lower() in name.lower() for name in names)),
+                                        ("-m", lambda names, word: word in names)):
+                    if option in options:
+                        expression = Expression.compile(options[option])
+                        assert any(expression.evaluate(lambda word, **_: matches(names, word)) for names in tests), \
+                            f"{page}: `{command}` selects no test"
+            checked.append(command)
+    assert len(checked) >= 15 and any("bench.py" in c for c in checked) and any("-k" in c for c in checked)

@@ -14,6 +14,7 @@ import os
 import pickle
 import signal
 import struct
+import sys
 import threading
 import time
 import traceback
@@ -635,3 +636,8 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
         worker.close(unlink_collective_block=broadcast.owner)  # rank 0 owns the shared blocks once the driver is gone
         broadcast.close()
         response.close()
+    # Everything is released. The interpreter's own exit would now collect torch's and the model's objects one by
+    # one, for seconds on a busy machine: longer than shutdown's grace, and a dead driver's workers would linger.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
