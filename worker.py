@@ -453,6 +453,13 @@ class CachedRequest:
 TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods that --trace times
 
 
+def choose_cuda_attention_backends() -> None:
+    """cuDNN's attention, PyTorch's first choice on Hopper, builds a plan for each new set of sizes, the key length
+    included: each decode step at a new length would pay for one. Off: flash attention takes the unmasked
+    half-precision calls, memory-efficient attention the masked and float32 ones (both can be captured in a graph)."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class Worker:
     """Everything one rank does: execute_model runs each step, the other methods come through collective_rpc."""
 
@@ -470,6 +477,7 @@ class Worker:
         self.device = torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before the process group, which binds to it
+            choose_cuda_attention_backends()
         self.dtype = getattr(torch, dtype)
         # For a driver that died meanwhile (NCCL's first get waits this long too: ranks come together).
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
