@@ -510,7 +510,11 @@ class Worker:
         shape = (2, max_num_seqs, self.max_model_len, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
         self.max_num_seqs = max_num_seqs
-        self.cuda_graphs = {} if static_decode else None  # LLM(cuda_graphs=True): length: (graph, inputs, logits)
+        self.static_decode = static_decode  # LLM(cuda_graphs=True): every decode step at one shape
+        # Its graphs (length: (graph, inputs, logits)) where they can be captured: not gloo's collectives. None runs
+        # the same fixed-shape step eagerly (.ci/gpu compares the two).
+        capturable = self.device.type == "cuda" and dist.get_backend() == "nccl"
+        self.cuda_graphs = {} if static_decode and capturable else None
 
     def prepare_inputs(self, scheduled: list[CachedRequest], context_len: int | None = None) -> ModelInputs:
         """Padded tensors of the scheduled requests: a new one feeds its whole prompt, a running one its last sampled
@@ -542,7 +546,7 @@ class Worker:
         rows = [by_slot.get(slot) or CachedRequest([0], 0, slot, None, None) for slot in range(self.max_num_seqs)]
         longest = max(r.num_computed for r in scheduled)  # + 1, this step's token: at most the power of two above
         inputs = self.prepare_inputs(rows, min(self.max_model_len, max(16, 1 << longest.bit_length())))
-        if self.device.type != "cuda" or dist.get_backend() != "nccl":  # gloo cannot be captured: run it as it is
+        if self.cuda_graphs is None:  # no graphs (see init_kv_cache): run it as it is
             return self.model(inputs, self.kv_caches)[[r.slot for r in scheduled]]
         if inputs.context_len not in self.cuda_graphs:  # at a length's first step: every rank at the same step
             self.model(inputs, self.kv_caches)  # warm-up (this very step): lazy initialization stays out of the graph
@@ -575,7 +579,7 @@ class Worker:
             self.requests[new.request_id] = CachedRequest(
                 list(new.prompt_token_ids), 0, new.slot, new.params, generator)
         scheduled = [self.requests[i] for i in scheduler_output.scheduled_ids]
-        static = self.cuda_graphs is not None and all(len(r.token_ids) == r.num_computed + 1 for r in scheduled)
+        static = self.static_decode and all(len(r.token_ids) == r.num_computed + 1 for r in scheduled)
         with torch.inference_mode():
             logits = (self.static_decode_step(scheduled) if static  # a decode step, with LLM(cuda_graphs=True)
                       else self.model(self.prepare_inputs(scheduled), self.kv_caches))
