@@ -452,6 +452,13 @@ class CachedRequest:
     generator: torch.Generator
 
 
+def choose_cuda_attention_backends() -> None:
+    """cuDNN's attention, PyTorch's first choice on Hopper, builds a plan for each new set of sizes, the key length
+    included: each decode step at a new length would pay for one. Off: flash attention takes the unmasked
+    half-precision calls, memory-efficient attention the masked and float32 ones (both can be captured in a graph)."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class Worker:
     """Everything one rank does: execute_model runs each step, the other methods come through collective_rpc."""
 
@@ -469,6 +476,7 @@ class Worker:
         self.device = torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before the process group, which binds to it
+            choose_cuda_attention_backends()
         self.dtype = getattr(torch, dtype)
         # For a driver that died meanwhile (NCCL's first get waits this long too: ranks come together).
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
@@ -501,7 +509,11 @@ class Worker:
         shape = (2, max_num_seqs, self.max_model_len, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
         self.max_num_seqs = max_num_seqs
-        self.cuda_graphs = {} if static_decode else None  # LLM(cuda_graphs=True): length: (graph, inputs, logits)
+        self.static_decode = static_decode  # LLM(cuda_graphs=True): every decode step at one shape
+        # Its graphs (length: (graph, inputs, logits)) where they can be captured: not gloo's collectives. None runs
+        # the same fixed-shape step eagerly (.ci/gpu compares the two).
+        capturable = self.device.type == "cuda" and dist.get_backend() == "nccl"
+        self.cuda_graphs = {} if static_decode and capturable else None
 
     def prepare_inputs(self, scheduled: list[CachedRequest], context_len: int | None = None) -> ModelInputs:
         """Padded tensors of the scheduled requests: a new one feeds its whole prompt, a running one its last sampled
@@ -533,7 +545,7 @@ class Worker:
         rows = [by_slot.get(slot) or CachedRequest([0], 0, slot, None, None) for slot in range(self.max_num_seqs)]
         longest = max(r.num_computed for r in scheduled)  # + 1, this step's token: at most the power of two above
         inputs = self.prepare_inputs(rows, min(self.max_model_len, max(16, 1 << longest.bit_length())))
-        if self.device.type != "cuda" or dist.get_backend() != "nccl":  # gloo cannot be captured: run it as it is
+        if self.cuda_graphs is None:  # no graphs (see init_kv_cache): run it as it is
             return self.model(inputs, self.kv_caches)[[r.slot for r in scheduled]]
         if inputs.context_len not in self.cuda_graphs:  # at a length's first step: every rank at the same step
             self.model(inputs, self.kv_caches)  # warm-up (this very step): lazy initialization stays out of the graph
@@ -566,7 +578,7 @@ class Worker:
             self.requests[new.request_id] = CachedRequest(
                 list(new.prompt_token_ids), 0, new.slot, new.params, generator)
         scheduled = [self.requests[i] for i in scheduler_output.scheduled_ids]
-        static = self.cuda_graphs is not None and all(len(r.token_ids) == r.num_computed + 1 for r in scheduled)
+        static = self.static_decode and all(len(r.token_ids) == r.num_computed + 1 for r in scheduled)
         with torch.inference_mode():
             logits = (self.static_decode_step(scheduled) if static  # a decode step, with LLM(cuda_graphs=True)
                       else self.model(self.prepare_inputs(scheduled), self.kv_caches))
