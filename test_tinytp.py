@@ -1619,8 +1619,10 @@ def kv_cache_bytes(worker) -> int:  # run in the workers, through collective_rpc
 def test_the_kv_cache_check_counts_the_bytes_the_workers_allocate(mha_checkpoint):
     """To the byte: memory for exactly the workers' weights and KV caches (every rank's, on one CPU) passes, one byte
     less not."""
+    import bench
+
     with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=3, max_model_len=64) as llm:
-        allocated = sum(llm.collective_rpc(kv_cache_bytes)) + sum(llm.collective_rpc("parameter_bytes"))
+        allocated = sum(llm.collective_rpc(kv_cache_bytes)) + sum(llm.collective_rpc(bench.parameter_bytes))
     for memory, refused in [(allocated, False), (allocated - 1, True)]:
         pages = {"SC_PHYS_PAGES": memory, "SC_PAGE_SIZE": 1}
         with mock.patch.object(os, "sysconf", side_effect=pages.get), \
@@ -3044,10 +3046,10 @@ def test_ctrl_c_while_the_driver_reads_a_long_reply_fails_the_next_call_in_one_l
         with mock.patch.object(replies, "ready", lambda: real_ready() and replies.next_chunk == first_chunk), \
                 mock.patch.object(llm.executor, "_check_workers", ctrl_c_once_part_read), \
                 pytest.raises(KeyboardInterrupt):
-            llm.collective_rpc(big_reply, 10)  # on a queue that misses the cut: a TimeoutError, not a hang
+            llm.executor.collective_rpc(big_reply, 10)  # a queue that misses the cut: a TimeoutError, not a hang
         assert interrupted and replies.cut_off
         with pytest.raises(RuntimeError, match=r"^tinytp's workers are gone \(a message .*cut off part-way"):
-            llm.collective_rpc(length_of, 10, args=(b"y",))
+            llm.executor.collective_rpc(length_of, 10, b"y")
     assert not shm_entries()
 
 
@@ -3147,7 +3149,7 @@ def test_llm_takes_vllms_arguments_that_mean_something_here_and_refuses_the_rest
         assert 65 in elsewhere.scheduler.eos_token_ids and 65 not in vllms.scheduler.eos_token_ids
         assert vllms.get_default_sampling_params() == SamplingParams()
     takes = ("model, tensor_parallel_size, device, dtype, max_num_seqs, max_model_len, load_format, "
-             "distributed_executor_backend, cuda_graphs, tokenizer, seed, generation_config, enforce_eager, "
+             "distributed_executor_backend, cuda_graphs, async_scheduling, tokenizer, seed, generation_config, enforce_eager, "
              "trust_remote_code, gpu_memory_utilization")
     with pytest.raises(ValueError, match=rf"^LLM\(enable_prefix_caching=\.\.\.\): tinytp does not support "
                                          rf"enable_prefix_caching; it takes {takes}$"):
