@@ -7,6 +7,7 @@
     python bench.py --concurrency 8               # 8 callers at once against the same 8 one by one
     python bench.py --async-scheduling            # the next step sent while the one before it runs
     python bench.py --trace --tp 2                # one decode step across the processes, on one clock
+    python bench.py --explain --tp 4 --model tiny-llama   # how a checkpoint is cut: nothing runs
     python bench.py --write-gguf bench.gguf       # the same model for llama.cpp (needs gguf)
     python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B shapes, random weights
 
@@ -47,7 +48,8 @@ from tqdm import tqdm
 
 import model
 import tinytp
-from model import ModelConfig, check_tensor_parallel_size, checkpoint_shapes, init_dummy_weights, vocab_rows_per_rank
+from model import (ModelConfig, TPGroup, check_tensor_parallel_size, checkpoint_shapes, init_dummy_weights,
+                   vocab_rows_per_rank, weight_bytes)
 from worker import (MessageQueue, ModelRunnerOutput, RPCCall, RPCResult, SamplingParams, SchedulerOutput, Worker,
                     decode, encode)
 
@@ -640,6 +642,48 @@ def run_concurrency(args) -> dict:
 
 
 # --------------------------------------------------------------------------------------
+# --explain: how the checkpoint is cut across the ranks, without running anything
+# --------------------------------------------------------------------------------------
+
+
+def explain(config: ModelConfig, tp: int, dtype: str) -> str:
+    """Build every rank's model on the "meta" device (shapes, no memory) with the workers' code, and describe the cut:
+    per checkpoint tensor its full shape, a rank's slice and split dimension, then bytes per rank, traffic per step."""
+    itemsize = getattr(torch, dtype).itemsize
+    padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
+    whole, mine = checkpoint_shapes(config), checkpoint_shapes(config, TPGroup(0, tp))
+    lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
+             f"{'rank 0 slice':>14}  split"]
+    for name, full_shape in whole.items():
+        if ".layers." in name and ".layers.0." not in name:
+            continue  # every layer is cut alike
+        split = [dim for dim, (full, part) in enumerate(zip(full_shape, mine[name])) if part < full]
+        how = f"dim {split[0]}" if split else "replicated"
+        if split and full_shape[split[0]] < mine[name][split[0]] * tp:  # the parts overlap or overhang
+            how += f", vocab padded to {padded_vocab}" if full_shape[0] == config.vocab_size else ", KV heads replicated"
+        lines.append(f"{name:<48}{str(full_shape):>14}{str(mine[name]):>14}  {how}")
+    lines.append("")
+    for rank in range(tp):
+        held = weight_bytes(config, TPGroup(rank, tp), dtype)
+        lines.append(f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})")
+    hidden, vocab = config.hidden_size * itemsize, padded_vocab * itemsize
+    lines += ["", "communication: none (tp=1)"] if tp == 1 else [
+        "", "communication per decode step, per sequence in the batch:",
+        f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes (2 per layer, after o_proj and down_proj, "
+        "and 1 after the embedding)",
+        f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all"]
+    return "\n".join(lines)
+
+
+def run_explain(args) -> dict:
+    config = settings_config(args)
+    check_tensor_parallel_size(config, args.tp)
+    text = explain(config, args.tp, tinytp.choose_device_and_dtype(config, args.tp, args.device, args.dtype)[1])
+    print(text)
+    return {"explain": text.splitlines()}
+
+
+# --------------------------------------------------------------------------------------
 # --trace: one decode step across the processes, on one clock
 # --------------------------------------------------------------------------------------
 
@@ -896,6 +940,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cuda-graphs", action="store_true", help="tinytp's decode steps as CUDA graphs (opt-in)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="tinytp sends each step while the one before it runs (two steps in flight)")
+    parser.add_argument("--explain", action="store_true",
+                        help="print how the model is cut across the ranks (--tp), and exit: nothing runs")
     parser.add_argument("--trace", action="store_true",
                         help="print a timeline of one decode step across the processes, and exit")
     parser.add_argument("--concurrency", type=int, default=None, metavar="N",
@@ -924,9 +970,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
-        result = (run_ipc() if args.ipc else compare(argv) if args.compare else
-                  write_gguf(args) if args.write_gguf else
-                  run_trace(args) if args.trace else run_concurrency(args) if args.concurrency else run_latency(args))
+        if args.ipc:
+            result = run_ipc()
+        elif args.compare:
+            result = compare(argv)
+        elif args.write_gguf:
+            result = write_gguf(args)
+        elif args.explain:
+            result = run_explain(args)
+        elif args.trace:
+            result = run_trace(args)
+        elif args.concurrency:
+            result = run_concurrency(args)
+        else:
+            result = run_latency(args)
     except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2

@@ -47,7 +47,7 @@ from checkpoints import (REAL_MODEL_INSTALL, byte_level_tokenizer, convert_smoll
 from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
 import tinytp
-from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams, WorkerError, explain
+from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams, WorkerError
 from worker import (CHUNK_HEADER, COLLECTIVE_BUFFER_BYTES, CachedRequest, MessageQueue, ModelRunnerOutput, NewRequest,
                     SchedulerOutput, SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory,
                     sampling_probabilities)
@@ -858,7 +858,7 @@ class TestTp4ReplicatedKvHeads:
         import bench
 
         _, _, llm = tp4
-        printed = re.findall(r"rank (\d) holds ([\d,]+) bytes", explain(llm.config, 4, "float32"))
+        printed = re.findall(r"rank (\d) holds ([\d,]+) bytes", bench.explain(llm.config, 4, "float32"))
         head_copy = 65 * 64 * 4
         assert [int(n.replace(",", "")) + head_copy for _, n in printed] == llm.collective_rpc(bench.parameter_bytes)
 

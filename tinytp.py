@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import (ModelConfig, TPGroup, check_checkpoint, check_count, check_tensor_parallel_size, checkpoint_shapes,
+from model import (ModelConfig, TPGroup, check_checkpoint, check_count, check_tensor_parallel_size,
                    cpu_has_native_bfloat16, is_integer, is_number, kv_cache_shape, packing_wanted, read_json_object,
-                   token_id_list, vocab_rows_per_rank, weight_bytes)
+                   token_id_list, weight_bytes)
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, RPCResult, SamplingParams,
                     SchedulerOutput, check_free_shared_memory, collective_block_bytes, forget_child_processes,
                     importing_main_for_spawn, new_shared_memory, unlink_semaphores, wait_until, worker_main)
@@ -937,36 +937,6 @@ class LLM:
         self.shutdown()
 
 
-# --explain: how the checkpoint is cut, without running anything -----------------------
-def explain(config: ModelConfig, tp: int, dtype: str) -> str:
-    """Build every rank's model on the "meta" device (shapes, no memory) with the workers' code, and describe the cut:
-    per checkpoint tensor its full shape, a rank's slice and split dimension, then bytes per rank, traffic per step."""
-    itemsize = getattr(torch, dtype).itemsize
-    padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
-    whole, mine = checkpoint_shapes(config), checkpoint_shapes(config, TPGroup(0, tp))
-    lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
-             f"{'rank 0 slice':>14}  split"]
-    for name, full_shape in whole.items():
-        if ".layers." in name and ".layers.0." not in name:
-            continue  # every layer is cut alike
-        split = [dim for dim, (full, part) in enumerate(zip(full_shape, mine[name])) if part < full]
-        how = f"dim {split[0]}" if split else "replicated"
-        if split and full_shape[split[0]] < mine[name][split[0]] * tp:  # the parts overlap or overhang
-            how += f", vocab padded to {padded_vocab}" if full_shape[0] == config.vocab_size else ", KV heads replicated"
-        lines.append(f"{name:<48}{str(full_shape):>14}{str(mine[name]):>14}  {how}")
-    lines.append("")
-    for rank in range(tp):
-        held = weight_bytes(config, TPGroup(rank, tp), dtype)
-        lines.append(f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})")
-    hidden, vocab = config.hidden_size * itemsize, padded_vocab * itemsize
-    lines += ["", "communication: none (tp=1)"] if tp == 1 else [
-        "", "communication per decode step, per sequence in the batch:",
-        f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes (2 per layer, after o_proj and down_proj, "
-        "and 1 after the embedding)",
-        f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all"]
-    return "\n".join(lines)
-
-
 # Command line -------------------------------------------------------------------------
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "Tensor parallelism splits"]
 
@@ -994,7 +964,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="send each step while the one before it runs (two steps in flight)")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt text as it is")
-    parser.add_argument("--explain", action="store_true", help="print how the model is cut across ranks; run nothing")
     return parser.parse_args(argv)
 
 
@@ -1005,11 +974,6 @@ def main(argv: list[str] | None = None) -> int:
                   if getattr(args, name) is not None}
         others = dict(max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
         params = SamplingParams(**chosen, **others)  # checked now, before anything loads
-        if args.explain:
-            config = ModelConfig.from_file(os.path.join(resolve_model(args.model, weights=False), "config.json"))
-            check_tensor_parallel_size(config, args.tp)
-            print(explain(config, args.tp, choose_device_and_dtype(config, args.tp, args.device, args.dtype)[1]))
-            return 0
         prompts = args.prompt or DEFAULT_PROMPTS
         if not all(prompts):
             raise ValueError("empty --prompt: give at least one character")
