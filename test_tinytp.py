@@ -2181,7 +2181,7 @@ def test_a_message_cut_off_part_way_fails_the_llm_clearly(mha_checkpoint):
             llm.collective_rpc(sleep_in_worker, 0.1, args=(1.0,))  # the worker is busy for a second
         with pytest.raises(TimeoutError, match="writer waited"):  # 8 of its 20 chunks fill the ring
             llm.collective_rpc(length_of, 0.3, args=(b"x" * 20_000_000,))
-        with pytest.raises(RuntimeError, match=r"workers are gone \(a message to them was cut off part-way"):
+        with pytest.raises(RuntimeError, match=r"workers are gone \(a message between us was cut off part-way"):
             llm.collective_rpc(length_of, 5, args=(b"y",))
         with pytest.raises(RuntimeError, match="workers are gone"):
             llm.generate([[256, 1, 2]])

@@ -296,7 +296,7 @@ class Executor:
         """Number the call, broadcast it, and expect its answers; return its number."""
         with self.sending:
             if self.failure is None and any(q.cut_off for q in [self.broadcast, *self.responses]):
-                self._fail("a message to them was cut off part-way, and they would misread what follows")
+                self._fail("a message between us was cut off part-way, and its reader would misread what follows")
             if self.failure is not None:
                 raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
             call.call_id = next(self.call_ids)
