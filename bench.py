@@ -4,6 +4,7 @@
     python bench.py                               # latency of a default model, random weights
     python bench.py --tp 2 --input-len 128 --output-len 256
     python bench.py --compare                     # tinytp tp=1, tp=2, in-process, transformers
+    python bench.py --serve --model smollm2       # 8 clients at once over HTTP against one at a time
     python bench.py --write-gguf bench.gguf       # the same model for llama.cpp (needs gguf)
     python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B shapes, random weights
 
@@ -22,11 +23,13 @@ report), the same model written for llama.cpp, then `--compare` and the command 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -599,6 +602,76 @@ def write_gguf(args) -> dict:
 
 
 # --------------------------------------------------------------------------------------
+# --serve: many clients over HTTP against one at a time, on serve.py
+# --------------------------------------------------------------------------------------
+
+
+def stream_over_http(port: int, prompt: list[int], output_len: int) -> dict:
+    """One streamed /v1/completions request: when it was sent, when each text chunk came, the tokens generated."""
+    import http.client
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    sent = time.perf_counter()
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response, arrivals, tokens = connection.getresponse(), [], 0
+    for line in response:
+        if line.startswith(b"data: {"):
+            event = json.loads(line[6:])
+            if event["choices"] and event["choices"][0]["text"]:
+                arrivals.append(time.perf_counter())
+            tokens = event["usage"]["completion_tokens"] if event.get("usage") else tokens
+    connection.close()
+    return {"sent": sent, "arrivals": arrivals, "tokens": tokens}
+
+
+def serving_figures(runs: list[dict], seconds: float) -> dict:
+    gaps = [b - a for run in runs for a, b in zip(run["arrivals"], run["arrivals"][1:])]
+    return {"output_tokens_per_second": sum(run["tokens"] for run in runs) / seconds,
+            "ttft_p50_ms": statistics.median(run["arrivals"][0] - run["sent"] for run in runs) * 1e3,
+            "itl_p50_ms": statistics.median(gaps) * 1e3, "itl_p99_ms": np.percentile(gaps, 99) * 1e3}
+
+
+def run_serve(args) -> dict:
+    """N (--batch-size) streaming clients at once against the same N requests one after another, on one serve.py
+    (greedy, --input-len random token ids, exactly --output-len tokens each): output tokens per second, time to the
+    first text chunk, and the time between text chunks (a chunk per step that gave text), p50 and p99."""
+    model_dir = tinytp.resolve_model(args.model)
+    vocab = ModelConfig.from_file(os.path.join(model_dir, "config.json")).vocab_size
+    prompts = np.random.default_rng(0).integers(vocab, size=(args.batch_size, args.input_len)).tolist()
+    command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py"), "--model",
+               model_dir, "--tp", str(args.tp), "--port", "0", "--dtype", args.dtype, "--max-num-seqs",
+               str(args.batch_size), "--max-model-len", str(args.input_len + args.output_len),
+               *(["--device", args.device] if args.device else [])]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = server.stdout.readline()
+        if not line.startswith("tinytp: serving"):
+            raise RuntimeError(f"serve.py did not start: {' '.join(command)}")
+        port = int(line.rstrip().rsplit(":", 1)[1].split("/")[0])
+        stream_over_http(port, prompts[0], 4)  # warm-up
+        start = time.perf_counter()
+        sequential = [stream_over_http(port, prompt, args.output_len) for prompt in prompts]
+        sequential_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda prompt: stream_over_http(port, prompt, args.output_len), prompts))
+        together_seconds = time.perf_counter() - start
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    result = {"clients": args.batch_size, "sequential": serving_figures(sequential, sequential_seconds),
+              "concurrent": serving_figures(together, together_seconds)}
+    for name in ("sequential", "concurrent"):
+        r = result[name]
+        print(f"{name:>10}: {r['output_tokens_per_second']:8.1f} output tokens/s, TTFT p50 {r['ttft_p50_ms']:7.1f} ms, "
+              f"ITL p50 {r['itl_p50_ms']:6.1f} ms, p99 {r['itl_p99_ms']:6.1f} ms")
+    result["speedup"] = result["concurrent"]["output_tokens_per_second"] / result["sequential"]["output_tokens_per_second"]
+    print(f"{args.batch_size} clients at once: {result['speedup']:.2f}x the tokens per second of one at a time")
+    return result
+
+
+# --------------------------------------------------------------------------------------
 # --compare, and the command line
 # --------------------------------------------------------------------------------------
 
@@ -658,6 +731,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--ipc", action="store_true", help="benchmark the IPC transports, not the model")
     parser.add_argument("--compare", action="store_true", help="tinytp tp=1 and 2, inprocess and hf, in turn")
+    parser.add_argument("--serve", action="store_true",
+                        help="--batch-size streaming clients at once over HTTP (serve.py) against one at a time")
     parser.add_argument("--write-gguf", metavar="PATH", default=None,
                         help="write the benchmark's model, random weights, as a GGUF for llama.cpp, and exit")
     parser.add_argument("--rounds", type=int, default=3, help="with --compare: how many times to run them all in turn")
@@ -690,6 +765,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          + ("" if os.path.isdir(folder) else f": there is no folder {folder}"))
     if args.cuda_graphs and args.backend == "hf":
         parser.error("--cuda-graphs is tinytp's: --backend hf runs transformers' generate as it is")
+    if args.serve and not args.model:
+        parser.error("--serve needs --model: a checkpoint with a tokenizer (the server streams text)")
     if args.write_gguf and os.path.exists(args.write_gguf):
         parser.error(f"--write-gguf {args.write_gguf} exists already: remove it, or give another name")
     return args
@@ -699,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
-        result = (run_ipc() if args.ipc else compare(argv) if args.compare else
+        result = (run_ipc() if args.ipc else compare(argv) if args.compare else run_serve(args) if args.serve else
                   write_gguf(args) if args.write_gguf else run_latency(args))
     except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as e:
         print(f"bench: error: {e}", file=sys.stderr)

@@ -122,6 +122,7 @@ def client_gone(connection: socket.socket) -> bool:
 class Handler(BaseHTTPRequestHandler):
     """One connection, one request (HTTP/1.0: the response, a stream's too, ends with the connection)."""
     timeout = SOCKET_TIMEOUT
+    disable_nagle_algorithm = True  # else each small event waits for the client's delayed acknowledgement
     server: Server
 
     def do_GET(self) -> None:  # and do_POST: one router for both
