@@ -57,10 +57,6 @@ class APIError(Exception):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
-class ClientGone(Exception):
-    """The client closed its connection: its requests are aborted and nobody is answered."""
-
-
 def is_neutral(value, neutral) -> bool:
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)  # 0 is not False here
 
@@ -140,7 +136,7 @@ class Handler(BaseHTTPRequestHandler):
             routes[path][1]()
         except APIError as e:
             self.send_json(e.status, e.body())
-        except (ClientGone, ConnectionError, TimeoutError):
+        except (ConnectionError, TimeoutError):
             self.note = "the client went away"
         except Exception as e:  # a bug of ours, not the client's doing: a 500 and the traceback
             traceback.print_exc()
@@ -280,8 +276,8 @@ class Handler(BaseHTTPRequestHandler):
                     yield index, output
             if self.server.stopping.is_set():
                 raise APIError(503, self.server.failure or "the server is shutting down")
-            if client_gone(self.connection):
-                raise ClientGone
+            if client_gone(self.connection):  # its requests are aborted, and nobody is answered
+                raise ConnectionAbortedError
 
     def generate(self, body: dict, prompts: list, max_tokens: int | None, chat: bool) -> None:
         lengths = [len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) if isinstance(p, list) else 0
@@ -371,8 +367,6 @@ class Server(ThreadingHTTPServer):
             self.server_close()
             raise
         self.names, self.api_key, self.started = names, api_key, int(time.time())
-        self.llm: LLM | None = None
-        self.defaults: SamplingParams | None = None
         self.stopping, self.failure = threading.Event(), None
 
     def handle_error(self, request, client_address) -> None:  # a client that vanished is no error of ours
