@@ -45,7 +45,8 @@ from tqdm import tqdm
 
 import tinytp
 from model import ModelConfig, check_tensor_parallel_size, checkpoint_shapes, init_dummy_weights, vocab_rows_per_rank
-from worker import MessageQueue, ModelRunnerOutput, SamplingParams, SchedulerOutput, Worker, decode, encode
+from worker import (MessageQueue, ModelRunnerOutput, RPCCall, RPCResult, SamplingParams, SchedulerOutput, Worker,
+                    decode, encode)
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -56,14 +57,14 @@ CORES = len(os.sched_getaffinity(0))
 READERS = 2  # the workers of a tp=2 run
 ITERATIONS = {"small": 2000, "64k": 500, "16m": 30}  # timed round trips per message size
 IDLE_SECONDS = 2.0
-REPLY = ModelRunnerOutput(1, list(range(8)), 0.0)  # rank 0's answer to a decode step
+REPLY = RPCResult(1, ModelRunnerOutput(list(range(8)), 0.0))  # rank 0's answer to a decode step
 
 
 def ipc_messages() -> dict[str, object]:
-    """A decode step of 8 running requests, exactly as the Executor sends it (about 50
+    """A decode step of 8 running requests, exactly as the Executor sends it (about 150
     bytes encoded), and two raw payloads."""
-    step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), finished_ids=[], call_id=1)
-    return {"small": step,
+    step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), finished_ids=[])
+    return {"small": RPCCall(1, "execute_model", (step,), unique_reply_rank=0),
             "64k": bytes(64 << 10), "16m": bytes(16 << 20)}
 
 
@@ -328,8 +329,9 @@ class InProcessExecutor:
         call = method if callable(method) else getattr(Worker, method)
         return [call(self.worker, *args, **kwargs)]
 
-    def execute_model(self, scheduler_output):
-        return self.worker.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output, non_block=False):
+        output = self.worker.execute_model(scheduler_output)  # done when it returns: nothing to overlap
+        return tinytp.StepFuture(lambda: output) if non_block else output
 
     def shutdown(self):
         self.worker.close()
@@ -340,14 +342,24 @@ def lm_head_is_packed(worker: Worker) -> bool:  # run in the workers, through co
 
 
 def timed(executor_class: type, steps: list[Step]) -> type:
-    """`executor_class` with each execute_model call timed in the driver, into `steps`."""
+    """`executor_class` with each step timed in the driver, into `steps`: from its sending, or from the answer to
+    the step before if that came later (with async scheduling a step is sent while the one before it runs), to its
+    answer."""
     class TimedExecutor(executor_class):
-        def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-            start = time.perf_counter()
-            output = super().execute_model(scheduler_output)
-            steps.append(Step(bool(scheduler_output.new_requests), time.perf_counter() - start,
-                              output.execute_seconds))
-            return output
+        last_answer = 0.0
+
+        def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False):
+            sent = time.perf_counter()
+            step = super().execute_model(scheduler_output, True)
+
+            def result() -> ModelRunnerOutput:
+                output = step.result()
+                answered = time.perf_counter()
+                steps.append(Step(bool(scheduler_output.new_requests), answered - max(sent, self.last_answer),
+                                  output.execute_seconds))
+                self.last_answer = answered
+                return output
+            return tinytp.StepFuture(result) if non_block else result()
     return TimedExecutor
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import gc
 import importlib.util
 import itertools
 import json
@@ -581,10 +582,12 @@ def scheduler_with(prompt_lengths: list[int], max_num_seqs=2, max_model_len=64, 
 
 
 def run_step(scheduler: tinytp.Scheduler, tokens: list[int] | None = None):
-    """One step, each scheduled request sampling its token of `tokens` (default: 0 for all)."""
+    """One step, each scheduled request sampling its token of `tokens` (default: 0 for all); the requests it
+    finished."""
     step = scheduler.schedule()
     sampled = tokens if tokens is not None else [0] * len(step.scheduled_ids)
-    return step, scheduler.update(step, ModelRunnerOutput(step.call_id, sampled, 0.0))
+    updated = scheduler.update(step, ModelRunnerOutput(sampled, 0.0))
+    return step, [request for request in updated if request.finish_reason is not None]
 
 
 @pytest.mark.quick
@@ -621,9 +624,9 @@ def test_each_sampled_token_goes_to_its_request_in_batch_order():
 
 @pytest.mark.quick
 @pytest.mark.parametrize("params, tokens, ended", [
-    ({}, [3, 7, 3], (2, "stop", None, None)),  # 7 is the end-of-sequence token
+    ({}, [3, 7, 3], (2, "stop", None, 1)),  # 7 is the end-of-sequence token: text "d", as vLLM's, without it
     ({"ignore_eos": True}, [3, 7, 3], (3, "length", None, None)),
-    ({"stop_token_ids": [4]}, [3, 4, 3], (2, "stop", 4, None)),
+    ({"stop_token_ids": [4]}, [3, 4, 3], (2, "stop", 4, 1)),  # the stop token's text left out too
     ({"stop": ["db"]}, [2, 3, 1, 3], (3, "stop", "db", 1)),  # "cdb": the text ends before "db", which spans tokens
     ({"stop": ["x", "b"]}, [1, 3, 3], (1, "stop", "b", 0)),
     ({"max_tokens": 2}, [3, 3, 3], (2, "length", None, None)),
@@ -641,12 +644,31 @@ def test_a_request_ends_at_its_stop_condition(params, tokens, ended):
 
 
 @pytest.mark.quick
-def test_abort_all_forgets_every_request_frees_the_slots_and_tells_the_workers():
+def test_abort_forgets_the_requests_frees_their_slots_and_tells_the_workers():
     scheduler = scheduler_with([2, 2, 2], max_num_seqs=2)
     run_step(scheduler)
-    scheduler.abort_all()
+    scheduler.abort_requests({0, 1, 2})
     assert scheduler.running == [] and not scheduler.waiting and sorted(scheduler.free_slots) == [0, 1]
+    assert scheduler.schedule() is None  # nothing to run: the workers are told with the next step
+    scheduler.add_request(tinytp.Request(3, None, [1, 1], SamplingParams(), seed=0))
     assert scheduler.schedule().finished_ids == [0, 1]
+
+
+@pytest.mark.quick
+def test_with_a_step_in_flight_the_scheduler_counts_its_tokens_and_drops_those_after_an_end():
+    """Async scheduling: a step is scheduled before the answer to the one before it."""
+    scheduler = scheduler_with([2, 3], max_model_len=5, eos_token_ids=[7], max_tokens=2)
+    first, second = scheduler.schedule(), scheduler.schedule()  # a prefill, then a decode before its answer
+    assert second.scheduled_ids == [0, 1]
+    # Request 0 has 2 tokens in flight (its max_tokens), request 1 too (prompt 3 + 2 = max_model_len 5): a third
+    # step could only produce tokens past them.
+    assert scheduler.schedule() is None
+    request_0, request_1 = scheduler.running
+    scheduler.update(first, ModelRunnerOutput([7, 3], 0.0))  # request 0 ends at its first token, an EOS
+    assert scheduler.update(second, ModelRunnerOutput([5, 4], 0.0)) == [request_1]  # 0's second token is dropped
+    assert (request_0.output_token_ids, request_0.finish_reason) == ([7], "stop")
+    assert (request_1.output_token_ids, request_1.finish_reason) == ([3, 4], "length")
+    assert scheduler.running == [] and scheduler.schedule() is None
 
 
 @pytest.mark.quick
@@ -669,7 +691,8 @@ def test_slot_timeline_of_5_prompts_on_2_slots():
             cells[r.slot] = (f"{names[r.request_id]} waits" if r.request_id not in step.scheduled_ids
                              else f"{names[r.request_id]} 0..{length - 1}" if not r.output_token_ids  # its prefill
                              else f"{names[r.request_id]} {length - 1}")  # a decode: its last token's position
-        finished = scheduler.update(step, ModelRunnerOutput(step.call_id, [0] * len(step.scheduled_ids), 0.0))
+        updated = scheduler.update(step, ModelRunnerOutput([0] * len(step.scheduled_ids), 0.0))
+        finished = [r for r in updated if r.finish_reason is not None]
         lines.append(f"{len(lines):>4}  {'prefill' if step.new_requests else 'decode':<8}{cells[0]:<12}{cells[1]:<12}"
                      + " ".join(names[r.request_id] for r in finished))
     print("\n" + "\n".join(lines))
@@ -2170,46 +2193,181 @@ def test_queue_interrupted_part_way_through_a_message_is_marked_cut_off():
     writer.close()
 
 
-def test_one_caller_at_a_time_the_second_is_refused_and_nothing_is_lost(mha_checkpoint):
-    path, _ = mha_checkpoint
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    busy = r"this LLM is busy with another generate\(\) or an unfinished stream\(\)"
-    with LLM(path, device="cpu", max_model_len=256) as llm:
-        expected = [llm.generate([prompt], greedy)[0].outputs[0].text for prompt in PROMPTS[:2]]
-        # A stream paused while another call comes: that call is refused, the stream goes on.
-        stream = llm.stream(PROMPTS[0], greedy)
-        first = next(stream)
-        with pytest.raises(RuntimeError, match=busy):
-            llm.generate([PROMPTS[1]], greedy)
-        with pytest.raises(RuntimeError, match=busy):
-            next(llm.stream(PROMPTS[1], greedy))
-        assert first + "".join(stream) == expected[0]
-        # A stream closed early (a client that disconnects) leaves the LLM to the next caller.
-        stream = llm.stream(PROMPTS[0], greedy)
-        next(stream)
-        stream.close()
-        assert llm.generate([PROMPTS[1]], greedy)[0].outputs[0].text == expected[1]
-        assert not llm.scheduler.running and not llm.scheduler.waiting
-        # Two threads at once: each gets its text or is refused; neither waits forever.
-        long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-        alone = [llm.generate([prompt], long)[0].outputs[0].text for prompt in PROMPTS[:2]]
-        results = {}
+# --------------------------------------------------------------------------------------
+# The engine: many callers in one running batch, abort, async scheduling
+# --------------------------------------------------------------------------------------
+
+
+def record_batches(worker):  # run in the workers: the request ids of every step from now on
+    worker.batches, execute_model = [], Worker.execute_model
+    worker.execute_model = lambda step: worker.batches.append(step.scheduled_ids) or execute_model(worker, step)
+
+
+def recorded_batches(worker):
+    return worker.batches
+
+
+def run_in_threads(call, count: int, seconds: float = 60) -> list:
+    """call(i) in `count` threads let go at once; their results (or exceptions), in order. A thread still running after
+    `seconds` fails the test rather than hanging it."""
+    results, barrier = [None] * count, threading.Barrier(count)
+
+    def run(i):
+        barrier.wait()
+        try:
+            results[i] = call(i)
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=seconds)
+    assert not any(thread.is_alive() for thread in threads), "a caller never finished"
+    return results
+
+
+def samples(output: RequestOutput) -> list[tuple]:
+    return [(c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in output.outputs]
+
+
+class TestManyCallers:
+    """tp=2, one LLM for several threads at once."""
+
+    @pytest.fixture(scope="class")
+    def tp2(self, mha_checkpoint):
+        with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=8, max_model_len=128) as llm:
+            yield llm
+        assert not shm_entries()
+
+    @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                        SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)],
+                             ids=["greedy", "seeded_n2"])
+    def test_four_threads_get_the_tokens_of_solo_runs_from_shared_steps(self, tp2, params):
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [256, 7, 7, 7]]
+        solo = [samples(tp2.generate([prompt], params)[0]) for prompt in prompts]
+        tp2.collective_rpc(record_batches)
+        outputs = run_in_threads(lambda i: tp2.generate([prompts[i]], params)[0], 4)
+        assert [samples(output) for output in outputs] == solo
+        caller = {request_id: i for i, output in enumerate(outputs)  # each caller's requests: n ids from its first
+                  for request_id in range(int(output.request_id), int(output.request_id) + params.n)}
+        batches = tp2.collective_rpc(recorded_batches)[0]
+        assert max(len({caller[request_id] for request_id in batch}) for batch in batches) >= 3, batches
+
+    def test_a_stream_closed_early_changes_nothing_for_the_others(self, tp2):
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        alone = tp2.generate([PROMPTS[0]], params)[0].outputs[0].text
 
         def call(i):
-            try:
-                results[i] = llm.generate([PROMPTS[i]], long)[0].outputs[0].text
-            except RuntimeError as e:
-                results[i] = str(e)
+            if i == 0:
+                return "".join(tp2.stream(PROMPTS[0], params))
+            stream = tp2.stream(PROMPTS[1], params)
+            pieces = [next(stream) for _ in range(3)]
+            stream.close()  # a client that goes away
+            return pieces
 
-        threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in (0, 1)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=30)
-        assert not any(thread.is_alive() for thread in threads)
-        assert alone[0] in results.values() or alone[1] in results.values()
-        assert all(results[i] == alone[i] or re.match(busy, results[i]) for i in (0, 1)), results
-        assert llm.generate([PROMPTS[1]], greedy)[0].outputs[0].text == expected[1]
+        assert run_in_threads(call, 2)[0] == alone
+        assert not tp2.scheduler.running and not tp2.scheduler.waiting
+
+
+def test_a_stream_closed_or_dropped_after_3_pieces_frees_its_slot(mha_checkpoint):
+    path, _ = mha_checkpoint
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(path, device="cpu", max_num_seqs=1, max_model_len=256) as llm:
+        expected = llm.generate([PROMPTS[1]], short)[0].outputs[0].token_ids
+        stream = llm.stream(PROMPTS[0], long)
+        [next(stream) for _ in range(3)]
+        stream.close()
+        # One slot: the next request runs only once the closed stream's request has left it.
+        assert run_in_threads(lambda i: llm.generate([PROMPTS[1]], short)[0].outputs[0].token_ids, 1, 30) == [expected]
+        stream = llm.stream(PROMPTS[0], long)
+        [next(stream) for _ in range(3)]
+        del stream  # dropped: garbage collection closes it
+        gc.collect()
+        assert run_in_threads(lambda i: llm.generate([PROMPTS[1]], short)[0].outputs[0].token_ids, 1, 30) == [expected]
+
+
+def test_fifty_short_callers_on_four_slots_all_finish_and_nothing_is_left(mha_checkpoint):
+    path, _ = mha_checkpoint
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    threads_before = threading.active_count()
+    llm = LLM(path, device="cpu", max_num_seqs=4, max_model_len=64)
+    workers = [process.pid for process in llm.executor.workers]
+    solo = {i: llm.generate([[256, i]], params)[0].outputs[0].token_ids for i in range(50)}
+    outputs = run_in_threads(lambda i: llm.generate([[256, i]], params)[0].outputs[0].token_ids, 50)
+    assert dict(enumerate(outputs)) == solo
+    assert llm.stats()["largest_batch"] == 4  # the slots, all used, and never more
+    assert not llm.scheduler.running and not llm.scheduler.waiting and sorted(llm.scheduler.free_slots) == [0, 1, 2, 3]
+    llm.shutdown()
+    assert not llm.engine_thread.is_alive() and threading.active_count() == threads_before
+    assert all(process_gone(pid) for pid in workers) and not shm_entries()
+
+
+def set_end_of_sequence(llm: LLM, token: int) -> None:
+    llm.scheduler.eos_token_ids = {token}  # (between calls: the engine loop is idle)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_async_scheduling_gives_the_tokens_and_texts_of_sync(mha_checkpoint, tp):
+    """Greedy, seeded n>1, a stop string, a stop token, an end-of-sequence token, max_tokens and a prompt that reaches
+    max_model_len, in one batch: async scheduling learns of each end one step late, and drops that step's token."""
+    path, _ = mha_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64) as sync:
+        reference = sync.generate([PROMPTS[0]], greedy)[0].outputs[0]
+        tokens, text = reference.token_ids, reference.text
+        cases = [(PROMPTS[0], greedy),
+                 (PROMPTS[1], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=30, ignore_eos=True)),
+                 (PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, stop=[text[6:8]], ignore_eos=True)),
+                 (PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tokens[9]], ignore_eos=True)),
+                 (PROMPTS[0], SamplingParams(temperature=0, max_tokens=30)),  # ends at tokens[12], made the EOS below
+                 (PROMPTS[1], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
+                 ([256] * 60, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]  # 4 tokens to 64
+        prompts, params = [prompt for prompt, _ in cases], [p for _, p in cases]
+        set_end_of_sequence(sync, tokens[12])
+        expected = [samples(output) for output in sync.generate(prompts, params)]
+    # The cases end as meant (the one-sample ones: finish and stop reasons, and lengths).
+    assert [case[0][2:] for case in expected[2:]] == [("stop", text[6:8]), ("stop", tokens[9]), ("stop", None),
+                                                      ("length", None), ("length", None)]
+    assert [len(case[0][1]) for case in expected[3:]] == [tokens.index(tokens[9]) + 1, tokens.index(tokens[12]) + 1,
+                                                          7, 4]
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64,
+             async_scheduling=True) as llm:
+        set_end_of_sequence(llm, tokens[12])
+        assert [samples(output) for output in llm.generate(prompts, params)] == expected
+        assert llm.engine.max_steps_in_flight == 2 and not llm.scheduler.running
+
+
+def test_a_worker_killed_under_async_scheduling_fails_every_caller_at_once(mha_checkpoint):
+    path, _ = mha_checkpoint
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=256, async_scheduling=True)
+    pids = [p.pid for p in llm.executor.workers]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    streaming = threading.Semaphore(0)
+
+    def call(i):
+        try:
+            for j, _ in enumerate(llm.stream([256, i + 1, 2, 3], params)):
+                if j == 2:
+                    streaming.release()
+        except RuntimeError as e:
+            return str(e), time.monotonic()
+
+    def kill_when_all_stream(i):
+        if i < 3:
+            return call(i)
+        for _ in range(3):
+            assert streaming.acquire(timeout=30)
+        os.kill(pids[1], signal.SIGKILL)
+        return time.monotonic()
+
+    *failures, killed_at = run_in_threads(kill_when_all_stream, 4, 30)
+    for message, when in failures:
+        assert re.match(r"tinytp worker rank 1 died \(exit code -9\)", message) and when - killed_at < 2
+    assert all(process_gone(pid) for pid in pids) and not shm_entries()
+    llm.shutdown()
 
 
 def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(mha_checkpoint):
@@ -2499,9 +2657,10 @@ def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
         "mission-write.log", "sdpa.log", "tests.log", "tinytp.log", "transformers.log"]
 
 
-@pytest.mark.parametrize("when", ["loading", "generating"])
-def test_cli_ctrl_c_exits_130_quietly(cli_env, when):
-    program = run_cli(["--tp", "2", "--prompt", "hi", "--max-tokens", "400", "--ignore-eos"], cli_env,
+@pytest.mark.parametrize("when, flags", [("loading", []), ("generating", []), ("generating", ["--async-scheduling"])],
+                         ids=["loading", "generating", "generating_async"])
+def test_cli_ctrl_c_exits_130_quietly(cli_env, when, flags):
+    program = run_cli(["--tp", "2", "--prompt", "hi", "--max-tokens", "400", "--ignore-eos", *flags], cli_env,
                       start_new_session=True)  # its own process group, as a terminal would make it
     if when == "loading":  # the workers exist: they are importing torch or loading weights
         assert wait_for(lambda: len(spawned_workers_of(program.pid)) >= 2, 60)

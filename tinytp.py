@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import concurrent.futures
 import contextlib
+import functools
 import heapq
 import itertools
 import os
 import pickle
+import queue
 import random
 import signal
 import socket
@@ -73,6 +76,33 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_end: int | None = None  # where a stop string cuts the text of output_token_ids
+    num_in_flight: int = 0  # tokens of steps sent and not yet answered (vLLM's placeholders: async scheduling)
+    outputs: queue.SimpleQueue | None = None  # its caller's: the engine loop puts (request, tokens, finished) there
+    stream: bool = False  # report every new token (a stream), or only the end (generate): vLLM's output_kind
+
+
+class IncrementalText:
+    """One sample's text as its tokens come (vLLM's IncrementalDetokenizer). A window is decoded, not the whole output
+    at every step: the tokens not shown yet, after those shown last time (a tokenizer may spell a token by its
+    neighbour). The last characters wait while a stop string could begin there."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str]):
+        self.detokenize = detokenize
+        self.hold = max(map(len, stop), default=1) - 1
+        self.start = self.shown = 0  # the window, and where its shown part ends
+        self.decoded, self.text = "", ""  # the text so far, and how much of it may be shown
+
+    def update(self, token_ids: list[int], finished: bool, text_end: int | None) -> str | None:
+        """The text to show for these tokens; None while the last one ends in half of a multi-byte character."""
+        window = self.detokenize(token_ids[self.start:])
+        if window.endswith("\ufffd") and not finished:
+            return None
+        self.decoded += window[len(self.detokenize(token_ids[self.start:self.shown])):]
+        self.start, self.shown = self.shown, len(token_ids)
+        # At the end, all of it up to the stop that ended it, if one did (text_end None: to the end).
+        end = text_end if finished else max(len(self.text), len(self.decoded) - self.hold)
+        self.text = self.decoded[:end]
+        return self.text
 
 
 # Finding the checkpoint ---------------------------------------------------------------
@@ -168,6 +198,12 @@ class WorkerError(RuntimeError):
     """A worker method raised: names the rank and carries its traceback text."""
 
 
+@dataclass
+class StepFuture:
+    """A step on its way (vLLM: execute_model(..., non_block=True) returns a Future); result() waits for its answer."""
+    result: Callable[[], ModelRunnerOutput]
+
+
 class Executor:
     """Spawns one worker process per rank, rank 0 included (design discussion: "N worker processes rather than N-1"),
     and runs methods on all of them. Calls go out on one shared-memory broadcast queue (one writer, N readers); each
@@ -182,7 +218,11 @@ class Executor:
         self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop our workers
         self.workers, self.responses, self.collective_block = [], [], None  # made in the try below, freed if it fails
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
-        self.one_at_a_time = threading.Lock()  # one call or step in flight: replies are matched to it (see _call)
+        self.awaited: dict[int, tuple[str, dict, int]] = {}  # call id: (its name, its answers by rank, how many due)
+        # One thread drives the executor (an LLM's engine loop); another may still shut it down, so sending is a
+        # critical section, and `closing` makes the driving thread give up its wait at its next check.
+        self.sending = threading.RLock()
+        self.closing = threading.Event()
         self.broadcast = MessageQueue.create(num_readers=tp)
         atexit.register(self.shutdown)
         try:
@@ -217,60 +257,98 @@ class Executor:
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, *args, **kwargs) -> list:
         """Run `method` on every worker; return each rank's result, in rank order. A callable (picklable: defined at
-        module level) is called with the Worker first, pickled on its own: a worker that cannot import it says so."""
+        module level) is called with the Worker first, pickled on its own: a worker that cannot import it says so.
+        It runs after the steps in flight, and their answers come first: they are kept for those who wait on them."""
         name, payload = (method, method) if isinstance(method, str) else (method.__name__, pickle.dumps(method))
-        return self._call(RPCCall(next(self.call_ids), payload, args, kwargs), range(self.tp), timeout, name)
+        call_id = self._send(RPCCall(0, payload, args, kwargs), timeout, name)
+        return self._wait_for(call_id, timeout)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step; rank 0 replies. A failure shuts the workers down: the ranks may now disagree about the requests."""
-        scheduler_output.call_id = next(self.call_ids)
-        traced = self.trace_next_decode and not scheduler_output.new_requests
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> ModelRunnerOutput | StepFuture:
+        """One step; rank 0 answers. With non_block (async scheduling) return at once with a StepFuture, so that the
+        next step can be scheduled and sent while this one runs (vLLM's non_block, which returns a Future)."""
+        if self.trace_next_decode and not scheduler_output.new_requests:
+            output = self.traced_step(scheduler_output)
+            return StepFuture(lambda: output) if non_block else output
+        call_id = self._send(RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0), None, "execute_model")
+        step = StepFuture(functools.partial(self._wait_for_step, call_id))
+        return step if non_block else step.result()
+
+    def _wait_for_step(self, call_id: int) -> ModelRunnerOutput:
+        """A step's answer. A failure shuts the workers down: the ranks may now disagree about the requests."""
         try:
-            if traced:  # every process records what it sends and when (Worker.start_trace)
-                self.trace_next_decode = False
-                self.collective_rpc("start_trace")
-            output = self._call(scheduler_output, [0], None, "execute_model")[0]
-            if traced:
-                self.trace_report = trace_timeline(self.last_call_times, self.collective_rpc("stop_trace"))
-            return output
+            return self._wait_for(call_id, None)[0]
         except WorkerError as e:
             self._fail(str(e).splitlines()[0])
             raise
 
-    def _call(self, message: SchedulerOutput | RPCCall, ranks: Sequence[int], timeout: float | None,
-              name: str) -> list:
-        """Broadcast `message` and wait for the replies of `ranks` (RPCResults' values, or rank 0's ModelRunnerOutput).
-        Another thread waits its turn (a step is short), rather than being refused as a second generate() is: it shares
-        no batch, and no paused stream holds this lock."""
-        with self.one_at_a_time:
-            if self.broadcast.cut_off and self.failure is None:  # a timeout or Ctrl-C part-way through sending
+    def traced_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """--trace: one step, with every process recording what it sends and when (Worker.start_trace)."""
+        self.trace_next_decode = False
+        self.collective_rpc("start_trace")  # after the steps in flight: the traced step is alone
+        start = time.perf_counter()
+        call_id = self._send(RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0), None, "execute_model")
+        sent = time.perf_counter()
+        output = self._wait_for_step(call_id)
+        driver_times = (start, sent, time.perf_counter(), self.last_message_bytes)
+        self.trace_report = trace_timeline(driver_times, self.collective_rpc("stop_trace"))
+        return output
+
+    def _send(self, call: RPCCall, timeout: float | None, name: str) -> int:
+        """Number the call, broadcast it, and expect its answers; return its number."""
+        with self.sending:
+            if self.failure is None and any(queue.cut_off for queue in [self.broadcast, *self.responses]):
                 self._fail("a message to them was cut off part-way, and they would misread what follows")
             if self.failure is not None:
                 raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
-            results: dict[int, object] = {}
+            call.call_id = next(self.call_ids)
+            ranks = range(self.tp) if call.unique_reply_rank is None else [call.unique_reply_rank]
+            self.awaited[call.call_id] = (name, {}, len(ranks))
+            try:
+                self.last_message_bytes = self.broadcast.enqueue(call, timeout, check=self._check_workers)
+            except BaseException:
+                del self.awaited[call.call_id]
+                raise
+            return call.call_id
 
-            def poll() -> bool:
-                # Every rank's queue, not only those that owe a reply: a failed rank sends its error unasked.
-                for rank, queue in enumerate(self.responses):
-                    while queue.ready():
-                        reply = queue.dequeue(timeout, check=self._check_workers)  # may span chunks
-                        if reply.call_id != message.call_id:
-                            continue  # a late answer to a call that timed out or was interrupted
-                        if not isinstance(reply, ModelRunnerOutput) and reply.error is not None:
-                            self._check_workers()  # a dead peer is the root cause of a collective's error
-                            raise WorkerError(f"worker rank {rank} failed in {name}:\n{reply.error}")
-                        results[rank] = reply if isinstance(reply, ModelRunnerOutput) else reply.value
-                return len(results) == len(ranks)
+    def _wait_for(self, call_id: int, timeout: float | None) -> list:
+        """Wait for a call's answers (rank order); any other awaited call's answers that come meanwhile are kept. After
+        a timeout or Ctrl-C the call is no longer awaited, and its late answers are recognised and dropped."""
+        name, answers, count = self.awaited[call_id]
 
-            start = time.perf_counter()
-            size = self.broadcast.enqueue(message, timeout, check=self._check_workers)
-            sent = time.perf_counter()
-            wait_until(poll, timeout, f"{name} on the workers", self._check_workers, self.doorbell)
-            self.last_call_times = (start, sent, time.perf_counter(), size)  # for --trace
-            return [results[rank] for rank in ranks]
+        def answered() -> bool:
+            self._take_replies()
+            return len(answers) == count
+
+        try:
+            wait_until(answered, timeout, f"{name} on the workers", self._check_workers, self.doorbell)
+        finally:
+            del self.awaited[call_id]
+        return [answers[rank] for rank in sorted(answers)]
+
+    def _take_replies(self) -> None:
+        """Every reply that has come, from every rank's queue (not only those that owe one: a failed rank sends its
+        error unasked), filed under the call it answers."""
+        for rank, queue in enumerate(self.responses):
+            while queue.ready():
+                reply: RPCResult = queue.dequeue(check=self._check_workers)  # may span chunks
+                if reply.call_id not in self.awaited:
+                    continue  # a late answer to a call that timed out or was interrupted
+                name, answers, _ = self.awaited[reply.call_id]
+                if reply.error is not None:
+                    self._check_workers()  # a dead peer is the root cause of a collective's error
+                    raise WorkerError(f"worker rank {rank} failed in {name}:\n{reply.error}")
+                answers[rank] = reply.value
+
+    def check_health(self) -> None:
+        """Raise if the workers are gone (shut down, failed, dead or stopped)."""
+        if self.failure is not None:
+            raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
+        self._check_workers()
 
     def _check_workers(self) -> None:
         """Called while we wait: a worker dead, or stopped past STOPPED_GRACE, will never answer."""
+        if self.closing.is_set():
+            raise RuntimeError("tinytp was shut down while it waited for its workers")
         for rank, process in enumerate(self.workers):
             if process.exitcode is not None:  # the others wait for it in a collective: no use waiting for them
                 self._fail(f"worker rank {rank} exited with code {process.exitcode}", grace=0)
@@ -290,8 +368,11 @@ class Executor:
     def shutdown(self, grace: float = 2.0) -> None:
         """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory block and semaphore,
         in the process that made them only: not in a forked child at its exit."""
-        if self.broadcast.buf is None or os.getpid() != self.creator:  # done already, or not ours
-            return
+        with self.sending:
+            if self.broadcast.buf is not None and os.getpid() == self.creator:  # not done already, and ours
+                self._stop_workers_and_free_memory(grace)
+
+    def _stop_workers_and_free_memory(self, grace: float) -> None:
         workers = [process for process in self.workers if process.pid is not None]  # the started ones
         self.workers = []
         atexit.unregister(self.shutdown)
@@ -315,7 +396,7 @@ class Executor:
 
 
 def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]) -> str:
-    """--trace's rows by start time: the driver's broadcast and wait (Executor._call), the ranks' (start_trace)."""
+    """--trace's rows by start time: the driver's broadcast and wait (Executor.traced_step), the ranks' (start_trace)."""
     start, sent, replied, size = driver_call
     events = [("driver", start, sent, "broadcast execute_model", size),
               ("driver", sent, replied, "waited for the reply", 0)]
@@ -329,7 +410,9 @@ def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: li
 # The scheduler ------------------------------------------------------------------------
 class Scheduler:
     """Continuous batching over a fixed number of KV-cache slots: new requests take free slots and are prefilled in a
-    step of their own, else every running request decodes one token. A finished request's slot is free for the next."""
+    step of their own, else every running request decodes one token. A finished request's slot is free for the next.
+    With steps in flight (async scheduling) a request counts its tokens in flight, so that no step is sent that could
+    only produce a token past max_tokens or max_model_len."""
 
     def __init__(self, max_num_seqs: int, max_model_len: int, eos_token_ids: set[int],
                  detokenize: Callable[[list[int]], str]):
@@ -341,39 +424,64 @@ class Scheduler:
         self.free_slots = list(range(max_num_seqs))  # a heap: lowest first keeps slots contiguous
         self.finished_ids: list[int] = []  # told to the workers with the next step
 
-    def schedule(self) -> SchedulerOutput:
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step: a prefill of the requests that fit into free slots, else a decode of every running request
+        that may still need a token; None if there is none (each waits for the tokens it has in flight)."""
         new = []
         while self.waiting and self.free_slots:
             request = self.waiting.popleft()
             request.slot = heapq.heappop(self.free_slots)
             new.append(request)
         self.running += new
+        scheduled = new or [request for request in self.running if self.may_need_another_token(request)]
+        if not scheduled:
+            return None
+        for request in scheduled:
+            request.num_in_flight += 1
         new_requests = [NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params, r.seed) for r in new]
-        scheduled_ids = [r.request_id for r in new or self.running]  # a prefill of the new ones alone, else a decode
         finished_ids, self.finished_ids = self.finished_ids, []
-        return SchedulerOutput(new_requests, scheduled_ids, finished_ids)
+        return SchedulerOutput(new_requests, [r.request_id for r in scheduled], finished_ids)
+
+    def may_need_another_token(self, request: Request) -> bool:
+        """Below max_tokens and max_model_len, counting the tokens in flight (which may yet end it by a stop)."""
+        tokens = len(request.output_token_ids) + request.num_in_flight
+        return tokens < request.params.max_tokens and len(request.prompt_token_ids) + tokens < self.max_model_len
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
-        """Append each sampled token; return the requests that finished with it."""
+        """Append each sampled token to its request; return the requests that got one (those that finished with it
+        have finish_reason set). A request that finished or was aborted after this step was sent is no longer
+        running: its token, computed on the workers all the same, is dropped here, never shown, never counted."""
         by_id = {r.request_id: r for r in self.running}
-        finished = []
+        updated = []
         for request_id, token in zip(scheduler_output.scheduled_ids, runner_output.sampled_token_ids):
-            request = by_id[request_id]
+            request = by_id.get(request_id)
+            if request is None:
+                continue
+            request.num_in_flight -= 1
             request.output_token_ids.append(token)
+            updated.append(request)
             if token in self.eos_token_ids and not request.params.ignore_eos:
-                request.finish_reason = "stop"
+                self.stop_at_token(request, stop_reason=None)
             elif token in request.params.stop_token_ids:
-                request.finish_reason, request.stop_reason = "stop", token
+                self.stop_at_token(request, stop_reason=token)
             elif request.params.stop and self.found_stop_string(request):
                 request.finish_reason = "stop"
             elif (len(request.output_token_ids) >= request.params.max_tokens
                   or len(request.prompt_token_ids) + len(request.output_token_ids) >= self.max_model_len):
                 request.finish_reason = "length"
-            else:
-                continue
-            finished.append(request)
-        self.release(finished)
-        return finished
+        self.release([request for request in updated if request.finish_reason is not None])
+        return updated
+
+    def stop_at_token(self, request: Request, stop_reason: int | None) -> None:
+        """An end-of-sequence or stop token ends it: kept in token_ids, left out of the text, as vLLM does."""
+        request.finish_reason, request.stop_reason = "stop", stop_reason
+        request.text_end = len(self.detokenize(request.output_token_ids[:-1]))
 
     def release(self, requests: list[Request]) -> None:
         """Free the requests' slots at once; the workers free theirs with the next step."""
@@ -390,10 +498,96 @@ class Scheduler:
             request.text_end, request.stop_reason = min(found)
         return bool(found)
 
-    def abort_all(self) -> None:
-        """Forget every request (after an interrupted generate)."""
-        self.release(list(self.running))
-        self.waiting.clear()
+    def abort_requests(self, request_ids: set[int]) -> None:
+        """Forget these requests: waiting ones are dropped, running ones free their slots (their tokens in flight
+        are dropped when they come)."""
+        self.waiting = deque(request for request in self.waiting if request.request_id not in request_ids)
+        self.release([request for request in self.running if request.request_id in request_ids])
+
+
+# The engine: the scheduler and the executor, driven by one thread ---------------------
+SHUTDOWN_ENGINE = "shutdown"
+
+
+class EngineCore:
+    """vLLM's EngineCore: it owns the Scheduler and the Executor, and has vLLM's verbs for them: add_request,
+    abort_request, step, has_unfinished_requests. One thread calls them: run_busy_loop's (an LLM starts it). Callers
+    in other threads talk to that thread through queues: one in, and one out for each caller's requests."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, async_scheduling: bool):
+        self.scheduler = scheduler
+        self.executor = executor
+        # Design discussion (njhill): "make the scheduling async, so that they always have the schedule for the
+        # next step waiting when they finish the current one". Two steps in flight do that; one is synchronous.
+        self.max_steps_in_flight = 2 if async_scheduling else 1
+        self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()  # steps sent, oldest first
+        self.stats = {"steps": 0, "largest_batch": 0}
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_ids: list[int]) -> None:
+        self.scheduler.abort_requests(set(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
+
+    def step(self) -> list[Request]:
+        """Send the next step while fewer than max_steps_in_flight are on their way; then, when they are that many
+        or there is nothing more to send, wait for the oldest and return the requests it gave a token (vLLM's
+        step_with_batch_queue). Async, the step sent here runs on the workers while we wait for the one before it:
+        the workers append their own sampled tokens, so a step needs nothing from the answer to the one before."""
+        if len(self.batch_queue) < self.max_steps_in_flight:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output is not None:
+                self.stats["steps"] += 1
+                self.stats["largest_batch"] = max(self.stats["largest_batch"], len(scheduler_output.scheduled_ids))
+                self.batch_queue.append((scheduler_output, self.executor.execute_model(scheduler_output, True)))
+                if len(self.batch_queue) < self.max_steps_in_flight:
+                    return []  # this step is on its way: send the next one before waiting for it
+        if not self.batch_queue:
+            return []
+        scheduler_output, step = self.batch_queue.popleft()
+        return self.scheduler.update(scheduler_output, step.result())
+
+    def run_busy_loop(self, commands: queue.SimpleQueue) -> None:
+        """vLLM's EngineCoreProc.run_busy_loop, as a thread: take every command that has come (add, abort, call),
+        sleeping on the queue when there is no work (an idle LLM costs no CPU), step, and hand each updated request
+        to its caller's queue. A failure (a worker died) goes to every caller at once."""
+        while True:
+            try:
+                while not commands.empty() or not self.has_unfinished_requests():
+                    verb, argument = commands.get()
+                    if verb == SHUTDOWN_ENGINE:
+                        self.fail_every_request(RuntimeError("this LLM was shut down"))
+                        return
+                    self.run_command(verb, argument)
+                for request in self.step():
+                    if request.stream or request.finish_reason is not None:
+                        request.outputs.put((request, len(request.output_token_ids), request.finish_reason is not None))
+            except Exception as error:  # a worker failed or died: the executor is shut down, later steps raise too
+                self.executor.shutdown()  # (already, but for a fault of the driver's own: the ranks may disagree now)
+                self.fail_every_request(error)
+
+    def run_command(self, verb: str, argument) -> None:
+        if verb == "add":
+            for request in argument:
+                self.add_request(request)
+        elif verb == "abort":
+            self.abort_request(argument)
+        else:  # "call": a function to run here, between steps, as the one thread that drives the executor
+            function, result = argument
+            try:
+                result.set_result(function())
+            except Exception as error:
+                result.set_exception(error)
+
+    def fail_every_request(self, error: Exception) -> None:
+        requests = [*self.scheduler.waiting, *self.scheduler.running]
+        for request in requests:
+            request.outputs.put(error)
+        self.abort_request([request.request_id for request in requests])
+        self.batch_queue.clear()
 
 
 # The front end ------------------------------------------------------------------------
@@ -402,7 +596,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, device: str | None = None,
                  dtype: str = "auto", max_num_seqs: int = 8, max_model_len: int | None = None,
-                 load_format: str = "auto", distributed_executor_backend: str | type = "mp", cuda_graphs: bool = False):
+                 load_format: str = "auto", distributed_executor_backend: str | type = "mp", cuda_graphs: bool = False,
+                 async_scheduling: bool = False):
         from transformers import AutoTokenizer
         if importing_main_for_spawn():
             sys.exit("tinytp: a worker process, importing your script as spawn does, ran its LLM(...) too: "
@@ -451,11 +646,19 @@ class LLM:
                               if has_tokenizer(self.model_dir) else None)
         except ValueError as e:
             raise ValueError(f"{self.model_dir}: its tokenizer: {' '.join(str(e).split())}") from None
+        if type(async_scheduling) is not bool:
+            raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids(), self.detokenize)
         self.request_ids = itertools.count()
-        self.busy = threading.Lock()  # held by the one generate() or stream() that runs (see _run)
         self.executor = executor_class(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format,
                                        cuda_graphs=cuda_graphs)
+        # The engine loop: one thread drives the scheduler and the executor; every caller talks to it through queues.
+        self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.engine_thread = threading.Thread(target=self.engine.run_busy_loop, args=(self.commands,),
+                                              name="tinytp-engine", daemon=True)
+        self.engine_thread.start()
+        atexit.register(self.shutdown)  # registered after the executor's, so run before it
 
     def end_of_sequence_ids(self) -> set[int]:
         """Tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3), the tokenizer's."""
@@ -482,8 +685,8 @@ class LLM:
         requests = [request for group in groups for request in group]
         with tqdm(total=len(requests), desc="generating", unit="sequence",
                   disable=not use_tqdm or len(requests) < 2) as bar:
-            for finished in self._run(requests):
-                bar.update(len(finished))
+            for _ in self._run(requests):  # each request is reported once, when it finishes
+                bar.update(1)
         return [RequestOutput(str(group[0].request_id), group[0].prompt, group[0].prompt_token_ids,
                               [CompletionOutput(index, self.detokenize(r.output_token_ids)[:r.text_end],
                                                 r.output_token_ids, r.finish_reason, r.stop_reason)
@@ -514,29 +717,40 @@ class LLM:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
     def stream(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield one prompt's completion text as it is generated; the prompt is checked now, not at the first piece."""
+        """Yield one prompt's completion text as it is generated; the prompt is checked now, not at the first piece.
+        Closing it early (break, .close(), garbage collection) aborts the request: its slot is free within a step."""
         requests = self._make_requests(prompt, sampling_params)
         if len(requests) > 1:
             raise ValueError(f"stream yields one completion: n must be 1, got {len(requests)}")
-        return self._stream(requests[0])
+        return self._stream(requests)
 
-    def _stream(self, request: Request) -> Iterator[str]:
-        # Decode a window, not the whole output at every step: the tokens not shown yet, after those shown last time
-        # (a tokenizer may spell a token by its neighbour). The last characters wait while a stop string could begin.
-        hold = max(map(len, request.params.stop), default=1) - 1
-        start = shown = 0  # the window, and where its shown part ends
-        decoded, sent = "", 0  # the text so far, and how much of it was yielded
-        for _ in self._run([request]):
-            token_ids = request.output_token_ids
-            text = self.detokenize(token_ids[start:])
-            if text.endswith("\ufffd") and request.finish_reason is None:
+    def _stream(self, requests: list[Request]) -> Iterator[str]:
+        shown = ""
+        for output in self._stream_outputs(requests):
+            text = output.outputs[0].text
+            yield text[len(shown):]
+            shown = text
+
+    def stream_outputs(self, prompt: str | dict | list[int],
+                       sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """One prompt's RequestOutput each time one of its n samples has new text (vLLM's AsyncLLM.generate, without
+        asyncio): each completion's text and token_ids so far, finish_reason None until it ends, `finished` at the
+        last. Checked now, not at the first output; closing it early aborts the request, as stream's does."""
+        return self._stream_outputs(self._make_requests(prompt, sampling_params))
+
+    def _stream_outputs(self, requests: list[Request]) -> Iterator[RequestOutput]:
+        texts = {request.request_id: IncrementalText(self.detokenize, request.params.stop) for request in requests}
+        completions = [CompletionOutput(index, "", [], None) for index in range(len(requests))]
+        for request, num_tokens, finished in self._run(requests, stream=True):
+            token_ids = request.output_token_ids[:num_tokens]  # the engine may have appended more since
+            text = texts[request.request_id].update(token_ids, finished, request.text_end)
+            if text is None:
                 continue  # half of a multi-byte character: wait for the rest
-            decoded += text[len(self.detokenize(token_ids[start:shown])):]
-            start, shown = shown, len(token_ids)
-            # At the end, all of it up to the stop string that ended it, if one did (text_end None: to the end).
-            end = max(sent, len(decoded) - hold) if request.finish_reason is None else request.text_end
-            yield decoded[sent:end]
-            sent = end
+            index = requests.index(request)
+            completions[index] = (CompletionOutput(index, text, token_ids, request.finish_reason, request.stop_reason)
+                                  if finished else CompletionOutput(index, text, token_ids, None))
+            yield RequestOutput(str(requests[0].request_id), requests[0].prompt, requests[0].prompt_token_ids,
+                                list(completions), finished=all(c.finish_reason for c in completions))
 
     def _make_requests(self, prompt: str | dict | list[int], params: SamplingParams | None) -> list[Request]:
         """A prompt's requests, one per sample (params.n), checked."""
@@ -582,31 +796,59 @@ class LLM:
         if outside:
             raise ValueError(f"{what} {outside[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
 
-    def _run(self, requests: list[Request]) -> Iterator[list[Request]]:
-        """Step until these requests are done; yield those finished at each step. One caller at a time (callers sharing
-        the batch would finish each other's requests); a second is refused, not made to wait: it could wait for a
-        stream its own thread paused."""
-        if not self.busy.acquire(blocking=False):
-            raise RuntimeError("this LLM is busy with another generate() or an unfinished stream(): one at a time")
-        self.scheduler.waiting.extend(requests)
+    def _run(self, requests: list[Request], stream: bool = False) -> Iterator[tuple[Request, int, bool]]:
+        """Hand the requests to the engine loop and yield what it reports of them: (request, its tokens then, whether
+        it finished), for each new token (stream) or only at the end. They share the running batch with every other
+        caller's. Leaving early (an exception, Ctrl-C, a stream closed) aborts those not finished."""
+        outputs = queue.SimpleQueue()  # this caller's: the engine loop reports its requests here
+        for request in requests:
+            request.outputs, request.stream = outputs, stream
+        unfinished = {request.request_id for request in requests}
+        self.commands.put(("add", requests))
         try:
-            while any(request.finish_reason is None for request in requests):
-                scheduler_output = self.scheduler.schedule()
-                runner_output = self.executor.execute_model(scheduler_output)
-                yield self.scheduler.update(scheduler_output, runner_output)
-        except BaseException:
-            self.scheduler.abort_all()  # all of them are this caller's
-            raise
+            while unfinished:
+                report = outputs.get()
+                if isinstance(report, Exception):  # the same failure for every caller: each raises a copy of its own
+                    raise type(report)(*report.args) from None
+                request, num_tokens, finished = report
+                if finished:
+                    unfinished.discard(request.request_id)
+                yield request, num_tokens, finished
         finally:
-            self.busy.release()
+            if unfinished:
+                self.commands.put(("abort", list(unfinished)))
+
+    def _in_engine(self, function: Callable):
+        """Run `function` in the engine loop's thread, between two steps, and return what it returns: that thread
+        alone drives the executor (once the loop has stopped, here)."""
+        if not self.engine_thread.is_alive():
+            return function()
+        result = concurrent.futures.Future()
+        self.commands.put(("call", (function, result)))
+        return result.result()
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
         """vLLM's public form: args and kwargs as a tuple and a dict, so that no name of the method's own
         arguments can collide with collective_rpc's (the Executor keeps the PR's `*args, **kwargs`)."""
-        return self.executor.collective_rpc(method, timeout, *args, **(kwargs or {}))
+        return self._in_engine(lambda: self.executor.collective_rpc(method, timeout, *args, **(kwargs or {})))
+
+    def check_health(self) -> None:
+        """Raise RuntimeError if the workers are gone (vLLM's check_health)."""
+        self._in_engine(self.executor.check_health)
+
+    def stats(self) -> dict:
+        """The engine's counts so far: steps run, and the most requests one step has run."""
+        return dict(self.engine.stats)
 
     def shutdown(self) -> None:
+        """Stop the engine loop (a step it waits for is given up), then the workers; free all shared memory."""
+        atexit.unregister(self.shutdown)
+        if self.engine_thread.is_alive():
+            if isinstance(self.executor, Executor):  # another kind (bench's in-process) never waits on processes
+                self.executor.closing.set()
+            self.commands.put((SHUTDOWN_ENGINE, None))
+            self.engine_thread.join()
         self.executor.shutdown()
 
     def __enter__(self) -> LLM:
@@ -670,6 +912,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (opt-in)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="send each step while the one before it runs (two steps in flight)")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt text as it is")
     parser.add_argument("--trace", action="store_true", default=os.environ.get("TINYTP_TRACE") == "1",
                         help="print a timeline of one decode step across processes (also TINYTP_TRACE=1)")
@@ -698,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
         if not chosen:
             params = replace(default_sampling_params(model_dir), **others)
         with LLM(model_dir, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len,
-                 cuda_graphs=args.cuda_graphs) as llm:
+                 cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling) as llm:
             if args.model is None:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
                       "so its text is gibberish", file=sys.stderr)

@@ -128,29 +128,29 @@ class NewRequest:
 
 @dataclass
 class SchedulerOutput:
-    """One step, as deltas: never the last sampled token, which every worker appended to its own copy of the request.
-    It travels bare, as does rank 0's ModelRunnerOutput, with no RPCCall around it: the hot path's one message."""
+    """One step, as deltas: never the last sampled token, which every worker appended to its own copy of the request."""
     new_requests: list[NewRequest]
     scheduled_ids: list[int]  # requests that run this step, in batch order
     finished_ids: list[int]  # requests whose slots can be freed
-    call_id: int = 0  # set by the Executor, and sent back with the step's reply
 
 
 @dataclass
 class ModelRunnerOutput:
-    """Rank 0's reply to one step."""
-    call_id: int
+    """Rank 0's answer to one step."""
     sampled_token_ids: list[int]  # one per scheduled request, in the same order
     execute_seconds: float  # time inside the worker, to measure the executor's overhead
 
 
 @dataclass
 class RPCCall:
-    """A method call broadcast to every worker; every rank replies."""
+    """A method call broadcast to every worker, a step too (execute_model, with the SchedulerOutput as its argument).
+    unique_reply_rank (vLLM's name) is the one rank that answers, or None for every rank: a step is answered by rank 0
+    alone, since every rank sampled the same tokens. Any rank answers with an error."""
     call_id: int
     method: str | bytes  # a Worker method's name, or a pickled function called with the Worker
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    unique_reply_rank: int | None = None
 
 
 @dataclass
@@ -163,8 +163,9 @@ class RPCResult:
 SHUTDOWN = "shutdown"  # the method name that ends the worker loop
 
 # Pickle writes each class's module and name, and looks the class up by them on each side, as costly as the rest of
-# a decode step's pickling (docs/performance.md): so the classes above go as their number and a tuple of their fields.
-MESSAGE_CLASSES = (SchedulerOutput, ModelRunnerOutput, RPCCall, RPCResult)
+# a message's pickling (docs/performance.md): so the two classes every message is go as their number and a tuple of
+# their fields (a step's SchedulerOutput, inside, by name).
+MESSAGE_CLASSES = (RPCCall, RPCResult)
 MESSAGE_FIELDS = {cls: (number, operator.attrgetter(*(f.name for f in fields(cls))))
                   for number, cls in enumerate(MESSAGE_CLASSES)}
 
@@ -282,7 +283,7 @@ class MessageQueue:
         self.receive_buffer = bytearray()  # kept between multi-chunk messages: a new 16 MiB one each costs page faults
 
     # Sizes: vLLM's ring is 10 chunks of up to 16-24 MiB (it carries images). A step here is
-    # ~50 bytes, a prefill of 8 prompts of 4096 tokens ~130 KB: 8 chunks of 1 MiB hold a few
+    # ~150 bytes, a prefill of 8 prompts of 4096 tokens ~130 KB: 8 chunks of 1 MiB hold a few
     # calls whole, larger ones stream through. Replies, rank 0's tokens, get 4 x 256 KiB.
     @classmethod
     def create(cls, num_readers: int, num_chunks: int = 8, chunk_bytes: int = 1 << 20,
@@ -460,6 +461,7 @@ class Worker:
         self.group = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
         self.trace: list[tuple] | None = None  # (start, end, what, bytes) while --trace records
+        self.steps_run = self.steps_with_the_next_waiting = 0  # counted by worker_main
 
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int,
                     collective_block: str | None = None) -> None:
@@ -575,7 +577,7 @@ class Worker:
         for request, token in zip(scheduled, tokens):
             request.num_computed = len(request.token_ids)
             request.token_ids.append(token)
-        return ModelRunnerOutput(scheduler_output.call_id, tokens, time.perf_counter() - start)
+        return ModelRunnerOutput(tokens, time.perf_counter() - start)
 
     def start_trace(self) -> None:  # --trace: this and stop_trace run through the driver's collective_rpc
         """Record (start, end, what, bytes) events in self.trace by wrapping the step's and the collectives' methods,
@@ -623,7 +625,10 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
     """The loop of one worker process: take the next step or call from the broadcast queue, run it, reply. Nothing
     else happens here (design discussion: workers "sit in a very tight model execution loop" of model execution and
     termination). driver_pid is passed in: a driver that died while we imported torch has re-parented us already."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    # Ctrl-C, and a SIGTERM sent to the whole process group (timeout, systemd), are the driver's to handle: it stops
+    # us in order. (The driver's force is SIGKILL.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # tqdm's default lock is a named semaphore, which the resource tracker reports "leaked" when a killed worker
     # leaves it behind. One thread here draws progress bars: a thread lock does.
     tqdm.set_lock(threading.RLock())
@@ -638,24 +643,23 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
     try:
         driver_alive()  # its first message may be waiting: dequeue checks only while it waits
         while True:
-            message: SchedulerOutput | RPCCall = broadcast.dequeue(check=driver_alive)
-            step = isinstance(message, SchedulerOutput)
-            if not step and message.method == SHUTDOWN:
+            call: RPCCall = broadcast.dequeue(check=driver_alive)
+            if call.method == SHUTDOWN:
                 break
             try:
-                if step:  # the hot path; only rank 0 replies, since every rank sampled alike
-                    reply = worker.execute_model(message)
-                else:
-                    method = (getattr(worker, message.method) if isinstance(message.method, str)
-                              else functools.partial(pickle.loads(message.method), worker))
-                    reply = RPCResult(message.call_id, method(*message.args, **message.kwargs))
+                method = (getattr(worker, call.method) if isinstance(call.method, str)
+                          else functools.partial(pickle.loads(call.method), worker))
+                reply = RPCResult(call.call_id, method(*call.args, **call.kwargs))
             except Exception:
-                reply = RPCResult(message.call_id, error=traceback.format_exc())  # sent by any rank
-            if rank == 0 or isinstance(reply, RPCResult):  # every rank answers a call or reports an error
+                reply = RPCResult(call.call_id, error=traceback.format_exc())
+            if call.unique_reply_rank in (None, rank) or reply.error is not None:
                 start = time.perf_counter()
                 size = response.enqueue(reply, check=driver_alive)
-                if step and worker.trace is not None:  # --trace (Worker.start_trace)
+                if call.method == "execute_model" and worker.trace is not None:  # --trace (Worker.start_trace)
                     worker.trace.append((start, time.perf_counter(), "replied", size))
+            if call.method == "execute_model":  # with async scheduling, the next step is already here (bench.py)
+                worker.steps_run += 1
+                worker.steps_with_the_next_waiting += broadcast.ready()
     except DriverGone:
         # Nobody else will unlink the blocks and doorbells now (which also keeps the dead driver's resource tracker
         # quiet): rank 0 the shared ones, each rank its reply block.
