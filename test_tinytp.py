@@ -2833,13 +2833,30 @@ class Served:
         response = connection.getresponse()
         return response.status, response.headers, response.read().decode()
 
+    def terminate_group(self) -> None:
+        """SIGTERM to its whole process group (workers and resource tracker too), as systemd or `timeout` sends it."""
+        os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the group's id is its pid
+
     def stop(self) -> int:
-        """SIGTERM, as a service manager stops it; then nothing of it may be left."""
-        self.process.send_signal(signal.SIGTERM)
+        """SIGTERM to the group; then nothing of it may be left: no process of the group, nothing in /dev/shm."""
+        if self.process.poll() is None:
+            self.terminate_group()
         code = self.process.wait(timeout=30)
-        assert wait_for(lambda: all(process_gone(pid) for pid in self.workers), 5), self.log()
+        assert wait_for(lambda: not processes_in_group(self.process.pid), 5), self.log()
         assert not shm_entries(self.process.pid)
         return code
+
+
+def processes_in_group(group: int) -> list[int]:
+    """The live processes of a process group (zombies not counted: nobody left to reap them matters not)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it exited between the listing and the read
+            with open(f"/proc/{entry}/stat") as f:
+                state, _, process_group = f.read().rsplit(")", 1)[1].split()[:3]
+            if int(process_group) == group and state != "Z":
+                found.append(int(entry))
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -2981,7 +2998,7 @@ def test_server_raw_http_malformed_json_limits_routes_and_the_sse_framing(tiny_s
     assert "Traceback" not in tiny_server.log()
 
 
-def test_server_api_key_disconnect_frees_the_slot_and_sigterm_ends_a_stream(openai, tmp_path):
+def test_server_api_key_disconnect_frees_the_slot_and_group_sigterm_ends_a_stream(openai, tmp_path):
     served = Served(tmp_path, "--max-num-seqs", "1", "--api-key", "sesame", "--served-model-name", "tiny")
     try:
         with pytest.raises(openai.AuthenticationError):
@@ -3000,11 +3017,12 @@ def test_server_api_key_disconnect_frees_the_slot_and_sigterm_ends_a_stream(open
         steps = int(re.findall(r"engine: (\d+) steps so far", served.log())[-1])
         assert steps < 100, served.log()  # the abandoned request's 500 steps were not run
         assert "the client went away" in served.log()
-        # SIGTERM while a stream runs: it ends with an error event, the server exits 0 and leaves nothing.
+        # SIGTERM to the process group while a stream runs (the workers get it too, and leave it to the server): the
+        # stream ends with an error event, the server exits 0 and leaves nothing.
         stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=500, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         next(stream)
-        served.process.send_signal(signal.SIGTERM)
+        served.terminate_group()
         with pytest.raises(openai.APIError, match="the server is shutting down"):
             list(stream)
         assert time.monotonic() - start < 30
