@@ -4,7 +4,9 @@
     python bench.py                               # latency of a default model, random weights
     python bench.py --tp 2 --input-len 128 --output-len 256
     python bench.py --compare                     # tinytp tp=1, tp=2, in-process, transformers
-    python bench.py --serve --model smollm2       # 8 clients at once over HTTP against one at a time
+    python bench.py --concurrency 8               # 8 callers at once against the same 8 one by one
+    python bench.py --serve --concurrency 8 --model DIR  # the same over HTTP: 8 clients of serve.py
+    python bench.py --async-scheduling            # the next step sent while the one before it runs
     python bench.py --write-gguf bench.gguf       # the same model for llama.cpp (needs gguf)
     python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B shapes, random weights
 
@@ -341,6 +343,21 @@ def lm_head_is_packed(worker: Worker) -> bool:  # run in the workers, through co
     return worker.model.lm_head.packed_weight is not None
 
 
+def parameter_bytes(worker: Worker) -> int:  # run in the workers: the bytes of weights a rank holds
+    """Tied ones once, packed ones in place of the plain ones."""
+    packed = [m.packed_weight for m in worker.model.modules() if getattr(m, "packed_weight", None) is not None]
+    return sum(t.numel() * t.element_size() for t in [*worker.model.parameters(), *packed])
+
+
+def next_step_counts(worker: Worker, reset: bool = False) -> tuple[int, int]:  # run in the workers
+    """The steps this rank ran, and at how many of them the next step was already in its queue when it finished
+    (counted by worker_main): then; and, with reset, from now on."""
+    counts = (worker.steps_run, worker.steps_with_the_next_waiting)
+    if reset:
+        worker.steps_run = worker.steps_with_the_next_waiting = 0
+    return counts
+
+
 def timed(executor_class: type, steps: list[Step]) -> type:
     """`executor_class` with each step timed in the driver, into `steps`: from its sending, or from the answer to
     the step before if that came later (with async scheduling a step is sent while the one before it runs), to its
@@ -373,10 +390,11 @@ class EngineBackend:
         executor_class = timed(InProcessExecutor if inprocess else tinytp.Executor, self.steps)
         self.llm = tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=len(prompts),
                               max_model_len=args.input_len + args.output_len, load_format=load_format,
-                              distributed_executor_backend=executor_class, cuda_graphs=args.cuda_graphs)
+                              distributed_executor_backend=executor_class, cuda_graphs=args.cuda_graphs,
+                              async_scheduling=args.async_scheduling)
         self.prompts = prompts
         self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
-        self.parameter_bytes = max(self.llm.collective_rpc("parameter_bytes"))
+        self.parameter_bytes = max(self.llm.collective_rpc(parameter_bytes))
         # A tied head packed for the CPU has a copy of its own (pack_for_cpu): the table then
         # serves only the embedding's few rows.
         tied = self.llm.config.tie_word_embeddings
@@ -386,6 +404,14 @@ class EngineBackend:
 
     def generate(self) -> list[int]:
         return [len(o.outputs[0].token_ids) for o in self.llm.generate(self.prompts, self.params, use_tqdm=False)]
+
+    def count_next_steps(self, reset: bool = False) -> float | None:
+        """The share of steps at which the next step was already waiting (the lowest of the ranks'); None in-process,
+        where no worker loop counts."""
+        if isinstance(self.llm.executor, InProcessExecutor):
+            return None
+        shares = [waiting / run for run, waiting in self.llm.collective_rpc(next_step_counts, args=(reset,)) if run]
+        return min(shares, default=None)
 
     def close(self):
         self.llm.shutdown()
@@ -423,6 +449,9 @@ class HFBackend:
         self.parameter_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.head_reads_table = self.model.config.tie_word_embeddings
         self.threads = f"1 process x {CORES} torch threads"
+
+    def count_next_steps(self, reset: bool = False) -> None:
+        return None  # one process: nothing is sent to anyone
 
     def generate(self) -> list[int]:
         self.starts.clear()
@@ -523,6 +552,7 @@ def run_latency(args) -> dict:
             for _ in tqdm(range(args.num_iters_warmup), desc="Warmup iterations"):
                 backend.generate()
             backend.steps.clear()
+            backend.count_next_steps(reset=True)
             latencies = []
             for _ in tqdm(range(args.num_iters), desc="Profiling iterations"):
                 start = time.perf_counter()
@@ -531,13 +561,74 @@ def run_latency(args) -> dict:
                 if set(lengths) != {args.output_len}:
                     raise RuntimeError(f"generated {sorted(set(lengths))} tokens, not {args.output_len}")
             weight_bytes = decode_weight_bytes(backend.parameter_bytes, config, args.tp, dtype, backend.head_reads_table)
+            next_step_ready = backend.count_next_steps()
         finally:
             backend.close()
     # The ranks on a CPU share one memory and its bandwidth; each GPU has its own.
     shared, memory = (args.tp, "memory") if device == "cpu" else (1, "each GPU")
     result = report(latencies, backend.steps, weight_bytes * shared, *memory_bandwidth(device), memory)
+    if next_step_ready is not None:
+        print(f"Next step already waiting when a worker finished a step: {next_step_ready:.0%} of the steps "
+              f"({'async' if args.async_scheduling else 'sync'} scheduling; the lowest share of the ranks)")
     return {"backend": args.backend, "tp": args.tp, "device": device, "dtype": dtype, "cuda_graphs": args.cuda_graphs,
-            **result}
+            "async_scheduling": args.async_scheduling, "next_step_ready_fraction": next_step_ready, **result}
+
+
+# --------------------------------------------------------------------------------------
+# Many callers: one prompt each, all at once, against the same prompts one after another
+# --------------------------------------------------------------------------------------
+
+
+def stream_token_times(llm, prompt: list[int], params: SamplingParams) -> list[float]:
+    """One caller: its prompt streamed, and when each of its tokens came (its start first)."""
+    times = [time.perf_counter()]
+    for output in llm.stream_outputs(prompt, params):
+        arrived = len(output.outputs[0].token_ids) - (len(times) - 1)
+        times += [time.perf_counter()] * arrived
+    return times
+
+
+def serving_figures(callers: list[list[float]], wall: float) -> dict:
+    """vLLM's benchmark_serving names: output tokens per second, time to first token, inter-token latency."""
+    ttft = [times[1] - times[0] for times in callers]
+    itl = [later - earlier for times in callers for earlier, later in zip(times[1:], times[2:])]
+    return {"output_throughput": sum(len(times) - 1 for times in callers) / wall,
+            "median_ttft_ms": float(np.median(ttft)) * 1e3, "p99_ttft_ms": float(np.percentile(ttft, 99)) * 1e3,
+            "median_itl_ms": float(np.median(itl)) * 1e3, "p99_itl_ms": float(np.percentile(itl, 99)) * 1e3}
+
+
+def run_concurrency(args) -> dict:
+    """--concurrency N: N caller threads at once, one prompt each (greedy, exactly --output-len tokens), on one LLM
+    (the engine puts them in one running batch), against the same N prompts one after another on it."""
+    with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
+        model_dir, load_format = model_source(args, workdir)
+        config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
+        device, dtype = tinytp.choose_device_and_dtype(config, args.tp, args.device, args.dtype)
+        prompts = np.random.default_rng(0).integers(config.vocab_size, size=(args.concurrency, args.input_len))
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
+        with tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=args.concurrency,
+                        max_model_len=args.input_len + args.output_len, load_format=load_format,
+                        cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling) as llm:
+            print(f"tinytp, tp={args.tp}, {device}, {dtype}, {load_format} weights, {args.concurrency} callers, "
+                  f"{'async' if args.async_scheduling else 'sync'} scheduling")
+            stream_token_times(llm, prompts[0].tolist(), params)  # warm-up
+            start = time.perf_counter()
+            one_by_one = [stream_token_times(llm, prompt, params) for prompt in prompts.tolist()]
+            sequential = serving_figures(one_by_one, time.perf_counter() - start)
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
+                at_once = list(pool.map(lambda prompt: stream_token_times(llm, prompt, params), prompts.tolist()))
+            concurrent_run = serving_figures(at_once, time.perf_counter() - start)
+            largest_batch = llm.stats()["largest_batch"]
+    for name, figures in [("sequential", sequential), ("concurrent", concurrent_run)]:
+        print(f"{name}: output token throughput {figures['output_throughput']:.1f} tok/s; "
+              f"TTFT median {figures['median_ttft_ms']:.1f} ms, p99 {figures['p99_ttft_ms']:.1f} ms; "
+              f"ITL median {figures['median_itl_ms']:.2f} ms, p99 {figures['p99_itl_ms']:.2f} ms")
+    speedup = concurrent_run["output_throughput"] / sequential["output_throughput"]
+    print(f"concurrency speedup: {speedup:.2f}x the sequential tokens per second (largest batch: {largest_batch})")
+    return {"concurrency": args.concurrency, "tp": args.tp, "device": device, "dtype": dtype,
+            "async_scheduling": args.async_scheduling, "sequential": sequential, "concurrent": concurrent_run,
+            "concurrency_speedup": speedup, "largest_batch": largest_batch}
 
 
 # --------------------------------------------------------------------------------------
@@ -618,69 +709,66 @@ def write_gguf(args) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def stream_over_http(port: int, prompt: list[int], output_len: int) -> dict:
-    """One streamed /v1/completions request: when it was sent, when each text chunk came, the tokens generated."""
+def stream_over_http(port: int, prompt: list[int], output_len: int) -> list[float]:
+    """One client: its prompt streamed from /v1/completions, and when each of its tokens came (its start first), as
+    stream_token_times has them. An event carries text, not tokens: a token that came with no text of its own (half
+    a character) counts at the next text, so these times hold the same gaps as the in-process ones."""
     import http.client
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    sent = time.perf_counter()
+    times = [time.perf_counter()]
     connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response, arrivals, tokens = connection.getresponse(), [], 0
-    for line in response:
-        if line.startswith(b"data: {"):
-            event = json.loads(line[6:])
-            if event["choices"] and event["choices"][0]["text"]:
-                arrivals.append(time.perf_counter())
-            tokens = event["usage"]["completion_tokens"] if event.get("usage") else tokens
+    for line in connection.getresponse():
+        event = json.loads(line[6:]) if line.startswith(b"data: {") else {}
+        if event.get("choices") and event["choices"][0]["text"]:
+            times.append(time.perf_counter())
+        if event.get("usage"):  # the last event: every token is in
+            times += [times[-1]] * (event["usage"]["completion_tokens"] - (len(times) - 1))
     connection.close()
-    return {"sent": sent, "arrivals": arrivals, "tokens": tokens}
-
-
-def serving_figures(runs: list[dict], seconds: float) -> dict:
-    gaps = [b - a for run in runs for a, b in zip(run["arrivals"], run["arrivals"][1:])]
-    return {"output_tokens_per_second": sum(run["tokens"] for run in runs) / seconds,
-            "ttft_p50_ms": statistics.median(run["arrivals"][0] - run["sent"] for run in runs) * 1e3,
-            "itl_p50_ms": statistics.median(gaps) * 1e3, "itl_p99_ms": np.percentile(gaps, 99) * 1e3}
+    return times
 
 
 def run_serve(args) -> dict:
-    """N (--batch-size) streaming clients at once against the same N requests one after another, on one serve.py
-    (greedy, --input-len random token ids, exactly --output-len tokens each): output tokens per second, time to the
-    first text chunk, and the time between text chunks (a chunk per step that gave text), p50 and p99."""
+    """--serve --concurrency N: N streaming HTTP clients at once against the same N requests one after another, on
+    one serve.py (greedy, --input-len random token ids, exactly --output-len tokens each): run_concurrency's
+    figures, with HTTP, JSON and the server's threads in the way."""
     model_dir = tinytp.resolve_model(args.model)
     vocab = ModelConfig.from_file(os.path.join(model_dir, "config.json")).vocab_size
-    prompts = np.random.default_rng(0).integers(vocab, size=(args.batch_size, args.input_len)).tolist()
+    prompts = np.random.default_rng(0).integers(vocab, size=(args.concurrency, args.input_len)).tolist()
     command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py"), "--model",
                model_dir, "--tp", str(args.tp), "--port", "0", "--dtype", args.dtype, "--max-num-seqs",
-               str(args.batch_size), "--max-model-len", str(args.input_len + args.output_len),
-               *(["--device", args.device] if args.device else [])]
+               str(args.concurrency), "--max-model-len", str(args.input_len + args.output_len),
+               *(["--device", args.device] if args.device else []),
+               *(["--async-scheduling"] if args.async_scheduling else [])]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = server.stdout.readline()
         if not line.startswith("tinytp: serving"):
             raise RuntimeError(f"serve.py did not start: {' '.join(command)}")
         port = int(line.rstrip().rsplit(":", 1)[1].split("/")[0])
+        print(f"serve.py, tp={args.tp}, {args.dtype}, {args.concurrency} HTTP clients, "
+              f"{'async' if args.async_scheduling else 'sync'} scheduling")
         stream_over_http(port, prompts[0], 4)  # warm-up
         start = time.perf_counter()
-        sequential = [stream_over_http(port, prompt, args.output_len) for prompt in prompts]
-        sequential_seconds = time.perf_counter() - start
+        sequential = serving_figures([stream_over_http(port, prompt, args.output_len) for prompt in prompts],
+                                     time.perf_counter() - start)
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(lambda prompt: stream_over_http(port, prompt, args.output_len), prompts))
-        together_seconds = time.perf_counter() - start
+            at_once = list(pool.map(lambda prompt: stream_over_http(port, prompt, args.output_len), prompts))
+        concurrent_run = serving_figures(at_once, time.perf_counter() - start)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
-    result = {"clients": args.batch_size, "sequential": serving_figures(sequential, sequential_seconds),
-              "concurrent": serving_figures(together, together_seconds)}
-    for name in ("sequential", "concurrent"):
-        r = result[name]
-        print(f"{name:>10}: {r['output_tokens_per_second']:8.1f} output tokens/s, TTFT p50 {r['ttft_p50_ms']:7.1f} ms, "
-              f"ITL p50 {r['itl_p50_ms']:6.1f} ms, p99 {r['itl_p99_ms']:6.1f} ms")
-    result["speedup"] = result["concurrent"]["output_tokens_per_second"] / result["sequential"]["output_tokens_per_second"]
-    print(f"{args.batch_size} clients at once: {result['speedup']:.2f}x the tokens per second of one at a time")
-    return result
+    for name, figures in [("sequential", sequential), ("concurrent", concurrent_run)]:
+        print(f"{name}: output token throughput {figures['output_throughput']:.1f} tok/s; "
+              f"TTFT median {figures['median_ttft_ms']:.1f} ms, p99 {figures['p99_ttft_ms']:.1f} ms; "
+              f"ITL median {figures['median_itl_ms']:.2f} ms, p99 {figures['p99_itl_ms']:.2f} ms")
+    speedup = concurrent_run["output_throughput"] / sequential["output_throughput"]
+    print(f"concurrency speedup: {speedup:.2f}x the sequential tokens per second")
+    return {"serve": True, "concurrency": args.concurrency, "tp": args.tp, "dtype": args.dtype,
+            "async_scheduling": args.async_scheduling, "sequential": sequential, "concurrent": concurrent_run,
+            "concurrency_speedup": speedup}
 
 
 # --------------------------------------------------------------------------------------
@@ -744,7 +832,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ipc", action="store_true", help="benchmark the IPC transports, not the model")
     parser.add_argument("--compare", action="store_true", help="tinytp tp=1 and 2, inprocess and hf, in turn")
     parser.add_argument("--serve", action="store_true",
-                        help="--batch-size streaming clients at once over HTTP (serve.py) against one at a time")
+                        help="--concurrency streaming clients at once over HTTP (serve.py) against one by one")
     parser.add_argument("--write-gguf", metavar="PATH", default=None,
                         help="write the benchmark's model, random weights, as a GGUF for llama.cpp, and exit")
     parser.add_argument("--rounds", type=int, default=3, help="with --compare: how many times to run them all in turn")
@@ -765,6 +853,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--backend", choices=["tinytp", "hf", "inprocess"], default="tinytp",
                         help="inprocess: tinytp's worker in this process, no executor (tp=1)")
     parser.add_argument("--cuda-graphs", action="store_true", help="tinytp's decode steps as CUDA graphs (opt-in)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="tinytp sends each step while the one before it runs (two steps in flight)")
+    parser.add_argument("--concurrency", type=int, default=None, metavar="N",
+                        help="N callers at once, one prompt each, against the same prompts one after another")
     parser.add_argument("--output-json", default=None, help="write the results to this file")
     args = parser.parse_args(argv)
     for name, least in [("batch_size", 1), ("input_len", 1), ("output_len", 2), ("num_iters", 1), ("rounds", 1)]:
@@ -775,10 +867,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if path is not None and (not path or os.path.isdir(path) or not os.access(folder, os.W_OK)):
             parser.error(f"{flag} needs a file it can write, got {path!r}"
                          + ("" if os.path.isdir(folder) else f": there is no folder {folder}"))
-    if args.cuda_graphs and args.backend == "hf":
-        parser.error("--cuda-graphs is tinytp's: --backend hf runs transformers' generate as it is")
-    if args.serve and not args.model:
-        parser.error("--serve needs --model: a checkpoint with a tokenizer (the server streams text)")
+    for flag in ("cuda_graphs", "async_scheduling"):
+        if getattr(args, flag) and args.backend == "hf":
+            parser.error(f"--{flag.replace('_', '-')} is tinytp's: --backend hf runs transformers' generate as it is")
+    if args.concurrency is not None and (args.concurrency < 1 or args.backend != "tinytp"):
+        parser.error(f"--concurrency must be at least 1, on --backend tinytp; got {args.concurrency} on {args.backend}")
+    if args.serve and not (args.model and args.concurrency):
+        parser.error("--serve needs --model (a checkpoint with a tokenizer: the server streams text) "
+                     "and --concurrency N (the number of clients)")
     if args.write_gguf and os.path.exists(args.write_gguf):
         parser.error(f"--write-gguf {args.write_gguf} exists already: remove it, or give another name")
     return args
@@ -788,8 +884,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
-        result = (run_ipc() if args.ipc else compare(argv) if args.compare else run_serve(args) if args.serve else
-                  write_gguf(args) if args.write_gguf else run_latency(args))
+        result = (run_ipc() if args.ipc else compare(argv) if args.compare else
+                  write_gguf(args) if args.write_gguf else
+                  run_serve(args) if args.serve else run_concurrency(args) if args.concurrency else run_latency(args))
     except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2

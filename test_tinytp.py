@@ -752,7 +752,9 @@ class TestTp2MultiHeadAttention:
         sizes = {n: p.numel() * 4 for n, p in mha_checkpoint[1].named_parameters()}
         replicated = sum(s for n, s in sizes.items() if "norm" in n)
         expected = (sum(sizes.values()) - replicated) / 2 + replicated
-        for held in tp2.collective_rpc("parameter_bytes"):
+        import bench
+
+        for held in tp2.collective_rpc(bench.parameter_bytes):
             assert abs(held - expected) / expected < 0.01
 
     SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
@@ -850,10 +852,12 @@ class TestTp4ReplicatedKvHeads:
 
     def test_explain_bytes_per_rank_are_what_the_workers_hold(self, tp4):
         # Plus, on CPU, the tied LM head's packed copy (pack_for_cpu): 65 vocab rows (258 padded to 260, over 4) x 64.
+        import bench
+
         _, _, llm = tp4
         printed = re.findall(r"rank (\d) holds ([\d,]+) bytes", explain(llm.config, 4, "float32"))
         head_copy = 65 * 64 * 4
-        assert [int(n.replace(",", "")) + head_copy for _, n in printed] == llm.collective_rpc("parameter_bytes")
+        assert [int(n.replace(",", "")) + head_copy for _, n in printed] == llm.collective_rpc(bench.parameter_bytes)
 
 
 def packed_weight_dtypes(worker):  # run in the workers: what pack_for_cpu made of each matmul
@@ -1643,6 +1647,9 @@ def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
     (["--write-gguf", "{tmp}"], "--write-gguf needs a file it can write, got '{tmp}'"),
     (["--write-gguf", "{tmp}/exists.gguf"], "--write-gguf {tmp}/exists.gguf exists already: remove it"),
     (["--backend", "hf", "--cuda-graphs"], "--cuda-graphs is tinytp's: --backend hf runs transformers' generate"),
+    (["--backend", "hf", "--async-scheduling"], "--async-scheduling is tinytp's: --backend hf runs transformers'"),
+    (["--concurrency", "0"], "--concurrency must be at least 1, on --backend tinytp; got 0 on tinytp"),
+    (["--concurrency", "2", "--backend", "inprocess"], "--concurrency must be at least 1, on --backend tinytp; got 2"),
 ])
 def test_bench_checks_its_arguments_before_running(tmp_path, capsys, args, message):
     import bench
@@ -2544,7 +2551,7 @@ def test_the_readmes_python_example_runs_as_written(cli_env, tmp_path):
     done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env={**cli_env, "PYTHONPATH": HERE},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert re.fullmatch(r"\[(\d+), \1\]", done.stdout.splitlines()[-1])  # each rank holds half: the same bytes
+    assert done.stdout.splitlines()[-1] == "[0, 1]"  # a function run on each rank
     assert "SamplingParams(n=1, temperature=1.0" in done.stdout  # the tiny model's generation_config sets none
 
 
@@ -2736,6 +2743,23 @@ def test_bench_writes_its_model_as_a_gguf_that_names_every_tensor_as_llama_cpp_d
             pytest.raises(KeyboardInterrupt):
         bench.main(["--write-gguf", str(tmp_path / "cut.gguf"), "--config", str(config)])
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.gguf"]  # nothing half-written is left
+
+
+def test_bench_concurrency_and_the_share_of_steps_found_waiting(tmp_path):
+    """--concurrency puts its callers in one batch; with async scheduling the next step is already in the workers'
+    queue when they finish one, and never (to within a race of microseconds) without."""
+    import bench
+
+    out = tmp_path / "result.json"
+    common = ["--model", tinytp.TINY_MODEL_DIR, "--input-len", "4", "--output-len", "24", "--output-json", str(out)]
+    assert bench.main([*common, "--concurrency", "3"]) == 0
+    result = json.loads(out.read_text())
+    assert result["largest_batch"] == 3 and result["concurrency_speedup"] > 0 and result["concurrent"]["p99_itl_ms"] > 0
+    shares = {}
+    for flags in ([], ["--async-scheduling"]):
+        assert bench.main([*common, "--batch-size", "4", "--num-iters-warmup", "0", "--num-iters", "2", *flags]) == 0
+        shares[bool(flags)] = json.loads(out.read_text())["next_step_ready_fraction"]
+    assert shares[False] < 0.2 and shares[True] > 0.5, shares
 
 
 def test_bench_compare_interleaves_rounds_of_the_tp_sizes_the_model_allows(tmp_path, capsys):

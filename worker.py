@@ -603,11 +603,6 @@ class Worker:
         events, self.trace = self.trace, None
         return events
 
-    def parameter_bytes(self) -> int:
-        """Bytes of weights this rank holds (tied ones once, packed ones in place of the plain ones)."""
-        packed = [m.packed_weight for m in self.model.modules() if getattr(m, "packed_weight", None) is not None]
-        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *packed])
-
     def close(self, unlink_collective_block: bool = False) -> None:
         if isinstance(model_code.collectives, SharedMemoryCollectives):
             model_code.collectives.close(unlink_collective_block)
