@@ -1,9 +1,8 @@
 """An OpenAI-compatible HTTP server on tinytp's engine, as `vllm serve` is on vLLM's: `python serve.py --model M`.
 
-A front end only: an HTTP request becomes engine requests (`LLM.stream_outputs`, one per prompt), whose outputs
-reach the thread answering the client through a queue per request, so a slow client never holds up the engine; they
-go back as one JSON body or as server-sent events. Many clients share the engine's running batch; a client that goes
-away has its requests aborted. Standard library only. Endpoints, fields, what is refused: docs/api.md.
+A front end only, standard library only: each prompt of an HTTP request is one `LLM.stream_outputs` call, whose
+outputs reach the request's thread through a queue (a slow client never holds up the engine) and go back as one JSON
+body or as server-sent events. Endpoints, fields, what is refused and why: docs/api.md.
 """
 
 from __future__ import annotations
@@ -25,16 +24,20 @@ from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 
-from tinytp import LLM, RequestOutput, SamplingParams
+from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams
 
 MAX_BODY_BYTES = 16 << 20  # a larger request body is refused (413) without being read
 SOCKET_TIMEOUT = 60.0  # a client that neither sends nor reads for this long is dropped
 POLL_SECONDS = 0.2  # how often a request waiting for the engine looks at its client and the server
 HEALTH_SECONDS = 0.5  # how often the main thread asks the engine whether its workers live
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions; chat's: what the context leaves
 
-# The request fields honoured, as OpenAI and vLLM define them; the sampling ones go to SamplingParams as they are.
+# The request fields honoured, as OpenAI and vLLM define them. The sampling ones go to SamplingParams, which checks
+# them; these have their types checked here (prompt and messages by their endpoints). user: an id, unused.
+FIELD_TYPES = {"model": (str, "a string"), "stream": (bool, "true or false"), "stream_options": (dict, "an object"),
+               "add_generation_prompt": (bool, "true or false"), "user": (str, "a string")}
 SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos"}
-COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "user", *SAMPLING_FIELDS}  # user: an id, unused
+COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "user", *SAMPLING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "add_generation_prompt"}
 # Fields that would change the output, accepted only at the value that changes nothing. Any other field is refused
@@ -42,7 +45,6 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "add_generat
 NEUTRAL_VALUES = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "logprobs": False,
                   "top_logprobs": 0, "echo": False, "logit_bias": {}, "suffix": "", "tools": [],
                   "response_format": {"type": "text"}, "min_tokens": 0}
-COMPLETIONS_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions; chat's: what the context leaves
 
 
 class APIError(Exception):
@@ -57,62 +59,30 @@ class APIError(Exception):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
-def is_neutral(value, neutral) -> bool:
-    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)  # 0 is not False here
-
-
-def check_fields(body: dict, honoured: set[str]) -> None:
-    for name, value in body.items():
-        if name in NEUTRAL_VALUES and not is_neutral(value, NEUTRAL_VALUES[name]):
-            raise APIError(400, f"{name}={json.dumps(value)}: tinytp does not support {name} (only "
-                                f"{json.dumps(NEUTRAL_VALUES[name])}, which changes nothing)", name)
-        if name not in honoured and name not in NEUTRAL_VALUES:
-            raise APIError(400, f"tinytp does not support {name}; it honours {', '.join(sorted(honoured))}", name)
-    for name, kind, what in [("stream", bool, "true or false"), ("stream_options", dict, "an object"),
-                             ("add_generation_prompt", bool, "true or false"), ("user", str, "a string")]:
-        if name in body and not isinstance(body[name], kind):
-            raise APIError(400, f"{name} must be {what}, got {json.dumps(body[name])}", name)
-    options = body.get("stream_options", {})
-    if options and not body.get("stream"):
-        raise APIError(400, "stream_options is for streamed requests: give stream=true too", "stream_options")
-    if options.keys() - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
-        raise APIError(400, f"stream_options may hold include_usage (true or false), got {json.dumps(options)}",
-                       "stream_options")
-
-
-def completion_prompts(prompt) -> list:
-    """/v1/completions' prompt: a string, a list of strings, a list of token ids, or a list of such lists."""
-    one = lambda p: isinstance(p, str) or isinstance(p, list) and p and all(type(t) is int for t in p)  # noqa: E731
-    if one(prompt) or isinstance(prompt, list) and prompt and all(map(one, prompt)):
-        return [prompt] if one(prompt) else prompt
-    raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such lists",
-                   "prompt")
-
-
-def pump(stream: Iterator[RequestOutput], index: int, arrivals: queue.Queue, done: threading.Event) -> None:
-    """Move one prompt's outputs from the engine to its request's queue, then None; closing the stream (when the
-    request is done with it, or at its end) aborts it in the engine if it is still running."""
-    try:
-        for output in stream:
-            arrivals.put((index, output))
-            if done.is_set():
-                break
-    except Exception as e:  # the workers died: the request's thread answers with it
-        arrivals.put((index, e))
-    finally:
-        stream.close()
-        arrivals.put((index, None))
-
-
 def client_gone(connection: socket.socket) -> bool:
     """A closed connection reads as readable and empty (a client sends nothing more while it waits)."""
     poller = select.poll()  # not select.select: it fails on descriptors past 1023
     poller.register(connection, select.POLLIN)
-    if not poller.poll(0):
-        return False
-    with contextlib.suppress(OSError):
-        return not connection.recv(1, socket.MSG_PEEK)
-    return True  # reset
+    try:
+        return bool(poller.poll(0)) and not connection.recv(1, socket.MSG_PEEK)
+    except OSError:  # reset
+        return True
+
+
+def usage(final: dict[int, RequestOutput]) -> dict:
+    prompt = sum(len(output.prompt_token_ids) for output in final.values())  # once per prompt, whatever n is
+    completion = sum(len(c.token_ids) for output in final.values() for c in output.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def choice(index: int, completion: CompletionOutput, chat: bool, piece: str | None = None) -> dict:
+    """A choice in a response (piece None: the whole text) or in a stream's chunk (the text's new piece)."""
+    if piece is None:
+        text = {"message": {"role": "assistant", "content": completion.text}} if chat else {"text": completion.text}
+    else:
+        text = {"delta": {"content": piece} if piece else {}} if chat else {"text": piece}
+    return {"index": index, **text, "logprobs": None, "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -124,48 +94,48 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # and do_POST: one router for both
         routes = {"/v1/models": ("GET", self.models), "/health": ("GET", self.health),
                   "/v1/completions": ("POST", self.completions), "/v1/chat/completions": ("POST", self.chat)}
-        path, start = self.path.split("?")[0], time.monotonic()
-        self.status, self.note, self.streaming = "-", "", False
+        path, self.streaming = self.path.split("?")[0], False
         try:
-            if path.startswith("/v1/"):
-                self.check_api_key()
+            key = self.headers.get("Authorization", "").removeprefix("Bearer ").encode()
+            if path.startswith("/v1/") and self.server.api_key is not None and not hmac.compare_digest(
+                    key, self.server.api_key.encode()):  # in constant time: no guessing the key by timing
+                raise APIError(401, "a missing or wrong API key: give --api-key's in 'Authorization: Bearer KEY'",
+                               code="invalid_api_key")
             if path not in routes:
                 raise APIError(404, f"no route {path}: tinytp serves {', '.join(routes)}")
             if routes[path][0] != self.command:
                 raise APIError(405, f"{path} takes {routes[path][0]}, not {self.command}")
             routes[path][1]()
-        except APIError as e:
-            self.send_json(e.status, e.body())
+        except APIError as e:  # mid-stream (the workers died, the server stopping): an event, then the end
+            self.log_message('"%s": %s %s', self.requestline, e.status, e)
+            if self.streaming:
+                self.send_event(e.body())
+                self.send_event("[DONE]")
+            else:
+                self.send_json(e.status, e.body())
         except (ConnectionError, TimeoutError):
-            self.note = "the client went away"
+            self.log_message('"%s": the client went away', self.requestline)
         except Exception as e:  # a bug of ours, not the client's doing: a 500 and the traceback
             traceback.print_exc()
             if not self.streaming:
                 self.send_json(500, APIError(500, f"{type(e).__name__}: {e}").body())
-        self.log_message('"%s" %s %.2f s %s', self.requestline, self.status, time.monotonic() - start, self.note)
 
     do_POST = do_GET
 
-    def log_request(self, code="-", size="-") -> None:  # send_response's log line: dispatch writes one at the end
-        self.status = code
-
-    def check_api_key(self) -> None:
-        if self.server.api_key is None:
-            return
-        given = self.headers.get("Authorization", "").removeprefix("Bearer ").encode()
-        if not hmac.compare_digest(given, self.server.api_key.encode()):  # in constant time: no guessing by timing
-            raise APIError(401, "a missing or wrong API key: give --api-key's in 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
+    def send_head(self, status: int, content_type: str, length: int | None) -> None:  # length None: to the close
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        if length is not None:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
 
     def send_json(self, status: int, obj: dict) -> None:
         data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
+        self.send_head(status, "application/json", len(data))
         self.wfile.write(data)
 
-    def read_body(self) -> dict:
+    def read_body(self, honoured: set[str]) -> dict:
+        """The request's JSON object, its nulls left out ("not given"), its fields and its model checked."""
         length = self.headers.get("Content-Length", "")
         if not length.isdigit():
             raise APIError(411, "a POST needs a Content-Length header and a JSON body")
@@ -178,17 +148,30 @@ class Handler(BaseHTTPRequestHandler):
         if not isinstance(body, dict):
             raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
         body = {name: value for name, value in body.items() if value is not None}
-        model = body.get("model", self.server.names[0])
-        if not isinstance(model, str):
-            raise APIError(400, f"model must be a string, got {json.dumps(model)}", "model")
-        if model not in self.server.names:
-            raise APIError(404, f"the model `{model}` does not exist: this server has {self.server.names[0]}",
+        for name, value in body.items():
+            if name in NEUTRAL_VALUES:
+                neutral = NEUTRAL_VALUES[name]
+                if value != neutral or isinstance(value, bool) != isinstance(neutral, bool):  # 0 is not False here
+                    raise APIError(400, f"{name}={json.dumps(value)}: tinytp does not support {name} (only "
+                                        f"{json.dumps(neutral)}, which changes nothing)", name)
+            elif name not in honoured:
+                raise APIError(400, f"tinytp does not support {name}; it honours {', '.join(sorted(honoured))}", name)
+            elif name in FIELD_TYPES and not isinstance(value, FIELD_TYPES[name][0]):
+                raise APIError(400, f"{name} must be {FIELD_TYPES[name][1]}, got {json.dumps(value)}", name)
+        options = body.get("stream_options", {})
+        if options.keys() - {"include_usage"} or not isinstance(options.get("include_usage", False), bool) or (
+                options and not body.get("stream")):
+            raise APIError(400, f"stream_options may hold include_usage (true or false), with stream=true; got "
+                                f"{json.dumps(options)}", "stream_options")
+        body.setdefault("model", self.server.names[0])
+        if body["model"] not in self.server.names:
+            raise APIError(404, f"the model `{body['model']}` does not exist: this server has {self.server.names[0]}",
                            "model", "model_not_found")
         return body
 
     def models(self) -> None:
         self.send_json(200, {"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.server.started, "owned_by": "tinytp",
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "tinytp",
              "root": self.server.llm.model_dir, "max_model_len": self.server.llm.max_model_len}
             for name in self.server.names]})
 
@@ -197,163 +180,139 @@ class Handler(BaseHTTPRequestHandler):
             self.server.llm.check_health()
         except RuntimeError as e:
             raise APIError(503, str(e)) from None
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+        self.send_head(200, "text/plain", 0)
 
     def completions(self) -> None:
-        body = self.read_body()
-        check_fields(body, COMPLETION_FIELDS)
-        if "prompt" not in body:
-            raise APIError(400, "prompt is required", "prompt")
-        llm = self.server.llm
-        # Text prompts are tokenized here, as the engine would, so that their lengths are known now.
-        prompts = [{"prompt": p, "prompt_token_ids": llm.tokenizer(p).input_ids} if isinstance(p, str) and p
-                   and llm.tokenizer else p for p in completion_prompts(body["prompt"])]
+        body = self.read_body(COMPLETION_FIELDS)
+        prompt = body.get("prompt")  # a string, a list of token ids, or a list of either (the engine checks each)
+        many = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+        prompts = prompt if many else [prompt]
+        if not all(isinstance(p, (str, list)) for p in prompts):
+            raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of such "
+                                f"lists, got {json.dumps(prompt)}", "prompt")
+        tokenizer = self.server.llm.tokenizer
+        # Text is tokenized here, as the engine would, so that its length is known now ("" and text without a
+        # tokenizer are left for the engine to refuse).
+        prompts = [{"prompt": p, "prompt_token_ids": tokenizer(p).input_ids} if isinstance(p, str) and p and tokenizer
+                   else p for p in prompts]
         self.generate(body, prompts, body.get("max_tokens", COMPLETIONS_MAX_TOKENS), chat=False)
 
     def chat(self) -> None:
-        body = self.read_body()
-        check_fields(body, CHAT_FIELDS)
+        body = self.read_body(CHAT_FIELDS)
         messages = body.get("messages")
         if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
             raise APIError(400, "messages must be a non-empty list of objects ({\"role\", \"content\"})", "messages")
         try:  # a template may refuse a conversation (roles out of order, a missing content): the client's doing
-            prompt = self.server.llm.chat_prompt(messages, add_generation_prompt=body.get("add_generation_prompt",
-                                                                                         True))
+            prompt = self.server.llm.chat_prompt(messages, None, body.get("add_generation_prompt", True))
         except Exception as e:
             raise APIError(400, f"messages: {type(e).__name__}: {e}", "messages") from None
         self.generate(body, [prompt], body.get("max_completion_tokens", body.get("max_tokens")), chat=True)
 
-    def sampling_params(self, body: dict, max_tokens: int | None, prompt_lengths: list[int]) -> SamplingParams:
-        """The model's defaults (generation_config.json), as in vLLM's server, with the request's fields over them.
-        max_tokens: the request's, refused past the context (as vLLM does); not given, what the context leaves."""
+    def sampling_params(self, body: dict, max_tokens: int | None, longest_prompt: int) -> SamplingParams:
+        """The request's fields over the model's defaults (generation_config.json), as in vLLM's server. max_tokens past
+        the context is refused, as vLLM does; not given (chat), it is what the context leaves, at most the config's."""
         defaults, limit = self.server.defaults, self.server.llm.max_model_len
+        if max_tokens is None:  # (SamplingParams' own default means the config has no max_new_tokens)
+            cap = limit if defaults.max_tokens == SamplingParams().max_tokens else defaults.max_tokens
+            max_tokens = max(1, min(cap, limit - longest_prompt))
         try:
-            params = replace(defaults, **{name: body[name] for name in SAMPLING_FIELDS & body.keys()})
-            if max_tokens is None:  # chat only; capped by generation_config.json's max_new_tokens where it gives one
-                # (SamplingParams' own default, 16, reads as none given).
-                cap = defaults.max_tokens if defaults.max_tokens != SamplingParams().max_tokens else limit
-                return replace(params, max_tokens=max(1, min(cap, limit - max(prompt_lengths))))
-            params = replace(params, max_tokens=max_tokens)
+            params = replace(defaults, max_tokens=max_tokens, **{key: body[key] for key in SAMPLING_FIELDS & body.keys()})
         except ValueError as e:  # SamplingParams names the field first
             raise APIError(400, str(e), str(e).split()[0] if str(e).split()[0] in body else None) from None
-        too_long = [n for n in prompt_lengths if n < limit < n + max_tokens]  # a prompt past limit: the engine says
-        if too_long:
+        if longest_prompt < limit < longest_prompt + max_tokens:  # a prompt past the limit: the engine refuses it
             raise APIError(400, f"max_tokens={max_tokens} is too large: this model's context is {limit} tokens and "
-                                f"the prompt has {too_long[0]}; give at most {limit - too_long[0]}", "max_tokens")
+                                f"a prompt has {longest_prompt}; give at most {limit - longest_prompt}", "max_tokens")
         return params
-
-    @contextlib.contextmanager
-    def engine_outputs(self, prompts: list, params: SamplingParams) -> Iterator[Iterator[tuple[int, RequestOutput]]]:
-        """Run the prompts in the engine; yield an iterator of (prompt index, output) as they come. Every prompt is
-        checked before any runs (a 400); leaving the block, early or not, stops those still running."""
-        streams = []
-        try:
-            for prompt in prompts:
-                streams.append(self.server.llm.stream_outputs(prompt, params))
-        except ValueError as e:  # a prompt or a value the engine refuses
-            for stream in streams:
-                stream.close()
-            raise APIError(400, str(e)) from None
-        arrivals, done = queue.Queue(), threading.Event()
-        for index, stream in enumerate(streams):
-            threading.Thread(target=pump, args=(stream, index, arrivals, done), daemon=True).start()
-        try:
-            yield self.merged(arrivals, len(streams))
-        finally:
-            done.set()
-
-    def merged(self, arrivals: queue.Queue, unfinished: int) -> Iterator[tuple[int, RequestOutput]]:
-        while unfinished:
-            with contextlib.suppress(queue.Empty):
-                index, output = arrivals.get(timeout=POLL_SECONDS)
-                if isinstance(output, Exception):
-                    raise APIError(503, str(output))
-                if output is None:
-                    unfinished -= 1
-                else:
-                    yield index, output
-            if self.server.stopping.is_set():
-                raise APIError(503, self.server.failure or "the server is shutting down")
-            if client_gone(self.connection):  # its requests are aborted, and nobody is answered
-                raise ConnectionAbortedError
 
     def generate(self, body: dict, prompts: list, max_tokens: int | None, chat: bool) -> None:
         lengths = [len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) if isinstance(p, list) else 0
-                   for p in prompts]  # a text prompt not tokenized here ("", no tokenizer) is refused by the engine
-        params = self.sampling_params(body, max_tokens, lengths)
+                   for p in prompts]
+        params = self.sampling_params(body, max_tokens, max(lengths))
+        try:  # every prompt is checked before any runs (a stream runs from its first output on)
+            streams = [self.server.llm.stream_outputs(prompt, params) for prompt in prompts]
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
         stream = body.get("stream", False)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion",
-                "created": int(time.time()), "model": body.get("model", self.server.names[0])}
+                "created": int(time.time()), "model": body["model"]}
         final: dict[int, RequestOutput] = {}  # each prompt's latest output
-        with self.engine_outputs(prompts, params) as outputs:
+        with contextlib.closing(self.outputs(streams)) as outputs:
             if stream:
                 self.stream_events(head, outputs, final, params.n, chat, body.get("stream_options", {}))
             else:
-                for index, output in outputs:
-                    final[index] = output
-                choices = [choice(index * params.n + c.index, c, chat) for index in sorted(final)
-                           for c in final[index].outputs]
-                self.send_json(200, {**head, "choices": choices, "usage": usage(final)})
-        stats = self.server.llm.stats()
-        self.note += (f"{len(prompts)} prompt(s), {usage(final)['completion_tokens']} tokens out (engine: "
-                      f"{stats['steps']} steps so far, at most {stats['largest_batch']} requests in one)")
+                final.update(outputs)
+        stats = self.server.llm.stats()  # logged before the answer ends: a client that has it finds it in the log
+        self.log_message('"%s": %d prompt(s), %d tokens out (engine: %d steps so far, at most %d requests in one)',
+                         self.requestline, len(prompts), usage(final)["completion_tokens"], stats["steps"],
+                         stats["largest_batch"])
+        if stream:
+            self.send_event("[DONE]")
+        else:
+            choices = [choice(index * params.n + c.index, c, chat) for index in sorted(final)
+                       for c in final[index].outputs]
+            self.send_json(200, {**head, "choices": choices, "usage": usage(final)})
+
+    def outputs(self, streams: list[Iterator[RequestOutput]]) -> Iterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as the engine gives them, a thread per prompt moving them to one queue. Ended
+        early by a client gone (ConnectionAbortedError), the workers' death or the server stopping (APIError);
+        closing it stops the prompts still running."""
+        arrivals, done, unfinished = queue.Queue(), threading.Event(), len(streams)
+
+        def pump(index: int, stream: Iterator[RequestOutput]) -> None:  # then None; closing it aborts it if running
+            try:
+                for output in stream:
+                    arrivals.put((index, output))
+                    if done.is_set():
+                        break
+            except Exception as e:  # the workers died: the request's thread answers with it
+                arrivals.put((index, e))
+            finally:
+                stream.close()
+                arrivals.put((index, None))
+
+        for index, stream in enumerate(streams):
+            threading.Thread(target=pump, args=(index, stream), daemon=True).start()
+        try:
+            while unfinished:
+                with contextlib.suppress(queue.Empty):
+                    index, output = arrivals.get(timeout=POLL_SECONDS)
+                    if isinstance(output, Exception):
+                        raise APIError(503, str(output))
+                    if output is None:
+                        unfinished -= 1
+                    else:
+                        yield index, output
+                if self.server.stopping.is_set():
+                    raise APIError(503, self.server.failure or "the server is shutting down")
+                if client_gone(self.connection):  # its requests are aborted, and nobody is answered
+                    raise ConnectionAbortedError
+        finally:
+            done.set()
 
     def stream_events(self, head: dict, outputs: Iterator[tuple[int, RequestOutput]], final: dict[int, RequestOutput],
                       n: int, chat: bool, options: dict) -> None:
-        """Server-sent events: a chunk per choice whose text grew or that ended, then usage if asked, then [DONE]."""
+        """Server-sent events: a chunk per choice whose text grew or that ended, then usage if asked."""
         usage_field = {"usage": None} if options.get("include_usage") else {}  # null but in the last, as OpenAI's
-        self.start_events()
+        self.send_head(200, "text/event-stream", None)
+        self.streaming = True
         for number in range(n if chat else 0):  # the role first, as OpenAI's chat stream does
             self.send_event({**head, "choices": [{"index": number, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None}], **usage_field})
-        sent: dict[int, int] = {}  # characters sent of each choice (index * n + sample)
-        ended: set[int] = set()
-        try:
-            for index, output in outputs:
-                final[index] = output
-                for c in output.outputs:
-                    number = index * n + c.index
-                    piece = c.text[sent.get(number, 0):]
-                    if number not in ended and (piece or c.finish_reason):
-                        self.send_event({**head, "choices": [choice(number, c, chat, piece)], **usage_field})
-                        sent[number] = len(c.text)
-                        if c.finish_reason:
-                            ended.add(number)
-            if usage_field:
-                self.send_event({**head, "choices": [], "usage": usage(final)})
-        except APIError as e:  # the workers died, or the server is stopping: the client hears why
-            self.send_event(e.body())
-            self.note = f"{e}; "
-        self.send_event("[DONE]")
-
-    def start_events(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.end_headers()
-        self.streaming = True
+        sent: dict[int, tuple[int, str | None]] = {}  # each choice's (index * n + sample) characters and end, sent
+        for index, output in outputs:
+            final[index] = output
+            for c in output.outputs:
+                number = index * n + c.index
+                shown, ended = sent.get(number, (0, None))
+                if (len(c.text), c.finish_reason) != (shown, ended):  # its text grew, or it ended
+                    self.send_event({**head, "choices": [choice(number, c, chat, c.text[shown:])], **usage_field})
+                    sent[number] = len(c.text), c.finish_reason
+        if usage_field:
+            self.send_event({**head, "choices": [], "usage": usage(final)})
 
     def send_event(self, data: dict | str) -> None:
         self.wfile.write(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
-
-
-def usage(final: dict[int, RequestOutput]) -> dict:
-    prompt = sum(len(output.prompt_token_ids) for output in final.values())  # once per prompt, whatever n is
-    completion = sum(len(c.token_ids) for output in final.values() for c in output.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def choice(index: int, completion, chat: bool, piece: str | None = None) -> dict:
-    """A choice in a response (piece None: the whole text) or in a stream's chunk (the text's new piece)."""
-    if piece is None:
-        text = {"message": {"role": "assistant", "content": completion.text}} if chat else {"text": completion.text}
-    else:
-        text = {"delta": {"content": piece} if piece else {}} if chat else {"text": piece}
-    return {"index": index, **text, "logprobs": None, "finish_reason": completion.finish_reason,
-            "stop_reason": completion.stop_reason}
 
 
 class Server(ThreadingHTTPServer):
@@ -361,12 +320,8 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], names: list[str], api_key: str | None):
         super().__init__(address, Handler, bind_and_activate=False)
-        try:  # the port is taken now (one in use is said before the model loads), but listened on once it is up
-            self.server_bind()
-        except OSError:
-            self.server_close()
-            raise
-        self.names, self.api_key, self.started = names, api_key, int(time.time())
+        self.server_bind()  # the port taken now (one in use: said before the model loads); listened on once it is up
+        self.names, self.api_key = names, api_key
         self.stopping, self.failure = threading.Event(), None
 
     def handle_error(self, request, client_address) -> None:  # a client that vanished is no error of ours
@@ -375,7 +330,8 @@ class Server(ThreadingHTTPServer):
 
     def serve(self, llm: LLM) -> int:
         """Answer requests until Ctrl-C, SIGTERM or the workers' death; then stop accepting, end the requests in
-        flight (a 503, or an error event in a stream) and return the exit status."""
+        flight (a 503, or an error event in a stream) and return the exit status. A SIGTERM sent to the whole
+        process group is ours alone to handle: the workers ignore it, and are stopped in order."""
         self.llm, self.defaults = llm, llm.get_default_sampling_params()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stopping.set())
@@ -408,10 +364,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
     parser.add_argument("--async-scheduling", action="store_true", help="schedule a step while the last one runs")
-    args = parser.parse_args(argv)
-    if not 0 <= args.port < 65536:
-        parser.error(f"--port must be in 0..65535, got {args.port}")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     try:
         server = Server((args.host, args.port), args.served_model_name or [args.model or "tiny-llama"], args.api_key)
-    except OSError as e:
-        print(f"tinytp: error: cannot listen at {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+    except (OSError, OverflowError) as e:  # in use, not ours to take; a port past 65535
+        print(f"tinytp: error: cannot listen at {args.host}:{args.port}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
     try:
         with LLM(args.model, tensor_parallel_size=args.tp, device=args.device, dtype=args.dtype,
