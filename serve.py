@@ -12,9 +12,7 @@ import contextlib
 import hmac
 import json
 import queue
-import select
 import signal
-import socket
 import sys
 import threading
 import time
@@ -57,16 +55,6 @@ class APIError(Exception):
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
-
-
-def client_gone(connection: socket.socket) -> bool:
-    """A closed connection reads as readable and empty (a client sends nothing more while it waits)."""
-    poller = select.poll()  # not select.select: it fails on descriptors past 1023
-    poller.register(connection, select.POLLIN)
-    try:
-        return bool(poller.poll(0)) and not connection.recv(1, socket.MSG_PEEK)
-    except OSError:  # reset
-        return True
 
 
 def usage(final: dict[int, RequestOutput]) -> dict:
@@ -208,30 +196,24 @@ class Handler(BaseHTTPRequestHandler):
             raise APIError(400, f"messages: {type(e).__name__}: {e}", "messages") from None
         self.generate(body, [prompt], body.get("max_completion_tokens", body.get("max_tokens")), chat=True)
 
-    def sampling_params(self, body: dict, max_tokens: int | None, longest_prompt: int) -> SamplingParams:
-        """The request's fields over the model's defaults (generation_config.json), as in vLLM's server. max_tokens past
-        the context is refused, as vLLM does; not given (chat), it is what the context leaves, at most the config's."""
-        defaults, limit = self.server.defaults, self.server.llm.max_model_len
-        if max_tokens is None:  # (SamplingParams' own default means the config has no max_new_tokens)
-            cap = limit if defaults.max_tokens == SamplingParams().max_tokens else defaults.max_tokens
-            max_tokens = max(1, min(cap, limit - longest_prompt))
-        try:
-            params = replace(defaults, max_tokens=max_tokens, **{key: body[key] for key in SAMPLING_FIELDS & body.keys()})
+    def generate(self, body: dict, prompts: list, max_tokens: int | None, chat: bool) -> None:
+        """Run the prompts with the request's fields over the model's defaults (generation_config.json), as vLLM's
+        server does, and answer with their completions, whole or streamed."""
+        limit, defaults = self.server.llm.max_model_len, self.server.defaults
+        longest = max(len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) if isinstance(p, list) else 0
+                      for p in prompts)
+        if max_tokens is None:  # chat's default: what the context leaves, at most the config's max_new_tokens
+            cap = limit if defaults.max_tokens == SamplingParams().max_tokens else defaults.max_tokens  # (none given)
+            max_tokens = max(1, min(cap, limit - longest))
+        try:  # every value checked as SamplingParams checks it, and every prompt before any runs
+            fields = {name: body[name] for name in SAMPLING_FIELDS & body.keys()}
+            params = replace(defaults, max_tokens=max_tokens, **fields)
+            if longest < limit < longest + max_tokens:  # refused as vLLM does (a prompt past it: by the engine)
+                raise APIError(400, f"max_tokens={max_tokens} is too large: this model's context is {limit} tokens "
+                                    f"and a prompt has {longest}; give at most {limit - longest}", "max_tokens")
+            streams = [self.server.llm.stream_outputs(prompt, params) for prompt in prompts]
         except ValueError as e:  # SamplingParams names the field first
             raise APIError(400, str(e), str(e).split()[0] if str(e).split()[0] in body else None) from None
-        if longest_prompt < limit < longest_prompt + max_tokens:  # a prompt past the limit: the engine refuses it
-            raise APIError(400, f"max_tokens={max_tokens} is too large: this model's context is {limit} tokens and "
-                                f"a prompt has {longest_prompt}; give at most {limit - longest_prompt}", "max_tokens")
-        return params
-
-    def generate(self, body: dict, prompts: list, max_tokens: int | None, chat: bool) -> None:
-        lengths = [len(p["prompt_token_ids"]) if isinstance(p, dict) else len(p) if isinstance(p, list) else 0
-                   for p in prompts]
-        params = self.sampling_params(body, max_tokens, max(lengths))
-        try:  # every prompt is checked before any runs (a stream runs from its first output on)
-            streams = [self.server.llm.stream_outputs(prompt, params) for prompt in prompts]
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
         stream = body.get("stream", False)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion",
@@ -254,9 +236,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(200, {**head, "choices": choices, "usage": usage(final)})
 
     def outputs(self, streams: list[Iterator[RequestOutput]]) -> Iterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as the engine gives them, a thread per prompt moving them to one queue. Ended
-        early by a client gone (ConnectionAbortedError), the workers' death or the server stopping (APIError);
-        closing it stops the prompts still running."""
+        """(prompt index, output) as the engine gives them, a thread per prompt moving them to one queue; ended early
+        by the workers' death or the server stopping (APIError). Closing it (the client gone: a write failed) aborts
+        the prompts still running."""
         arrivals, done, unfinished = queue.Queue(), threading.Event(), len(streams)
 
         def pump(index: int, stream: Iterator[RequestOutput]) -> None:  # then None; closing it aborts it if running
@@ -285,18 +267,17 @@ class Handler(BaseHTTPRequestHandler):
                         yield index, output
                 if self.server.stopping.is_set():
                     raise APIError(503, self.server.failure or "the server is shutting down")
-                if client_gone(self.connection):  # its requests are aborted, and nobody is answered
-                    raise ConnectionAbortedError
         finally:
             done.set()
 
     def stream_events(self, head: dict, outputs: Iterator[tuple[int, RequestOutput]], final: dict[int, RequestOutput],
                       n: int, chat: bool, options: dict) -> None:
-        """Server-sent events: a chunk per choice whose text grew or that ended, then usage if asked."""
-        usage_field = {"usage": None} if options.get("include_usage") else {}  # null but in the last, as OpenAI's
+        """Server-sent events: the role first (chat), a chunk per choice whose text grew or that ended, then usage if
+        asked (each chunk has "usage": null then, as OpenAI's)."""
+        usage_field = {"usage": None} if options.get("include_usage") else {}
         self.send_head(200, "text/event-stream", None)
         self.streaming = True
-        for number in range(n if chat else 0):  # the role first, as OpenAI's chat stream does
+        for number in range(n if chat else 0):
             self.send_event({**head, "choices": [{"index": number, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None}], **usage_field})
         sent: dict[int, tuple[int, str | None]] = {}  # each choice's (index * n + sample) characters and end, sent
@@ -305,7 +286,7 @@ class Handler(BaseHTTPRequestHandler):
             for c in output.outputs:
                 number = index * n + c.index
                 shown, ended = sent.get(number, (0, None))
-                if (len(c.text), c.finish_reason) != (shown, ended):  # its text grew, or it ended
+                if (len(c.text), c.finish_reason) != (shown, ended):
                     self.send_event({**head, "choices": [choice(number, c, chat, c.text[shown:])], **usage_field})
                     sent[number] = len(c.text), c.finish_reason
         if usage_field:
@@ -351,7 +332,7 @@ class Server(ThreadingHTTPServer):
         return 1 if self.failure else 0
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="checkpoint directory or hub id (default: a tiny random Llama)")
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="number of ranks")
@@ -364,11 +345,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
     parser.add_argument("--async-scheduling", action="store_true", help="schedule a step while the last one runs")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # while loading, SIGTERM stops us as Ctrl-C does
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"tinytp: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
@@ -376,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = Server((args.host, args.port), args.served_model_name or [args.model or "tiny-llama"], args.api_key)
     except (OSError, OverflowError) as e:  # in use, not ours to take; a port past 65535
-        print(f"tinytp: error: cannot listen at {args.host}:{args.port}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        reason = getattr(e, "strerror", None) or e
+        print(f"tinytp: error: cannot listen at {args.host}:{args.port}: {reason}", file=sys.stderr)
         return 2
     try:
         with LLM(args.model, tensor_parallel_size=args.tp, device=args.device, dtype=args.dtype,
