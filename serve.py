@@ -26,7 +26,7 @@ from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams
 
 MAX_BODY_BYTES = 16 << 20  # a larger request body is refused (413) without being read
 SOCKET_TIMEOUT = 60.0  # a client that neither sends nor reads for this long is dropped
-POLL_SECONDS = 0.2  # how often a request waiting for the engine looks at its client and the server
+POLL_SECONDS = 0.2  # how often a request waiting for the engine looks whether the server is stopping
 HEALTH_SECONDS = 0.5  # how often the main thread asks the engine whether its workers live
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions; chat's: what the context leaves
 
