@@ -332,7 +332,7 @@ class Server(ThreadingHTTPServer):
         return 1 if self.failure else 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="checkpoint directory or hub id (default: a tiny random Llama)")
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="number of ranks")
@@ -345,7 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
     parser.add_argument("--async-scheduling", action="store_true", help="schedule a step while the last one runs")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # while loading, SIGTERM stops us as Ctrl-C does
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"tinytp: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
