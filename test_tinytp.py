@@ -3004,7 +3004,9 @@ def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags()
     from _pytest.mark.expression import Expression  # pytest's own -k/-m language
 
     import bench
-    parsers = {"tinytp.py": tinytp.parse_args, "bench.py": bench.parse_args, "checkpoints.py": checkpoints.parse_args}
+    import serve
+    parsers = {"tinytp.py": tinytp.parse_args, "bench.py": bench.parse_args, "checkpoints.py": checkpoints.parse_args,
+               "serve.py": serve.parse_args}
     tests = names_for_k(sys.modules[__name__])
     pages = [path for path in ("README.md", "docs/exercises.md") if os.path.exists(os.path.join(HERE, path))]
     checked = []
@@ -3421,3 +3423,290 @@ def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp
                 pytest.raises(ValueError, match=message) if message else contextlib.nullcontext():
             with llm_without_workers(tmp_path, tensor_parallel_size=2, dtype=dtype, max_model_len=64):
                 pass
+
+
+# --------------------------------------------------------------------------------------
+# The OpenAI-compatible server
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def openai():
+    """The official client, a test-only package: skipped without it, naming it; in CI (which installs it) a failure."""
+    if importlib.util.find_spec("openai") is None:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("the server tests need openai: pip install openai")
+    import openai
+    return openai
+
+
+class Served:
+    """serve.py in a process of its own on a port the OS picks, its log in a file (an unread pipe would fill up)."""
+
+    def __init__(self, tmp_path, *args):
+        self.log_path = tmp_path / f"serve-{time.monotonic_ns()}.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", *args], cwd=HERE, text=True,
+                                            stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+        line = self.process.stdout.readline()
+        found = re.fullmatch(r"tinytp: serving (\S+) at http://127\.0\.0\.1:(\d+)/v1\n", line)
+        assert found, (line, self.log())
+        self.name, self.port = found[1], int(found[2])
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.workers = spawned_workers_of(self.process.pid)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def client(self, openai, api_key="none"):
+        return openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=120)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers=None):
+        """A raw http.client request: the status, the headers and the body as text."""
+        import http.client
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        connection.request(method, path, body, headers or {})
+        response = connection.getresponse()
+        return response.status, response.headers, response.read().decode()
+
+    def terminate_group(self) -> None:
+        """SIGTERM to its whole process group (workers and resource tracker too), as systemd or `timeout` sends it."""
+        os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the group's id is its pid
+
+    def stop(self) -> int:
+        """SIGTERM to the group; then nothing of it may be left: no process of the group, nothing in /dev/shm."""
+        if self.process.poll() is None:
+            self.terminate_group()
+        code = self.process.wait(timeout=30)
+        assert wait_for(lambda: not processes_in_group(self.process.pid), 5), self.log()
+        assert not shm_entries(self.process.pid)
+        return code
+
+
+def processes_in_group(group: int) -> list[int]:
+    """The live processes of a process group (zombies not counted: nobody left to reap them matters not)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it exited between the listing and the read
+            with open(f"/proc/{entry}/stat") as f:
+                state, _, process_group = f.read().rsplit(")", 1)[1].split()[:3]
+            if int(process_group) == group and state != "Z":
+                found.append(int(entry))
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    served = Served(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "8")
+    yield served
+    assert served.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    """The engine in this process, for the texts the server must give."""
+    with LLM(device="cpu") as llm:
+        yield llm
+
+
+def test_server_completions_and_chat_equal_generate_plain_and_streamed(openai, tiny_server, tiny_llm):
+    client = tiny_server.client(openai)
+    assert [model.id for model in client.models.list()] == ["tiny-llama"]
+    prompt, greedy = "Hello, my name is", SamplingParams(temperature=0, max_tokens=12)
+    expected = tiny_llm.generate(prompt, greedy)[0]
+    done = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0)
+    assert done.choices[0].text == expected.outputs[0].text and done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(expected.prompt_token_ids), 12)
+    chunks = list(client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == expected.outputs[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == len(expected.prompt_token_ids) + 12
+    conversation = [{"role": "user", "content": "Hi there"}]
+    expected_chat = tiny_llm.chat(conversation, greedy)[0].outputs[0]
+    answer = client.chat.completions.create(model="tiny-llama", messages=conversation, max_tokens=12, temperature=0)
+    assert answer.choices[0].message.content == expected_chat.text and answer.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=conversation, max_completion_tokens=12,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected_chat.text
+    # Token-id prompts, two at once: a choice each, in prompt order.
+    ids = [[256, 72, 105], [256, 84, 104, 101]]
+    both = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in both.choices] == [o.outputs[0].text for o in tiny_llm.generate(
+        ids, SamplingParams(temperature=0, max_tokens=6))]
+
+
+def test_server_n_with_a_seed_repeats_and_stop_ends_the_text(openai, tiny_server, tiny_llm):
+    client = tiny_server.client(openai)
+    sampled = SamplingParams(n=2, seed=5, temperature=1.0, max_tokens=10)
+    expected = [o.text for o in tiny_llm.generate("Once upon", sampled)[0].outputs]
+    for stream in (False, True):
+        for _ in range(2):
+            answer = client.completions.create(model="tiny-llama", prompt="Once upon", n=2, seed=5, temperature=1.0,
+                                               max_tokens=10, stream=stream)
+            texts = ["", ""]
+            for c in (answer if stream else [answer]):
+                for each in c.choices:
+                    texts[each.index] += each.text
+            assert texts == expected, stream
+    greedy = tiny_llm.generate("Hello", SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
+    stop = next(ch for ch in greedy[3:] if ch.isascii() and ch.isprintable())  # a character it does write
+    expected = tiny_llm.generate("Hello", SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0].outputs[0]
+    assert expected.finish_reason == "stop" and stop not in expected.text
+    for stream in (False, True):
+        answer = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=30, temperature=0,
+                                           stop=[stop], stream=stream)
+        chunks = list(answer) if stream else [answer]
+        assert "".join(c.choices[0].text for c in chunks) == expected.text
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_server_8_concurrent_streams_share_steps_and_each_gets_its_solo_text(openai, tiny_server, tiny_llm):
+    client = tiny_server.client(openai)
+    prompts = [f"Client {i} says" for i in range(8)]
+    solo = [tiny_llm.generate(p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0].outputs[0].text
+            for p in prompts]
+    texts, start = [None] * 8, threading.Barrier(8)
+
+    def stream(i):
+        start.wait()
+        chunks = client.completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=200, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        texts[i] = "".join(c.choices[0].text for c in chunks)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert texts == solo
+    batches = [int(n) for n in re.findall(r"at most (\d+) requests in one", tiny_server.log())]
+    assert max(batches) == 8, tiny_server.log()[-2000:]  # all 8 ran in one step
+
+
+def test_server_errors_are_openais_shapes_and_classes(openai, tiny_server):
+    client = tiny_server.client(openai)
+    base = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2}
+    for change, message in [({"logprobs": 2}, "logprobs=2: tinytp does not support logprobs"),
+                            ({"echo": True}, "tinytp does not support echo"),
+                            ({"best_of": 2}, "tinytp does not support best_of"),
+                            ({"frequency_penalty": 0.5}, "tinytp does not support frequency_penalty"),
+                            ({"suffix": "x"}, "tinytp does not support suffix"),
+                            ({"temperature": -1}, "temperature must be a number >= 0, got -1"),
+                            ({"n": 0}, "n must be an integer >= 1, got 0"),
+                            ({"max_tokens": 600}, "max_tokens=600 is too large: this model's context is 512 tokens"),
+                            ({"prompt": [256, 300]}, r"token ids \[300\] are outside the vocabulary"),
+                            ({"prompt": {"a": 1}}, "prompt must be a string, a list of strings")]:
+        with pytest.raises(openai.BadRequestError, match=message) as error:
+            client.completions.create(**{**base, **change})
+        assert error.value.status_code == 400 and error.value.body["type"] == "invalid_request_error"
+    assert client.completions.create(**base, frequency_penalty=0, presence_penalty=0).choices  # 0 changes nothing
+    chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for change, message in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "does not support tools"),
+                            ({"response_format": {"type": "json_object"}}, "does not support response_format"),
+                            ({"top_logprobs": 2}, "does not support top_logprobs"),
+                            ({"messages": "Hi"}, "messages must be a non-empty list")]:
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(**{**chat, **change})
+    with pytest.raises(openai.NotFoundError, match="the model `gpt-4` does not exist") as error:
+        client.chat.completions.create(**{**chat, "model": "gpt-4"})
+    assert error.value.body == {"message": "the model `gpt-4` does not exist: this server has tiny-llama",
+                                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    assert "Traceback" not in tiny_server.log()
+
+
+def test_server_raw_http_malformed_json_limits_routes_and_the_sse_framing(tiny_server):
+    request = tiny_server.request
+    status, headers, body = request("POST", "/v1/completions", b'{"prompt": "Hi",')
+    assert status == 400 and json.loads(body)["error"]["message"].startswith("the body is not valid JSON")
+    assert request("POST", "/v1/completions", b'["Hi"]')[0] == 400  # not an object
+    assert request("POST", "/v1/completions", b'{"prompt": "Hi", "stream": "yes"}')[0] == 400  # a wrong type
+    assert request("POST", "/v1/completions", None, {"Content-Length": str(64 << 20)})[0] == 413
+    assert request("GET", "/v1/nothing")[0] == 404 and request("GET", "/v1/completions")[0] == 405
+    assert request("GET", "/health")[:1] == (200,)
+    body = json.dumps({"prompt": "Hi", "max_tokens": 5, "temperature": 0, "stream": True}).encode()
+    status, headers, text = request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    events = text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(event.startswith("data: {") for event in events[:-2])
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+    assert {c["object"] for c in chunks} == {"text_completion"} and chunks[-1]["choices"][0]["finish_reason"]
+    assert "Traceback" not in tiny_server.log()
+
+
+def test_server_api_key_disconnect_frees_the_slot_and_group_sigterm_ends_a_stream(openai, tmp_path):
+    served = Served(tmp_path, "--max-num-seqs", "1", "--api-key", "sesame", "--served-model-name", "tiny")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            served.client(openai, api_key="wrong").models.list()
+        with pytest.raises(openai.AuthenticationError):
+            served.client(openai).completions.create(model="tiny", prompt="Hi")
+        client = served.client(openai, api_key="sesame")
+        # One slot: a client gone after 2 chunks must free it, or the next request waits for 500 tokens.
+        stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=500, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        for _, _ in zip(range(2), stream):
+            pass
+        stream.close()
+        start = time.monotonic()
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=4).choices[0].finish_reason
+        steps = int(re.findall(r"engine: (\d+) steps so far", served.log())[-1])
+        assert steps < 100, served.log()  # the abandoned request's 500 steps were not run
+        assert "the client went away" in served.log()
+        # SIGTERM to the process group while a stream runs (the workers get it too, and leave it to the server): the
+        # stream ends with an error event, the server exits 0 and leaves nothing.
+        stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=500, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(stream)
+        served.terminate_group()
+        with pytest.raises(openai.APIError, match="the server is shutting down"):
+            list(stream)
+        assert time.monotonic() - start < 30
+    finally:
+        assert served.stop() == 0
+    assert served.log().strip().splitlines()[-1] == "tinytp: stopped"
+
+
+def test_server_worker_death_answers_503_and_exits_1_leaving_nothing(openai, tmp_path, mha_checkpoint):
+    served = Served(tmp_path, "--model", mha_checkpoint[0], "--tp", "2", "--max-model-len", "256")
+    client = served.client(openai)
+    stream = client.completions.create(model=served.name, prompt=[256, 1, 2], max_tokens=200, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(stream)
+    os.kill(served.workers[1], signal.SIGKILL)
+    with pytest.raises(openai.APIError, match=r"worker rank 1 died"):
+        list(stream)
+    assert served.process.wait(timeout=30) == 1
+    assert all(process_gone(pid) for pid in served.workers) and not shm_entries(served.process.pid)
+    assert "worker rank 1" in served.log().strip().splitlines()[-1]
+
+
+def test_serve_refuses_a_port_in_use_and_warns_off_loopback():
+    import socket
+    with socket.socket() as taken:  # bound, not listening: nothing is reachable
+        taken.bind(("0.0.0.0", 0))
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "serve.py", "--host", "0.0.0.0", "--port", str(port)], cwd=HERE,
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "tinytp: warning: serving on 0.0.0.0 without --api-key: anyone who reaches it can use it",
+        f"tinytp: error: cannot listen at 0.0.0.0:{port}: Address already in use"]
+
+
+def test_server_smollm2_chat_and_completion_equal_transformers(openai, smollm2, smollm2_greedy, tmp_path):
+    path, _ = smollm2
+    served = Served(tmp_path, "--model", path, "--max-model-len", "512")
+    try:
+        client = served.client(openai)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        for stream in (False, True):
+            answer = client.chat.completions.create(model=path, messages=question, temperature=0, stream=stream)
+            text = ("".join(c.choices[0].delta.content or "" for c in answer) if stream
+                    else answer.choices[0].message.content)
+            assert text == "The capital of France is Paris."
+        prompt = "def fibonacci(n):"
+        expected = tokenizer.decode(smollm2_greedy(tuple(tokenizer(prompt).input_ids), 16), skip_special_tokens=True)
+        done = client.completions.create(model=path, prompt=prompt, max_tokens=16, temperature=0)
+        assert done.choices[0].text == expected and done.usage.completion_tokens == 16
+    finally:
+        assert served.stop() == 0
