@@ -597,7 +597,7 @@ def run_latency(args) -> dict:
 def stream_token_times(llm, prompt: list[int], params: SamplingParams) -> list[float]:
     """One caller: its prompt streamed, and when each of its tokens came (its start first)."""
     times = [time.perf_counter()]
-    for output in llm.stream_outputs(prompt, params):
+    for [output] in llm.stream_outputs([prompt], params):
         arrived = len(output.outputs[0].token_ids) - (len(times) - 1)
         times += [time.perf_counter()] * arrived
     return times

@@ -1,9 +1,8 @@
 """An OpenAI-compatible HTTP server on tinytp's engine, as `vllm serve` is on vLLM's: `python serve.py --model M`.
 
-A front end only, standard library only: each prompt of an HTTP request is one `LLM.stream_outputs` call, whose
-outputs reach the request's thread through a queue (a slow client never holds up the engine) and go back as one JSON
-body or as server-sent events. Endpoints, fields, what is refused and why: docs/api.md.
-"""
+A front end only, standard library only: a request's prompts are one `LLM.stream_outputs` call (the engine hands them
+to the request's own queue, so a slow client never holds it up), answered as one JSON body or as server-sent events.
+Endpoints, fields, what is refused and why: docs/api.md."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import argparse
 import contextlib
 import hmac
 import json
-import queue
 import signal
 import sys
 import threading
@@ -20,14 +18,12 @@ import traceback
 import uuid
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 
 from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams
 
 MAX_BODY_BYTES = 16 << 20  # a larger request body is refused (413) without being read
 SOCKET_TIMEOUT = 60.0  # a client that neither sends nor reads for this long is dropped
-POLL_SECONDS = 0.2  # how often a request waiting for the engine looks whether the server is stopping
-HEALTH_SECONDS = 0.5  # how often the main thread asks the engine whether its workers live
+POLL_SECONDS = 0.5  # how often the accept loop looks whether to stop, and the main thread whether the workers live
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions; chat's: what the context leaves
 
 # The request fields honoured, as OpenAI and vLLM define them. The sampling ones go to SamplingParams, which checks
@@ -57,9 +53,9 @@ class APIError(Exception):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
-def usage(final: dict[int, RequestOutput]) -> dict:
-    prompt = sum(len(output.prompt_token_ids) for output in final.values())  # once per prompt, whatever n is
-    completion = sum(len(c.token_ids) for output in final.values() for c in output.outputs)
+def usage(final: list[RequestOutput]) -> dict:
+    prompt = sum(len(output.prompt_token_ids) for output in final)  # once per prompt, whatever n is
+    completion = sum(len(c.token_ids) for output in final for c in output.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -211,86 +207,58 @@ class Handler(BaseHTTPRequestHandler):
             if longest < limit < longest + max_tokens:  # refused as vLLM does (a prompt past it: by the engine)
                 raise APIError(400, f"max_tokens={max_tokens} is too large: this model's context is {limit} tokens "
                                     f"and a prompt has {longest}; give at most {limit - longest}", "max_tokens")
-            streams = [self.server.llm.stream_outputs(prompt, params) for prompt in prompts]
+            outputs = self.server.llm.stream_outputs(prompts, params)
         except ValueError as e:  # SamplingParams names the field first
             raise APIError(400, str(e), str(e).split()[0] if str(e).split()[0] in body else None) from None
         stream = body.get("stream", False)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion",
                 "created": int(time.time()), "model": body["model"]}
-        final: dict[int, RequestOutput] = {}  # each prompt's latest output
-        with contextlib.closing(self.outputs(streams)) as outputs:
-            if stream:
-                self.stream_events(head, outputs, final, params.n, chat, body.get("stream_options", {}))
-            else:
-                final.update(outputs)
+        usage_field = {"usage": None} if body.get("stream_options", {}).get("include_usage") else {}
+        final: list[RequestOutput] = []  # each prompt's latest output
+        sent: dict[int, tuple[int, str | None]] = {}  # a stream's choices (index * n + sample): characters, end sent
+        with contextlib.closing(outputs):  # on the way out: a client gone (a write failed) aborts what still runs
+            try:
+                if stream:
+                    self.start_stream(head, params.n if chat else 0, usage_field)
+                for final in outputs:
+                    if stream:
+                        self.send_new_text(head, final, sent, params.n, chat, usage_field)
+            except RuntimeError as e:  # the workers died, or the server stops (it shuts the engine down)
+                stopping = self.server.stopping.is_set() and "the server is shutting down"
+                raise APIError(503, self.server.failure or stopping or str(e)) from None
         stats = self.server.llm.stats()  # logged before the answer ends: a client that has it finds it in the log
         self.log_message('"%s": %d prompt(s), %d tokens out (engine: %d steps so far, at most %d requests in one)',
                          self.requestline, len(prompts), usage(final)["completion_tokens"], stats["steps"],
                          stats["largest_batch"])
         if stream:
+            if usage_field:
+                self.send_event({**head, "choices": [], "usage": usage(final)})
             self.send_event("[DONE]")
         else:
-            choices = [choice(index * params.n + c.index, c, chat) for index in sorted(final)
-                       for c in final[index].outputs]
+            choices = [choice(index * params.n + c.index, c, chat) for index, output in enumerate(final)
+                       for c in output.outputs]
             self.send_json(200, {**head, "choices": choices, "usage": usage(final)})
 
-    def outputs(self, streams: list[Iterator[RequestOutput]]) -> Iterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as the engine gives them, a thread per prompt moving them to one queue; ended early
-        by the workers' death or the server stopping (APIError). Closing it (the client gone: a write failed) aborts
-        the prompts still running."""
-        arrivals, done, unfinished = queue.Queue(), threading.Event(), len(streams)
-
-        def pump(index: int, stream: Iterator[RequestOutput]) -> None:  # then None; closing it aborts it if running
-            try:
-                for output in stream:
-                    arrivals.put((index, output))
-                    if done.is_set():
-                        break
-            except Exception as e:  # the workers died: the request's thread answers with it
-                arrivals.put((index, e))
-            finally:
-                stream.close()
-                arrivals.put((index, None))
-
-        for index, stream in enumerate(streams):
-            threading.Thread(target=pump, args=(index, stream), daemon=True).start()
-        try:
-            while unfinished:
-                with contextlib.suppress(queue.Empty):
-                    index, output = arrivals.get(timeout=POLL_SECONDS)
-                    if isinstance(output, Exception):
-                        raise APIError(503, str(output))
-                    if output is None:
-                        unfinished -= 1
-                    else:
-                        yield index, output
-                if self.server.stopping.is_set():
-                    raise APIError(503, self.server.failure or "the server is shutting down")
-        finally:
-            done.set()
-
-    def stream_events(self, head: dict, outputs: Iterator[tuple[int, RequestOutput]], final: dict[int, RequestOutput],
-                      n: int, chat: bool, options: dict) -> None:
-        """Server-sent events: the role first (chat), a chunk per choice whose text grew or that ended, then usage if
-        asked (each chunk has "usage": null then, as OpenAI's)."""
-        usage_field = {"usage": None} if options.get("include_usage") else {}
+    def start_stream(self, head: dict, roles: int, usage_field: dict) -> None:
+        """Server-sent events from here on; a chat's stream first names the role, in a chunk per choice."""
         self.send_head(200, "text/event-stream", None)
         self.streaming = True
-        for number in range(n if chat else 0):
+        for number in range(roles):
             self.send_event({**head, "choices": [{"index": number, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None}], **usage_field})
-        sent: dict[int, tuple[int, str | None]] = {}  # each choice's (index * n + sample) characters and end, sent
-        for index, output in outputs:
-            final[index] = output
+
+    def send_new_text(self, head: dict, outputs: list[RequestOutput], sent: dict, n: int, chat: bool,
+                      usage_field: dict) -> None:
+        """A chunk per choice whose text grew or that ended since the last (with "usage": null when the stream's usage
+        is asked for, as OpenAI's)."""
+        for index, output in enumerate(outputs):
             for c in output.outputs:
                 number = index * n + c.index
                 shown, ended = sent.get(number, (0, None))
                 if (len(c.text), c.finish_reason) != (shown, ended):
                     self.send_event({**head, "choices": [choice(number, c, chat, c.text[shown:])], **usage_field})
                     sent[number] = len(c.text), c.finish_reason
-        if usage_field:
-            self.send_event({**head, "choices": [], "usage": usage(final)})
 
     def send_event(self, data: dict | str) -> None:
         self.wfile.write(f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
@@ -310,9 +278,8 @@ class Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
     def serve(self, llm: LLM) -> int:
-        """Answer requests until Ctrl-C, SIGTERM or the workers' death; then stop accepting, end the requests in
-        flight (a 503, or an error event in a stream) and return the exit status. A SIGTERM sent to the whole
-        process group is ours alone to handle: the workers ignore it, and are stopped in order."""
+        """Answer requests until Ctrl-C, SIGTERM (the workers ignore one sent to the process group: ours to handle) or
+        the workers' death; then stop accepting, end the requests in flight (a 503, an error event); exit 0 or 1."""
         self.llm, self.defaults = llm, llm.get_default_sampling_params()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stopping.set())
@@ -320,14 +287,15 @@ class Server(ThreadingHTTPServer):
         threading.Thread(target=self.serve_forever, args=(POLL_SECONDS,), daemon=True).start()
         host, port = self.server_address[:2]
         print(f"tinytp: serving {self.names[0]} at http://{host}:{port}/v1", flush=True)
-        while not self.stopping.wait(HEALTH_SECONDS):
+        while not self.stopping.wait(POLL_SECONDS):
             try:
                 llm.check_health()
             except RuntimeError as e:
                 self.failure = str(e)
                 self.stopping.set()
-        self.shutdown()
-        self.server_close()  # waits for the requests in flight: each sees `stopping` within POLL_SECONDS
+        self.shutdown()  # no more requests
+        llm.shutdown()  # the requests in flight end: each gets the engine's RuntimeError, and answers a 503
+        self.server_close()  # waits for them
         print(f"tinytp: {self.failure or 'stopped'}", file=sys.stderr)
         return 1 if self.failure else 0
 

@@ -120,6 +120,12 @@ class IncrementalText:
         return self.text
 
 
+def request_output(group: list[Request], completions: list[CompletionOutput]) -> RequestOutput:
+    """A prompt's output: named by its first sample's request, with its n completions so far."""
+    return RequestOutput(str(group[0].request_id), group[0].prompt, group[0].prompt_token_ids, completions,
+                         finished=all(completion.finish_reason for completion in completions))
+
+
 # Finding the checkpoint ---------------------------------------------------------------
 # The default model: a tiny Llama with random weights and a byte-level tokenizer, in the same
 # Hugging Face layout as a real checkpoint (`python checkpoints.py tiny DIR` writes it).
@@ -735,21 +741,24 @@ class LLM:
         {"prompt": text} or {"prompt_token_ids": ids}; a bare string or dict is one prompt. sampling_params: one for
         all prompts, or one per prompt. Every prompt is checked before any runs: one bad prompt rejects the call."""
         from tqdm import tqdm
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
-        groups = [self._make_requests(prompt, p) for prompt, p in zip(prompts, params)]  # n samples each
+        groups = self._make_groups(prompts, sampling_params)
         requests = [request for group in groups for request in group]
         with tqdm(total=len(requests), desc="generating", unit="sequence",
                   disable=not use_tqdm or len(requests) < 2) as bar:
             for _ in self._run(requests):  # each request is reported once, when it finishes
                 bar.update(1)
-        return [RequestOutput(str(group[0].request_id), group[0].prompt, group[0].prompt_token_ids,
-                              [CompletionOutput(index, self.detokenize(r.output_token_ids)[:r.text_end],
-                                                r.output_token_ids, r.finish_reason, r.stop_reason)
-                               for index, r in enumerate(group)])
+        return [request_output(group, [CompletionOutput(index, self.detokenize(r.output_token_ids)[:r.text_end],
+                                                        r.output_token_ids, r.finish_reason, r.stop_reason)
+                                       for index, r in enumerate(group)])
                 for group in groups]
+
+    def _make_groups(self, prompts: str | dict | list, sampling_params: SamplingParams | list | None) -> list:
+        """Each prompt's requests (its n samples), every prompt checked before any runs."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+        return [self._make_requests(prompt, p) for prompt, p in zip(prompts, params)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -802,31 +811,33 @@ class LLM:
 
     def _stream(self, requests: list[Request]) -> Iterator[str]:
         shown = ""
-        for output in self._stream_outputs(requests):
-            text = output.outputs[0].text
+        for outputs in self._stream_outputs([requests]):
+            text = outputs[0].outputs[0].text
             yield text[len(shown):]
             shown = text
 
-    def stream_outputs(self, prompt: str | dict | list[int],
-                       sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """One prompt's RequestOutput each time one of its n samples has new text (vLLM's AsyncLLM.generate, without
-        asyncio): each completion's text and token_ids so far, finish_reason None until it ends, `finished` at the
-        last. Checked now, not at the first output; closing it early aborts the request, as stream's does."""
-        return self._stream_outputs(self._make_requests(prompt, sampling_params))
+    def stream_outputs(self, prompts: str | dict | list, sampling_params: SamplingParams | list | None = None
+                       ) -> Iterator[list[RequestOutput]]:
+        """generate's outputs as they grow (vLLM's AsyncLLM.generate streams one prompt, with asyncio): after each
+        step that gave a sample of the prompts new text, every prompt's RequestOutput so far, in prompt order; a
+        completion's finish_reason is None until it ends, an output `finished` once all its samples are. Checked now,
+        not at the first output; closing it early aborts the requests, as stream's does."""
+        return self._stream_outputs(self._make_groups(prompts, sampling_params))
 
-    def _stream_outputs(self, requests: list[Request]) -> Iterator[RequestOutput]:
-        texts = {request.request_id: IncrementalText(self.detokenize, request.params.stop) for request in requests}
-        completions = [CompletionOutput(index, "", [], None) for index in range(len(requests))]
-        for request, num_tokens, finished in self._run(requests, stream=True):
+    def _stream_outputs(self, groups: list[list[Request]]) -> Iterator[list[RequestOutput]]:
+        texts = {r.request_id: IncrementalText(self.detokenize, r.params.stop) for group in groups for r in group}
+        place = {r.request_id: (number, index) for number, group in enumerate(groups) for index, r in enumerate(group)}
+        completions = [[CompletionOutput(index, "", [], None) for index in range(len(group))] for group in groups]
+        for request, num_tokens, finished in self._run([r for group in groups for r in group], stream=True):
             token_ids = request.output_token_ids[:num_tokens]  # the engine may have appended more since
             text = texts[request.request_id].update(token_ids, finished, request.text_end)
             if text is None:
                 continue  # half of a multi-byte character: wait for the rest
-            index = requests.index(request)
-            completions[index] = (CompletionOutput(index, text, token_ids, request.finish_reason, request.stop_reason)
-                                  if finished else CompletionOutput(index, text, token_ids, None))
-            yield RequestOutput(str(requests[0].request_id), requests[0].prompt, requests[0].prompt_token_ids,
-                                list(completions), finished=all(c.finish_reason for c in completions))
+            number, index = place[request.request_id]
+            completions[number][index] = (
+                CompletionOutput(index, text, token_ids, request.finish_reason, request.stop_reason) if finished
+                else CompletionOutput(index, text, token_ids, None))
+            yield [request_output(group, list(samples)) for group, samples in zip(groups, completions)]
 
     def _make_requests(self, prompt: str | dict | list[int], params: SamplingParams | None) -> list[Request]:
         """A prompt's requests, one per sample (params.n), checked."""
