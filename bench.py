@@ -60,7 +60,7 @@ REPLY = RPCResult(1, ModelRunnerOutput(list(range(8)), 0.0))  # rank 0's answer 
 def ipc_messages() -> dict[str, object]:
     """A decode step of 8 running requests, exactly as the Executor sends it (about 150
     bytes encoded), and two raw payloads."""
-    step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), finished_ids=[])
+    step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), num_scheduled_tokens=[1] * 8, finished_ids=[])
     return {"small": RPCCall(1, "execute_model", (step,), unique_reply_rank=0),
             "64k": bytes(64 << 10), "16m": bytes(16 << 20)}
 
@@ -352,8 +352,8 @@ def timed(executor_class: type, steps: list[Step]) -> type:
             def result() -> ModelRunnerOutput:
                 output = step.result()
                 answered = time.perf_counter()
-                steps.append(Step(bool(scheduler_output.new_requests), answered - max(sent, self.last_answer),
-                                  output.execute_seconds))
+                prompts = bool(scheduler_output.new_requests) or max(scheduler_output.num_scheduled_tokens) > 1
+                steps.append(Step(prompts, answered - max(sent, self.last_answer), output.execute_seconds))
                 self.last_answer = answered
                 return output
             return tinytp.StepFuture(result) if non_block else result()
