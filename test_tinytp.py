@@ -2314,13 +2314,16 @@ def set_end_of_sequence(llm: LLM, token: int) -> None:
     llm.scheduler.eos_token_ids = {token}  # (between calls: the engine loop is idle)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_async_scheduling_gives_the_tokens_and_texts_of_sync(mha_checkpoint, tp):
+@pytest.mark.parametrize("tp, budget", [(1, None), (2, None), (1, 4), (2, 7)],
+                         ids=["tp1", "tp2", "tp1_chunked_at_4", "tp2_chunked_at_7"])
+def test_async_scheduling_gives_the_tokens_and_texts_of_sync(mha_checkpoint, tp, budget):
     """Greedy, seeded n>1, a stop string, a stop token, an end-of-sequence token, max_tokens and a prompt that reaches
-    max_model_len, in one batch: async scheduling learns of each end one step late, and drops that step's token."""
+    max_model_len, in one batch: async scheduling learns of each end one step late, and drops that step's token. At a
+    budget of 4 or 7 tokens the prompts run in chunks beside decodes, whose chunks sample nothing."""
     path, _ = mha_checkpoint
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64) as sync:
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64,
+             max_num_batched_tokens=budget) as sync:
         reference = sync.generate([PROMPTS[0]], greedy)[0].outputs[0]
         tokens, text = reference.token_ids, reference.text
         cases = [(PROMPTS[0], greedy),
@@ -2339,7 +2342,7 @@ def test_async_scheduling_gives_the_tokens_and_texts_of_sync(mha_checkpoint, tp)
     assert [len(case[0][1]) for case in expected[3:]] == [tokens.index(tokens[9]) + 1, tokens.index(tokens[12]) + 1,
                                                           7, 4]
     with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64,
-             async_scheduling=True) as llm:
+             async_scheduling=True, max_num_batched_tokens=budget) as llm:
         set_end_of_sequence(llm, tokens[12])
         assert [samples(output) for output in llm.generate(prompts, params)] == expected
         assert llm.engine.max_steps_in_flight == 2 and not llm.scheduler.running
@@ -2373,6 +2376,157 @@ def test_a_worker_killed_under_async_scheduling_fails_every_caller_at_once(mha_c
         assert re.match(r"tinytp worker rank 1 died \(exit code -9\)", message) and when - killed_at < 2
     assert all(process_gone(pid) for pid in pids) and not shm_entries()
     llm.shutdown()
+
+
+# --------------------------------------------------------------------------------------
+# Token budget: mixed steps and chunked prefill
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.quick
+def test_a_prompt_chunk_that_does_not_end_its_prompt_samples_nothing_and_puts_no_token_in_flight():
+    """Async scheduling's count (two steps sent before either is answered) with a prompt of 8 cut at a budget of 4:
+    the running request decodes in every step, the prompt's chunks take the rest, and only its last chunk samples."""
+    scheduler = scheduler_with([2, 8], max_num_seqs=2, max_num_batched_tokens=4, max_tokens=8)
+    run_step(scheduler)  # request 0's prompt, and 2 of request 1's
+    request_0, request_1 = scheduler.running
+    assert (request_1.num_computed_tokens, request_1.num_in_flight, request_1.output_token_ids) == (2, 0, [])
+    second, third = scheduler.schedule(), scheduler.schedule()
+    assert (second.scheduled_ids, second.num_scheduled_tokens) == ([0, 1], [1, 3])  # a decode and a chunk: one step
+    assert (third.scheduled_ids, third.num_scheduled_tokens) == ([0, 1], [1, 3])  # its last chunk, 5..7
+    assert (request_0.num_in_flight, request_1.num_in_flight) == (2, 1)  # the chunk of 2..4 sampled nothing
+    assert scheduler.update(second, ModelRunnerOutput([5, None], 0.0)) == [request_0]
+    assert scheduler.update(third, ModelRunnerOutput([6, 9], 0.0)) == [request_0, request_1]
+    assert (request_0.output_token_ids, request_1.output_token_ids) == ([0, 5, 6], [9])
+    fourth = scheduler.schedule()
+    assert (fourth.scheduled_ids, fourth.num_scheduled_tokens) == ([0, 1], [1, 1])  # both decode
+    assert request_1.num_computed_tokens == 9 and not scheduler.waiting
+
+
+@pytest.mark.quick
+def test_every_step_keeps_to_the_budget_and_decodes_come_first():
+    """8 slots, a budget of 8: 7 short prompts decode while a prompt of 40 arrives; every step runs at most 8 tokens,
+    and each of the 7 its one token, until it ends: the prompt takes only what they leave."""
+    scheduler = scheduler_with([1] * 7, max_num_seqs=8, max_num_batched_tokens=8, max_tokens=12)
+    run_step(scheduler)
+    scheduler.add_request(tinytp.Request(7, None, [1] * 40, SamplingParams(max_tokens=2), seed=0))
+    steps = []
+    while scheduler.running or scheduler.waiting:
+        steps.append(run_step(scheduler)[0])
+    assert all(sum(step.num_scheduled_tokens) <= 8 for step in steps)
+    assert [step.num_scheduled_tokens for step in steps[:3]] == [[1] * 7 + [1]] * 3  # 1 token of 40 each step
+    assert all(step.scheduled_ids[:7] == list(range(7)) for step in steps[:11])  # the 7 stream, each step
+    assert steps[11].num_scheduled_tokens == [8]  # they ended (12 tokens): the prompt takes the whole budget
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_num_batched_tokens": 3, "max_num_seqs": 4},
+     r"^max_num_batched_tokens must be an integer >= max_num_seqs \(4\), so that every slot's token fits a step; "
+     r"got 3$"),
+    ({"max_num_batched_tokens": 0}, r"^max_num_batched_tokens must be an integer >= max_num_seqs \(8\).*got 0$"),
+    ({"max_num_batched_tokens": 64.0}, r"^max_num_batched_tokens must be an integer .*got 64.0$"),
+])
+def test_a_budget_below_the_slots_is_refused_before_spawning(mha_checkpoint, kwargs, message, capsys):
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=message):
+            LLM(mha_checkpoint[0], device="cpu", **kwargs)
+        assert tinytp.main(["--model", mha_checkpoint[0], "--device", "cpu", "--max-num-batched-tokens", "7"]) == 2
+    assert capsys.readouterr().err.strip().endswith("got 7")  # max_num_seqs is 8 by default
+
+
+def record_steps(worker):  # run in the workers: every step's (one-token rows, prompt chunks' tokens, last position)
+    if not hasattr(worker, "steps"):  # one hook, however often called
+        worker.model.register_forward_pre_hook(lambda module, args: worker.steps.append(
+            (args[0].num_decodes, [length for _, _, length, _ in args[0].chunks], args[0].positions.max().item())))
+    worker.steps = []
+
+
+def recorded_steps(worker):
+    return worker.steps
+
+
+@pytest.fixture(scope="module")
+def gqa_one_kv_head_checkpoint(tmp_path_factory):
+    """Grouped-query attention with 4 query heads on 1 KV head: at tp 2, more ranks than KV heads."""
+    path = str(tmp_path_factory.mktemp("one_kv_head"))
+    return path, make_checkpoint(path, heads=4, kv_heads=1, seed=2)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_tokens_equal_transformers_at_any_budget(gqa_one_kv_head_checkpoint, tp):
+    """5 prompts of 2 to 31 tokens on 4 slots, at a budget of 4 (the least 4 slots allow), 7 and 64 tokens, and
+    unchunked. A different chunking sums a float32 logit in another order, so each token is checked against
+    transformers' tolerance (within 1e-3 of its best logit, teacher-forced), as every test here does, not against
+    the unchunked run's tokens. The budget binds where it is below the 4 first prompts, and steps mix decodes and
+    chunks."""
+    path, hf_model = gqa_one_kv_head_checkpoint
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64) as llm:
+        for budget in (4, 7, 64, 4096):
+            llm.scheduler.max_num_batched_tokens = budget  # (between calls: the engine loop is idle)
+            llm.collective_rpc(record_steps)
+            check_greedy_against_hf(llm, hf_model, max_tokens=12)
+            steps = llm.collective_rpc(recorded_steps)[0]
+            first_prompts = sum(map(len, PROMPTS[:4]))  # 51 tokens, in the 4 slots
+            assert max(decodes + sum(chunks) for decodes, chunks, _ in steps) == min(budget, first_prompts)
+            assert any(decodes and chunks for decodes, chunks, _ in steps) == (budget < first_prompts), steps
+
+
+def test_a_seeded_n2_request_gives_the_same_tokens_at_any_budget(mha_checkpoint):
+    """A prompt's chunks that do not end it draw nothing from its generator: the samples are those of one prefill."""
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    with LLM(mha_checkpoint[0], device="cpu", max_num_seqs=2, max_model_len=64) as llm:
+        runs = {}
+        for budget in (2, 7, 4096):
+            llm.scheduler.max_num_batched_tokens = budget
+            runs[budget] = [sample.token_ids for sample in llm.generate([PROMPTS[2]], params)[0].outputs]
+    assert runs[2] == runs[7] == runs[4096] and runs[2][0] != runs[2][1]
+
+
+def test_a_prompt_arriving_while_3_stream_joins_their_steps_in_chunks(mha_checkpoint):
+    """3 callers stream; a 4th sends a prompt of 60 tokens. At a budget of 16 it runs in chunks of 13 beside the 3
+    decodes (one step holds both kinds), and each stream gets a token at every step from its first to its last:
+    none ever waits for the prompt (the old engine ran a prefill as a step of its own, and every stream waited)."""
+    path, hf_model = mha_checkpoint
+    long_prompt = [256] + list(range(100, 159))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(path, device="cpu", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16) as llm:
+        llm.collective_rpc(record_batches)
+        llm.collective_rpc(record_steps)
+        streaming = threading.Barrier(4)
+
+        def call(i):
+            if i == 3:
+                streaming.wait()
+                return llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
+            for j, _ in enumerate(llm.stream(PROMPTS[i], params)):
+                if j == 2:
+                    streaming.wait()
+
+        arriving = run_in_threads(call, 4)[3]
+        batches, steps = llm.collective_rpc(recorded_batches)[0], llm.collective_rpc(recorded_steps)[0]
+    assert_tokens_match_hf(hf_model, long_prompt, arriving.token_ids)
+    assert (3, [13]) in [(decodes, chunks) for decodes, chunks, _ in steps]  # 3 decodes and a chunk: one step
+    for stream_id in range(3):
+        present = [i for i, batch in enumerate(batches) if stream_id in batch]
+        assert present == list(range(present[0], present[-1] + 1)), (stream_id, batches)  # no step without it
+
+
+@pytest.mark.parametrize("budget", [7, 4096])
+def test_a_prompt_of_max_model_len_minus_1_and_decodes_at_the_end_of_their_slots_stay_in_the_cache(
+        mha_checkpoint, budget):
+    """max_model_len 32: a prompt of 31 tokens (chunked at a budget of 7) gets its one token while two others decode to
+    position 31, the last of their slots, in the same steps. No position reaches max_model_len."""
+    path, hf_model = mha_checkpoint
+    prompts = [[256] + list(range(40, 70)), PROMPTS[0] + [7] * 20, PROMPTS[3]]  # 31, 26 and 12 tokens
+    with LLM(path, device="cpu", max_num_seqs=3, max_model_len=32, max_num_batched_tokens=budget) as llm:
+        llm.collective_rpc(record_steps)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        steps = llm.collective_rpc(recorded_steps)[0]
+    for prompt, output in zip(prompts, outputs):
+        assert len(prompt) + len(output.outputs[0].token_ids) == 32 and output.outputs[0].finish_reason == "length"
+        assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids)
+    assert max(position for _, _, position in steps) == 30  # the last token's keys are never needed
+    assert any(decodes and chunks for decodes, chunks, _ in steps) == (budget == 7)
 
 
 def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(mha_checkpoint):

@@ -534,7 +534,7 @@ class Worker:
                      torch.arange(r.num_computed + n, device=self.device) <= positions[end - n:end, None])
                     for (r, n), end in zip(batch, ends) if n > 1],
             last_index=torch.tensor([end - 1 for (r, n), end in zip(batch, ends)
-                                     if r.num_computed + n == len(r.token_ids)], device=self.device),
+                                     if r.num_computed + n == len(r.token_ids)], dtype=torch.long, device=self.device),
         )
 
     def static_decode_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
