@@ -5,6 +5,7 @@
     python bench.py --tp 2 --input-len 128 --output-len 256
     python bench.py --compare                     # tinytp tp=1, tp=2, in-process, transformers
     python bench.py --write-gguf bench.gguf       # the same model for llama.cpp (needs gguf)
+    python bench.py --arrival-prompt-len 1024 --max-num-batched-tokens 256  # streams as a long prompt arrives
     python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B shapes, random weights
 
 The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: the same
@@ -22,6 +23,7 @@ report), the same model written for llama.cpp, then `--compare` and the command 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import math
@@ -31,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -370,7 +373,8 @@ class EngineBackend:
         executor_class = timed(InProcessExecutor if inprocess else tinytp.Executor, self.steps)
         self.llm = tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=len(prompts),
                               max_model_len=args.input_len + args.output_len, load_format=load_format,
-                              distributed_executor_backend=executor_class, cuda_graphs=args.cuda_graphs)
+                              distributed_executor_backend=executor_class, cuda_graphs=args.cuda_graphs,
+                              max_num_batched_tokens=args.max_num_batched_tokens)
         self.prompts = prompts
         self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
         self.parameter_bytes = max(self.llm.collective_rpc("parameter_bytes"))
@@ -537,6 +541,67 @@ def run_latency(args) -> dict:
             **result}
 
 
+def stream_gaps(llm: tinytp.LLM, streams: list[list[int]], arrival: list[int], params: SamplingParams) -> list[float]:
+    """The streams decode; once each has 8 tokens the arriving prompt is sent (1 token). Every gap between two tokens
+    of a stream, in seconds, timed as its caller takes them."""
+    started = threading.Semaphore(0)
+
+    def stream(i: int) -> list[float]:
+        times = []
+        for _, num_tokens, _ in llm._run(llm._make_requests(streams[i], params), stream=True):  # every token
+            times.append(time.perf_counter())
+            if num_tokens == 8:
+                started.release()
+        return np.diff(times).tolist()
+
+    def arrive() -> None:
+        for _ in streams:
+            started.acquire()
+        llm.generate([arrival], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+
+    with concurrent.futures.ThreadPoolExecutor(len(streams) + 1) as pool:
+        calls = [pool.submit(stream, i) for i in range(len(streams))] + [pool.submit(arrive)]
+        return [gap for call in calls[:-1] for gap in call.result()]
+
+
+def run_arrival(args) -> dict:
+    """The token budget at work: --batch-size - 1 streams of --input-len-token prompts decode --output-len tokens each,
+    and a prompt of --arrival-prompt-len tokens arrives among them. Their inter-token latency (p50, p99, max), with
+    the prompt in chunks at --max-num-batched-tokens (default 256), and with its whole prefill in one step (as the
+    engine ran it before the budget, then a step of its own), in --rounds interleaved rounds."""
+    torch.set_num_threads(CORES)
+    budgets = {"chunked": args.max_num_batched_tokens or 256, "one step": args.arrival_prompt_len + args.batch_size}
+    with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
+        model_dir, load_format = model_source(args, workdir)
+        config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
+        device, dtype = tinytp.choose_device_and_dtype(config, args.tp, args.device, args.dtype)
+        rng = np.random.default_rng(0)
+        streams = rng.integers(config.vocab_size, size=(args.batch_size - 1, args.input_len)).tolist()
+        arrival = rng.integers(config.vocab_size, size=args.arrival_prompt_len).tolist()
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
+        max_model_len = max(args.input_len + args.output_len, args.arrival_prompt_len + 1)
+        with tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=args.batch_size, max_model_len=max_model_len,
+                        load_format=load_format, max_num_batched_tokens=max(budgets.values())) as llm:
+            print(f"tinytp, tp={args.tp}, {device}, {dtype}, {load_format} weights: {len(streams)} streams of "
+                  f"{args.output_len} tokens, a prompt of {args.arrival_prompt_len} arriving")
+            stream_gaps(llm, streams, arrival, params)  # warm-up
+            rounds = {name: [] for name in budgets}
+            for _ in range(args.rounds):
+                for name, budget in budgets.items():
+                    llm.scheduler.max_num_batched_tokens = budget  # (between calls: the engine loop is idle)
+                    gaps = np.array(stream_gaps(llm, streams, arrival, params)) * 1e3
+                    rounds[name].append({"p50_ms": np.percentile(gaps, 50), "p99_ms": np.percentile(gaps, 99),
+                                         "max_ms": gaps.max()})
+    print(f"{'inter-token latency':<30}{'p50':>10}{'p99':>10}{'max':>10}   (medians of {args.rounds} rounds)")
+    result = {}
+    for name, budget in budgets.items():
+        result[name] = {key: statistics.median(r[key] for r in rounds[name]) for key in rounds[name][0]}
+        print(f"{f'{name}, budget {budget}':<30}" + "".join(f"{value:8.1f} ms" for value in result[name].values()))
+    each = [one["max_ms"] / chunked["max_ms"] for one, chunked in zip(rounds["one step"], rounds["chunked"])]
+    print(f"max, one step / chunked: {statistics.median(each):.2f} (rounds: {', '.join(f'{r:.2f}' for r in each)})")
+    return {"budgets": budgets, "rounds": rounds, "medians": result}
+
+
 # --------------------------------------------------------------------------------------
 # The peer: the same shapes for llama.cpp
 # --------------------------------------------------------------------------------------
@@ -672,7 +737,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compare", action="store_true", help="tinytp tp=1 and 2, inprocess and hf, in turn")
     parser.add_argument("--write-gguf", metavar="PATH", default=None,
                         help="write the benchmark's model, random weights, as a GGUF for llama.cpp, and exit")
-    parser.add_argument("--rounds", type=int, default=3, help="with --compare: how many times to run them all in turn")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --compare or --arrival-prompt-len: how many times to run them all in turn")
+    parser.add_argument("--arrival-prompt-len", type=int, default=None,
+                        help="inter-token latency of --batch-size - 1 streams as a prompt this long arrives")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="the tokens one step may run")
     parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: a ~56M Llama)")
     parser.add_argument("--config", default=None, help="a config.json to run with dummy weights")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default=None,
@@ -702,6 +771,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          + ("" if os.path.isdir(folder) else f": there is no folder {folder}"))
     if args.cuda_graphs and args.backend == "hf":
         parser.error("--cuda-graphs is tinytp's: --backend hf runs transformers' generate as it is")
+    if args.arrival_prompt_len is not None and (args.arrival_prompt_len < 1 or args.batch_size < 2):
+        parser.error("--arrival-prompt-len needs a length of at least 1 and a --batch-size of at least 2")
     if args.write_gguf and os.path.exists(args.write_gguf):
         parser.error(f"--write-gguf {args.write_gguf} exists already: remove it, or give another name")
     return args
@@ -712,7 +783,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         result = (run_ipc() if args.ipc else compare(argv) if args.compare else
-                  write_gguf(args) if args.write_gguf else run_latency(args))
+                  write_gguf(args) if args.write_gguf else run_arrival(args) if args.arrival_prompt_len else
+                  run_latency(args))
     except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2
