@@ -161,7 +161,7 @@ def llama_31_8b_config(layers: int) -> dict:
         return {**json.load(f), "num_hidden_layers": layers}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="checkpoints.py", description=__doc__.split("\n")[0])
     kinds = parser.add_subparsers(dest="kind", required=True)
     kinds.add_parser("tiny", help="tiny-llama/: 2 layers, hidden 64, the byte tokenizer").add_argument("dir")
@@ -174,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     shapes.add_argument("--intermediate-size", type=int, help="with --hidden-size (the 8B: 14336)")
     shapes.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to draw the random numbers (default: cuda when visible, faster)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     path = os.path.abspath(os.path.expanduser(args.dir))
     try:
         if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,9 @@ import torch.multiprocessing as mp
 from model import (ModelConfig, TPGroup, check_checkpoint, check_count, check_tensor_parallel_size, checkpoint_shapes,
                    cpu_has_native_bfloat16, is_integer, meta_model, packing_wanted, read_json_object, token_id_list,
                    vocab_rows_per_rank)
-from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, SamplingParams, SchedulerOutput,
-                    check_free_shared_memory, collective_block_bytes, forget_child_processes, importing_main_for_spawn,
-                    new_shared_memory, unlink_semaphores, wait_until, worker_main)
+from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, RPCResult, SamplingParams,
+                    SchedulerOutput, check_free_shared_memory, collective_block_bytes, forget_child_processes,
+                    importing_main_for_spawn, new_shared_memory, unlink_semaphores, wait_until, worker_main)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -215,7 +215,6 @@ class Executor:
         self.tp = tp
         self.call_ids = itertools.count(1)
         self.failure: str | None = None
-        self.trace_next_decode, self.trace_report = False, None  # set it for the next decode step's timeline
         self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop our workers
         self.workers, self.responses, self.collective_block = [], [], None  # made in the try below, freed if it fails
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
@@ -267,10 +266,6 @@ class Executor:
     def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> ModelRunnerOutput | StepFuture:
         """One step; rank 0 answers. With non_block (async scheduling) return at once with a StepFuture, so that the
         next step can be scheduled and sent while this one runs (vLLM's non_block, which returns a Future)."""
-        decode_only = not scheduler_output.new_requests and max(scheduler_output.num_scheduled_tokens) == 1
-        if self.trace_next_decode and decode_only:
-            output = self.traced_step(scheduler_output)
-            return StepFuture(lambda: output) if non_block else output
         call_id = self._send(RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0), None, "execute_model")
         step = StepFuture(functools.partial(self._wait_for_step, call_id))
         return step if non_block else step.result()
@@ -283,22 +278,10 @@ class Executor:
             self._fail(str(e).splitlines()[0])
             raise
 
-    def traced_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """--trace: one step, with every process recording what it sends and when (Worker.start_trace)."""
-        self.trace_next_decode = False
-        self.collective_rpc("start_trace")  # after the steps in flight: the traced step is alone
-        start = time.perf_counter()
-        call_id = self._send(RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0), None, "execute_model")
-        sent = time.perf_counter()
-        output = self._wait_for_step(call_id)
-        driver_times = (start, sent, time.perf_counter(), self.last_message_bytes)
-        self.trace_report = trace_timeline(driver_times, self.collective_rpc("stop_trace"))
-        return output
-
     def _send(self, call: RPCCall, timeout: float | None, name: str) -> int:
         """Number the call, broadcast it, and expect its answers; return its number."""
         with self.sending:
-            if self.failure is None and any(queue.cut_off for queue in [self.broadcast, *self.responses]):
+            if self.failure is None and any(q.cut_off for q in [self.broadcast, *self.responses]):
                 self._fail("a message to them was cut off part-way, and they would misread what follows")
             if self.failure is not None:
                 raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
@@ -306,7 +289,7 @@ class Executor:
             ranks = range(self.tp) if call.unique_reply_rank is None else [call.unique_reply_rank]
             self.awaited[call.call_id] = (name, {}, len(ranks))
             try:
-                self.last_message_bytes = self.broadcast.enqueue(call, timeout, check=self._check_workers)
+                self.broadcast.enqueue(call, timeout, check=self._check_workers)
             except BaseException:
                 del self.awaited[call.call_id]
                 raise
@@ -330,9 +313,9 @@ class Executor:
     def _take_replies(self) -> None:
         """Every reply that has come, from every rank's queue (not only those that owe one: a failed rank sends its
         error unasked), filed under the call it answers."""
-        for rank, queue in enumerate(self.responses):
-            while queue.ready():
-                reply: RPCResult = queue.dequeue(check=self._check_workers)  # may span chunks
+        for rank, replies in enumerate(self.responses):
+            while replies.ready():
+                reply: RPCResult = replies.dequeue(check=self._check_workers)  # may span chunks
                 if reply.call_id not in self.awaited:
                     continue  # a late answer to a call that timed out or was interrupted
                 name, answers, _ = self.awaited[reply.call_id]
@@ -389,24 +372,12 @@ class Executor:
                 process.kill()
                 process.join()
         unlink_semaphores([*self.broadcast.handle.doorbells, *filter(None, [getattr(self, "doorbell", None)])])
-        for queue in [self.broadcast, *self.responses]:
-            queue.close()
+        for message_queue in [self.broadcast, *self.responses]:
+            message_queue.close()
         if self.collective_block is not None:
             self.collective_block.close()
             self.collective_block.unlink()
         self.store = self.doorbell = None
-
-
-def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]) -> str:
-    """--trace's rows by start time: the driver's broadcast and wait (Executor.traced_step), the ranks' (start_trace)."""
-    start, sent, replied, size = driver_call
-    events = [("driver", start, sent, "broadcast execute_model", size),
-              ("driver", sent, replied, "waited for the reply", 0)]
-    events += [(f"rank {rank}", *event) for rank, mine in enumerate(rank_events) for event in mine]
-    events.sort(key=lambda event: event[1])
-    return f"{'start':>12}  {'process':<7} {'event':<32} {'took':>10}  size\n" + "\n".join(
-        f"{(start - events[0][1]) * 1e6:9.0f} us  {who:<7} {what:<32} {(end - start) * 1e6:7.0f} us  "
-        + (f"{size:,} bytes" if size else "") for who, start, end, what, size in events)
 
 
 # The scheduler ------------------------------------------------------------------------
@@ -946,8 +917,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="send each step while the one before it runs (two steps in flight)")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt text as it is")
-    parser.add_argument("--trace", action="store_true", default=os.environ.get("TINYTP_TRACE") == "1",
-                        help="print a timeline of one decode step across processes (also TINYTP_TRACE=1)")
     parser.add_argument("--explain", action="store_true", help="print how the model is cut across ranks; run nothing")
     return parser.parse_args(argv)
 
@@ -978,7 +947,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.model is None:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
                       "so its text is gibberish", file=sys.stderr)
-            llm.executor.trace_next_decode = args.trace
             template = llm.tokenizer.chat_template and not args.no_chat_template
             inputs = [llm.chat_prompt([{"role": "user", "content": p}]) if template else p for p in prompts]
             if len(prompts) == 1:  # stream a single completion as it is generated
@@ -990,9 +958,6 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for prompt, output in zip(prompts, llm.generate(inputs, params)):
                     print(f"Prompt: {prompt!r}\nOutput: {output.outputs[0].text!r}\n")
-            if llm.executor.trace_report:
-                print(f"\nOne decode step (times from the driver's broadcast):\n{llm.executor.trace_report}",
-                      file=sys.stderr)
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2

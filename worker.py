@@ -15,6 +15,7 @@ import os
 import pickle
 import signal
 import struct
+import sys
 import threading
 import time
 import traceback
@@ -453,7 +454,11 @@ class CachedRequest:
     generator: torch.Generator
 
 
-TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods that --trace times
+def choose_cuda_attention_backends() -> None:
+    """cuDNN's attention, PyTorch's first choice on Hopper, builds a plan for each new set of sizes, the key length
+    included: each decode step at a new length would pay for one. Off: flash attention takes the unmasked
+    half-precision calls, memory-efficient attention the masked and float32 ones (both can be captured in a graph)."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 class Worker:
@@ -462,7 +467,6 @@ class Worker:
     def __init__(self, rank: int, world_size: int):
         self.group = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
-        self.trace: list[tuple] | None = None  # (start, end, what, bytes) while --trace records
         self.steps_run = self.steps_with_the_next_waiting = 0  # counted by worker_main
 
     def init_device(self, device: str, dtype: str, store_port: int, num_threads: int,
@@ -474,6 +478,7 @@ class Worker:
         self.device = torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before the process group, which binds to it
+            choose_cuda_attention_backends()
         self.dtype = getattr(torch, dtype)
         # For a driver that died meanwhile (NCCL's first get waits this long too: ranks come together).
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
@@ -506,7 +511,11 @@ class Worker:
         shape = (2, max_num_seqs, self.max_model_len, attn.num_kv_heads, attn.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
         self.max_num_seqs = max_num_seqs
-        self.cuda_graphs = {} if static_decode else None  # LLM(cuda_graphs=True): length: (graph, inputs, logits)
+        self.static_decode = static_decode  # LLM(cuda_graphs=True): every decode step at one shape
+        # Its graphs (length: (graph, inputs, logits)) where they can be captured: not gloo's collectives. None runs
+        # the same fixed-shape step eagerly (.ci/gpu compares the two).
+        capturable = self.device.type == "cuda" and dist.get_backend() == "nccl"
+        self.cuda_graphs = {} if static_decode and capturable else None
 
     def prepare_inputs(self, batch: list[tuple[CachedRequest, int]], context_len: int | None = None) -> ModelInputs:
         """The step's tokens packed, in `batch`'s order: (a request, its tokens this step), the one-token ones first.
@@ -545,7 +554,7 @@ class Worker:
         longest = max(r.num_computed for r in scheduled)  # + 1, this step's token: at most the power of two above
         context_len = min(self.max_model_len, max(16, 1 << longest.bit_length()))
         inputs = self.prepare_inputs([(row, 1) for row in rows], context_len)
-        if self.device.type != "cuda" or dist.get_backend() != "nccl":  # gloo cannot be captured: run it as it is
+        if self.cuda_graphs is None:  # no graphs (see init_kv_cache): run it as it is
             return self.model(inputs, self.kv_caches)[[r.slot for r in scheduled]]
         if inputs.context_len not in self.cuda_graphs:  # at a length's first step: every rank at the same step
             self.model(inputs, self.kv_caches)  # warm-up (this very step): lazy initialization stays out of the graph
@@ -584,7 +593,7 @@ class Worker:
         sampling = {i: r for i, (r, n) in zip(ids, batch) if r.num_computed + n == len(r.token_ids)}
         decode_only = len(sampling) == len(batch) == sum(counts.values())  # every request samples its one token
         with torch.inference_mode():
-            logits = (self.static_decode_step(list(sampling.values())) if decode_only and self.cuda_graphs is not None
+            logits = (self.static_decode_step(list(sampling.values())) if decode_only and self.static_decode
                       else self.model(self.prepare_inputs(batch), self.kv_caches))
         tokens = dict(zip(sampling, self.sample(logits, list(sampling.values()))))  # .tolist() waits for the GPU
         for request, count in batch:
@@ -592,35 +601,6 @@ class Worker:
         for request_id, token in tokens.items():
             self.requests[request_id].token_ids.append(token)
         return ModelRunnerOutput([tokens.get(i) for i in scheduler_output.scheduled_ids], time.perf_counter() - start)
-
-    def start_trace(self) -> None:  # --trace: this and stop_trace run through the driver's collective_rpc
-        """Record (start, end, what, bytes) events in self.trace by wrapping the step's and the collectives' methods,
-        so the model code stays as it is (worker_main adds the reply). perf_counter() is one clock in every process,
-        so the timelines line up (on CUDA: launch times)."""
-        events = self.trace = []
-
-        def timed(what: str, method: Callable) -> Callable:
-            def run(*args, **kwargs):
-                start = time.perf_counter()
-                result = method(*args, **kwargs)
-                events.append((start, time.perf_counter(), what, getattr(args[0], "nbytes", 0)))  # a tensor's
-                return result
-            return run
-        self.execute_model = timed("got the step and ran execute_model", self.execute_model)
-        for name in TRACED_COLLECTIVES:  # instance attributes shadow the methods
-            setattr(model_code.collectives, name, timed(name, getattr(model_code.collectives, name)))
-
-    def stop_trace(self) -> list[tuple]:
-        for name in TRACED_COLLECTIVES:
-            delattr(model_code.collectives, name)
-        del self.execute_model
-        events, self.trace = self.trace, None
-        return events
-
-    def parameter_bytes(self) -> int:
-        """Bytes of weights this rank holds (tied ones once, packed ones in place of the plain ones)."""
-        packed = [m.packed_weight for m in self.model.modules() if getattr(m, "packed_weight", None) is not None]
-        return sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *packed])
 
     def close(self, unlink_collective_block: bool = False) -> None:
         if isinstance(model_code.collectives, SharedMemoryCollectives):
@@ -667,10 +647,7 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
             except Exception:
                 reply = RPCResult(call.call_id, error=traceback.format_exc())
             if call.unique_reply_rank in (None, rank) or reply.error is not None:
-                start = time.perf_counter()
-                size = response.enqueue(reply, check=driver_alive)
-                if call.method == "execute_model" and worker.trace is not None:  # --trace (Worker.start_trace)
-                    worker.trace.append((start, time.perf_counter(), "replied", size))
+                response.enqueue(reply, check=driver_alive)
             if call.method == "execute_model":  # with async scheduling, the next step is already here (bench.py)
                 worker.steps_run += 1
                 worker.steps_with_the_next_waiting += broadcast.ready()
@@ -685,3 +662,8 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
         worker.close(unlink_collective_block=broadcast.owner)  # rank 0 owns the shared blocks once the driver is gone
         broadcast.close()
         response.close()
+    # Everything is released. The interpreter's own exit would now collect torch's and the model's objects one by
+    # one, for seconds on a busy machine: longer than shutdown's grace, and a dead driver's workers would linger.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
