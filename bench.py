@@ -5,8 +5,10 @@
     python bench.py --tp 2 --input-len 128 --output-len 256
     python bench.py --compare                     # tinytp tp=1, tp=2, in-process, transformers
     python bench.py --concurrency 8               # 8 callers at once against the same 8 one by one
+    python bench.py --serve --concurrency 8 --model DIR  # the same over HTTP: 8 clients of serve.py
     python bench.py --async-scheduling            # the next step sent while the one before it runs
     python bench.py --trace --tp 2                # one decode step across the processes, on one clock
+    python bench.py --explain --tp 4 --model tiny-llama   # how a checkpoint is cut: nothing runs
     python bench.py --write-gguf bench.gguf       # the same model for llama.cpp (needs gguf)
     python bench.py --arrival-prompt-len 1024 --max-num-batched-tokens 256  # streams as a long prompt arrives
     python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B shapes, random weights
@@ -33,6 +35,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,7 +51,8 @@ from tqdm import tqdm
 
 import model
 import tinytp
-from model import ModelConfig, check_tensor_parallel_size, checkpoint_shapes, init_dummy_weights, vocab_rows_per_rank
+from model import (ModelConfig, TPGroup, check_tensor_parallel_size, checkpoint_shapes, init_dummy_weights,
+                   vocab_rows_per_rank, weight_bytes)
 from worker import (MessageQueue, ModelRunnerOutput, RPCCall, RPCResult, SamplingParams, SchedulerOutput, Worker,
                     decode, encode)
 
@@ -644,6 +648,48 @@ def run_concurrency(args) -> dict:
 
 
 # --------------------------------------------------------------------------------------
+# --explain: how the checkpoint is cut across the ranks, without running anything
+# --------------------------------------------------------------------------------------
+
+
+def explain(config: ModelConfig, tp: int, dtype: str) -> str:
+    """Build every rank's model on the "meta" device (shapes, no memory) with the workers' code, and describe the cut:
+    per checkpoint tensor its full shape, a rank's slice and split dimension, then bytes per rank, traffic per step."""
+    itemsize = getattr(torch, dtype).itemsize
+    padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
+    whole, mine = checkpoint_shapes(config), checkpoint_shapes(config, TPGroup(0, tp))
+    lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
+             f"{'rank 0 slice':>14}  split"]
+    for name, full_shape in whole.items():
+        if ".layers." in name and ".layers.0." not in name:
+            continue  # every layer is cut alike
+        split = [dim for dim, (full, part) in enumerate(zip(full_shape, mine[name])) if part < full]
+        how = f"dim {split[0]}" if split else "replicated"
+        if split and full_shape[split[0]] < mine[name][split[0]] * tp:  # the parts overlap or overhang
+            how += f", vocab padded to {padded_vocab}" if full_shape[0] == config.vocab_size else ", KV heads replicated"
+        lines.append(f"{name:<48}{str(full_shape):>14}{str(mine[name]):>14}  {how}")
+    lines.append("")
+    for rank in range(tp):
+        held = weight_bytes(config, TPGroup(rank, tp), dtype)
+        lines.append(f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})")
+    hidden, vocab = config.hidden_size * itemsize, padded_vocab * itemsize
+    lines += ["", "communication: none (tp=1)"] if tp == 1 else [
+        "", "communication per decode step, per sequence in the batch:",
+        f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes (2 per layer, after o_proj and down_proj, "
+        "and 1 after the embedding)",
+        f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all"]
+    return "\n".join(lines)
+
+
+def run_explain(args) -> dict:
+    config = settings_config(args)
+    check_tensor_parallel_size(config, args.tp)
+    text = explain(config, args.tp, tinytp.choose_device_and_dtype(config, args.tp, args.device, args.dtype)[1])
+    print(text)
+    return {"explain": text.splitlines()}
+
+
+# --------------------------------------------------------------------------------------
 # --trace: one decode step across the processes, on one clock
 # --------------------------------------------------------------------------------------
 
@@ -868,6 +914,73 @@ def write_gguf(args) -> dict:
 
 
 # --------------------------------------------------------------------------------------
+# --serve: many clients over HTTP against one at a time, on serve.py
+# --------------------------------------------------------------------------------------
+
+
+def stream_over_http(port: int, prompt: list[int], output_len: int) -> list[float]:
+    """One client: its prompt streamed from /v1/completions, and when each of its tokens came (its start first), as
+    stream_token_times has them. An event carries text, not tokens: a token that came with no text of its own (half
+    a character) counts at the next text, so these times hold the same gaps as the in-process ones."""
+    import http.client
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    times = [time.perf_counter()]
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    for line in connection.getresponse():
+        event = json.loads(line[6:]) if line.startswith(b"data: {") else {}
+        if event.get("choices") and event["choices"][0]["text"]:
+            times.append(time.perf_counter())
+        if event.get("usage"):  # the last event: every token is in
+            times += [times[-1]] * (event["usage"]["completion_tokens"] - (len(times) - 1))
+    connection.close()
+    return times
+
+
+def run_serve(args) -> dict:
+    """--serve --concurrency N: N streaming HTTP clients at once against the same N requests one after another, on
+    one serve.py (greedy, --input-len random token ids, exactly --output-len tokens each): run_concurrency's
+    figures, with HTTP, JSON and the server's threads in the way."""
+    model_dir = tinytp.resolve_model(args.model)
+    vocab = ModelConfig.from_file(os.path.join(model_dir, "config.json")).vocab_size
+    prompts = np.random.default_rng(0).integers(vocab, size=(args.concurrency, args.input_len)).tolist()
+    command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py"), "--model",
+               model_dir, "--tp", str(args.tp), "--port", "0", "--dtype", args.dtype, "--max-num-seqs",
+               str(args.concurrency), "--max-model-len", str(args.input_len + args.output_len),
+               *(["--device", args.device] if args.device else []),
+               *(["--async-scheduling"] if args.async_scheduling else [])]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = server.stdout.readline()
+        if not line.startswith("tinytp: serving"):
+            raise RuntimeError(f"serve.py did not start: {' '.join(command)}")
+        port = int(line.rstrip().rsplit(":", 1)[1].split("/")[0])
+        print(f"serve.py, tp={args.tp}, {args.dtype}, {args.concurrency} HTTP clients, "
+              f"{'async' if args.async_scheduling else 'sync'} scheduling")
+        stream_over_http(port, prompts[0], 4)  # warm-up
+        start = time.perf_counter()
+        sequential = serving_figures([stream_over_http(port, prompt, args.output_len) for prompt in prompts],
+                                     time.perf_counter() - start)
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            at_once = list(pool.map(lambda prompt: stream_over_http(port, prompt, args.output_len), prompts))
+        concurrent_run = serving_figures(at_once, time.perf_counter() - start)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    for name, figures in [("sequential", sequential), ("concurrent", concurrent_run)]:
+        print(f"{name}: output token throughput {figures['output_throughput']:.1f} tok/s; "
+              f"TTFT median {figures['median_ttft_ms']:.1f} ms, p99 {figures['p99_ttft_ms']:.1f} ms; "
+              f"ITL median {figures['median_itl_ms']:.2f} ms, p99 {figures['p99_itl_ms']:.2f} ms")
+    speedup = concurrent_run["output_throughput"] / sequential["output_throughput"]
+    print(f"concurrency speedup: {speedup:.2f}x the sequential tokens per second")
+    return {"serve": True, "concurrency": args.concurrency, "tp": args.tp, "dtype": args.dtype,
+            "async_scheduling": args.async_scheduling, "sequential": sequential, "concurrent": concurrent_run,
+            "concurrency_speedup": speedup}
+
+
+# --------------------------------------------------------------------------------------
 # --compare, and the command line
 # --------------------------------------------------------------------------------------
 
@@ -927,6 +1040,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--ipc", action="store_true", help="benchmark the IPC transports, not the model")
     parser.add_argument("--compare", action="store_true", help="tinytp tp=1 and 2, inprocess and hf, in turn")
+    parser.add_argument("--serve", action="store_true",
+                        help="--concurrency streaming clients at once over HTTP (serve.py) against one by one")
     parser.add_argument("--write-gguf", metavar="PATH", default=None,
                         help="write the benchmark's model, random weights, as a GGUF for llama.cpp, and exit")
     parser.add_argument("--rounds", type=int, default=3,
@@ -953,6 +1068,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cuda-graphs", action="store_true", help="tinytp's decode steps as CUDA graphs (opt-in)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="tinytp sends each step while the one before it runs (two steps in flight)")
+    parser.add_argument("--explain", action="store_true",
+                        help="print how the model is cut across the ranks (--tp), and exit: nothing runs")
     parser.add_argument("--trace", action="store_true",
                         help="print a timeline of one decode step across the processes, and exit")
     parser.add_argument("--concurrency", type=int, default=None, metavar="N",
@@ -972,6 +1089,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} is tinytp's: --backend hf runs transformers' generate as it is")
     if args.concurrency is not None and (args.concurrency < 1 or args.backend != "tinytp"):
         parser.error(f"--concurrency must be at least 1, on --backend tinytp; got {args.concurrency} on {args.backend}")
+    if args.serve and not (args.model and args.concurrency):
+        parser.error("--serve needs --model (a checkpoint with a tokenizer: the server streams text) "
+                     "and --concurrency N (the number of clients)")
     if args.arrival_prompt_len is not None and (args.arrival_prompt_len < 1 or args.batch_size < 2):
         parser.error("--arrival-prompt-len needs a length of at least 1 and a --batch-size of at least 2")
     if args.write_gguf and os.path.exists(args.write_gguf):
@@ -983,10 +1103,24 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
-        result = (run_ipc() if args.ipc else compare(argv) if args.compare else
-                  write_gguf(args) if args.write_gguf else run_trace(args) if args.trace else
-                  run_concurrency(args) if args.concurrency else run_arrival(args) if args.arrival_prompt_len else
-                  run_latency(args))
+        if args.ipc:
+            result = run_ipc()
+        elif args.compare:
+            result = compare(argv)
+        elif args.write_gguf:
+            result = write_gguf(args)
+        elif args.explain:
+            result = run_explain(args)
+        elif args.trace:
+            result = run_trace(args)
+        elif args.serve:
+            result = run_serve(args)
+        elif args.concurrency:
+            result = run_concurrency(args)
+        elif args.arrival_prompt_len:
+            result = run_arrival(args)
+        else:
+            result = run_latency(args)
     except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as e:
         print(f"bench: error: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 # Not PyTorch's public API, in one place -------------------------------------------------
@@ -47,11 +47,12 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # e.g. Llama 3.1's {"rope_type": "llama3", "factor": 8.0, ...}
+    rope_scaling: dict | None  # None, {"rope_type": "linear", "factor": 4.0}, Llama 3.1's {"rope_type": "llama3", ...}
     max_position_embeddings: int
     tie_word_embeddings: bool
     dtype: str  # the checkpoint's dtype, e.g. "bfloat16"
     eos_token_ids: list[int] = field(default_factory=list)
+    unread_keys: list[str] = field(default_factory=list)  # keys transformers' Llama does not read either: ignored
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -60,10 +61,14 @@ class ModelConfig:
         if raw.get("model_type") != "llama":
             raise ValueError(f"tinytp runs Llama checkpoints only; this config has model_type="
                              f"{raw.get('model_type')!r} (architectures={raw.get('architectures')})")
-        unknown = sorted(raw.keys() - CONFIG_KEYS["read"].keys() - CONFIG_KEYS["change nothing"].keys())
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0]}={raw[unknown[0]]!r}: tinytp cannot tell whether it changes "
-                             "the model (config_keys.json lists the keys it knows)")
+        beyond_llama_config = CONFIG_KEYS["read by transformers, not by tinytp"]
+        refused = sorted(raw.keys() & beyond_llama_config.keys())
+        if refused:
+            raise ValueError(f"unsupported key {refused[0]}={raw[refused[0]]!r}: transformers reads it "
+                             f"({beyond_llama_config[refused[0]]}), tinytp does not")
+        for key in sorted(raw.keys() & CONFIG_KEYS["read"].keys() - NULL_MEANS_DEFAULT):
+            if raw[key] is None:
+                raise ValueError(f"{key} is null, which transformers refuses too: give it a value")
         for key, allowed in [("hidden_act", ("silu", "swish")), ("attention_bias", (False,)), ("mlp_bias", (False,))]:
             one_of(raw, key, allowed)  # "swish": transformers' other name for SiLU
         # Old configs: top-level `rope_theta` and `rope_scaling`; transformers 5: one `rope_parameters`
@@ -72,12 +77,12 @@ class ModelConfig:
         rope_theta = positive(rope, "rope_theta", positive(raw, "rope_theta", 10000.0, float), float)
         rope.pop("rope_theta", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}: tinytp knows 'default' and 'llama3'")
-        scaling = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        for key in scaling if rope_type == "llama3" else ():
+        if rope_type not in ROPE_SCALING_KEYS:
+            raise ValueError(f"unsupported rope_type {rope_type!r}: tinytp knows "
+                             f"{', '.join(map(repr, ROPE_SCALING_KEYS))}")
+        for key in ROPE_SCALING_KEYS[rope_type]:
             positive(rope, key, kind=float)
-        unused = sorted(rope.keys() - {"rope_type", "type", *(scaling if rope_type == "llama3" else ())})
+        unused = sorted(rope.keys() - {"rope_type", "type", *ROPE_SCALING_KEYS[rope_type]})
         if unused:  # partial_rotary_factor, say: a RoPE that tinytp does not compute
             raise ValueError(f"unsupported RoPE setting {unused[0]}={rope[unused[0]]!r} (rope_type {rope_type!r})")
         hidden, heads = positive(raw, "hidden_size"), positive(raw, "num_attention_heads")
@@ -87,15 +92,23 @@ class ModelConfig:
                              "and there is no head_dim")
         if heads % kv_heads:  # each KV head serves a whole group of query heads
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        scaling = {"rope_type": rope_type, **{key: rope[key] for key in ROPE_SCALING_KEYS[rope_type]}}
+        scaling = scaling if rope_type != "default" else None
+        head_dim = positive(raw, "head_dim", hidden // heads)
+        if head_dim % 2:  # RoPE turns pairs of features
+            raise ValueError(f"head_dim={head_dim} is odd: RoPE needs an even head_dim (transformers refuses it too)")
+        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype {dtype!r} is not supported: tinytp runs float32, bfloat16 or float16")
         return cls(
             vocab_size=positive(raw, "vocab_size"), hidden_size=hidden, num_layers=positive(raw, "num_hidden_layers"),
-            num_heads=heads, num_kv_heads=kv_heads, head_dim=positive(raw, "head_dim", hidden // heads),
-            intermediate_size=positive(raw, "intermediate_size"), rope_scaling=rope if rope_type == "llama3" else None,
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            intermediate_size=positive(raw, "intermediate_size"), rope_scaling=scaling,
             rms_norm_eps=positive(raw, "rms_norm_eps", 1e-6, float), rope_theta=rope_theta,
             max_position_embeddings=positive(raw, "max_position_embeddings", 2048),
             tie_word_embeddings=one_of(raw, "tie_word_embeddings", (False, True)),
-            dtype=raw.get("torch_dtype") or raw.get("dtype") or "float32",
-            eos_token_ids=token_id_list(raw.get("eos_token_id"), "eos_token_id"))
+            dtype=dtype, eos_token_ids=token_id_list(raw.get("eos_token_id"), "eos_token_id"),
+            unread_keys=sorted(raw.keys() - CONFIG_KEYS["read"].keys() - CONFIG_KEYS["change nothing"].keys()))
 
     @classmethod
     def from_file(cls, path: str) -> ModelConfig:
@@ -119,10 +132,18 @@ def read_json_object(path: str) -> dict:
     return raw
 
 
-# Every config.json key tinytp knows: those from_dict reads (refusing values it cannot honour) and those that
-# change nothing at inference, each with why; any other is refused. A test walks transformers' LlamaConfig.
+# Every config.json key tinytp knows: those from_dict reads (refusing values it cannot honour), those that change
+# nothing at inference, and those transformers reads beyond LlamaConfig that tinytp does not compute (refused), each
+# with why. A test walks transformers' LlamaConfig. Any other key is read by neither (SmolLM2's rope_interleaved,
+# say): it changes nothing in transformers, so tinytp ignores it too, and says so (LLM.__init__).
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config_keys.json")) as f:
     CONFIG_KEYS: dict[str, dict[str, str]] = json.load(f)
+# The read keys that transformers' LlamaConfig accepts as null, meaning "the default"; a null for any other it refuses.
+NULL_MEANS_DEFAULT = {"num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
+                      "torch_dtype", "dtype", "eos_token_id"}
+# The rope types tinytp computes, and the settings each needs.
+ROPE_SCALING_KEYS = {"default": (), "linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 def one_of(raw: dict, key: str, allowed: tuple):
@@ -360,6 +381,8 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_scaling is None:
         return inv_freq
+    if config.rope_scaling["rope_type"] == "linear":  # positions divided by `factor`: every rotation slowed alike
+        return inv_freq / config.rope_scaling["factor"]
     # llama3: slow rotations (long wavelengths) slowed down by `factor`, fast ones kept, the band between blended.
     s = config.rope_scaling
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
@@ -518,6 +541,28 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         param.data.uniform_(-1e-3, 1e-3)
 
 
+def open_safetensors(path: str):
+    """safe_open(path), after checking what it leaves to the first read: that the file is as long as its header says.
+    A file cut short (an interrupted download), empty or not safetensors at all is one ValueError naming it."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:  # the format: 8 bytes giving the header's length, the JSON header, the tensors' data
+        header_bytes = int.from_bytes(f.read(8), "little") if size >= 8 else size
+        header_text = f.read(header_bytes) if header_bytes <= size - 8 else b""
+    try:
+        data_ends = [end for name, info in json.loads(header_text).items() if name != "__metadata__"
+                     for end in info["data_offsets"][1:]]
+    except Exception:  # not JSON, or JSON of another shape
+        raise ValueError(f"{path} is not a safetensors file ({size:,} bytes, no safetensors header in them): "
+                         "download or write it again") from None
+    if max(data_ends, default=0) > size - 8 - header_bytes:
+        raise ValueError(f"{path} is cut short: its tensors need {8 + header_bytes + max(data_ends):,} bytes, it has "
+                         f"{size:,} (an interrupted download?): download it again")
+    try:  # safetensors checks each tensor's offsets against its dtype and shape
+        return safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a valid safetensors file ({e}): download or write it again") from None
+
+
 def open_checkpoint(checkpoint_dir: str) -> dict:
     """Map each tensor name to the open safetensors file that holds it (opening reads only the header),
     from the files transformers reads: model.safetensors where there is one, else exactly what
@@ -530,19 +575,24 @@ def open_checkpoint(checkpoint_dir: str) -> dict:
     if "model.safetensors" in file_names or not os.path.exists(index_path):
         weight_map = {}
         for file_name in ["model.safetensors"] if "model.safetensors" in file_names else file_names:
-            for name in safe_open(os.path.join(checkpoint_dir, file_name), framework="pt").keys():
+            for name in open_safetensors(os.path.join(checkpoint_dir, file_name)).keys():
                 if name in weight_map:
                     raise ValueError(f"{checkpoint_dir}: tensor {name} is in both {weight_map[name]} and {file_name}, "
                                      "and no model.safetensors.index.json says which to use")
                 weight_map[name] = file_name
     else:
-        with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map") or {}  # an empty one: check_checkpoint names a missing tensor
+        weight_map = read_json_object(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):  # an empty one is fine: check_checkpoint names the tensor it lacks
+            raise ValueError(f"{index_path}: its weight_map must be an object of tensor names to file names, "
+                             f"got {weight_map!r:.80}")
+        not_names = [(name, file_name) for name, file_name in weight_map.items() if not isinstance(file_name, str)]
+        if not_names:
+            raise ValueError(f"{index_path}: weight_map puts {not_names[0][0]} in {not_names[0][1]!r}, not a file name")
         for file_name in set(weight_map.values()):
             if os.path.isabs(file_name) or os.path.normpath(file_name).split(os.sep)[0] == ".." or not os.path.isfile(
                     os.path.join(checkpoint_dir, file_name)):  # listed, but missing or outside the directory
                 raise ValueError(f"{index_path} lists {file_name}, which is not a file in {checkpoint_dir}")
-    files = {f: safe_open(os.path.join(checkpoint_dir, f), framework="pt") for f in set(weight_map.values())}
+    files = {f: open_safetensors(os.path.join(checkpoint_dir, f)) for f in set(weight_map.values())}
     for name, file_name in weight_map.items():
         if name not in files[file_name].keys():
             raise ValueError(f"{index_path} puts {name} in {file_name}, which has no tensor of that name")
@@ -563,6 +613,18 @@ def meta_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
     """A rank's model on the "meta" device: its parameters' shapes, and no memory."""
     with torch.device("meta"):
         return LlamaForCausalLM(config, group, max_model_len=1)
+
+
+def weight_bytes(config: ModelConfig, group: TPGroup, dtype: str) -> int:
+    """Bytes of the weights that `group`'s rank holds (a tied table once; padded vocabulary rows included)."""
+    return sum(p.numel() for p in meta_model(config, group).parameters()) * getattr(torch, dtype).itemsize
+
+
+def kv_cache_shape(config: ModelConfig, tp: int, max_num_seqs: int, max_model_len: int) -> tuple[int, ...]:
+    """One layer's KV cache on a rank: keys and values, a slot per sequence, its positions, the rank's KV heads (one
+    at least: replicated where tp exceeds them), each head_dim wide. Worker.init_kv_cache allocates it; LLM checks it
+    fits."""
+    return 2, max_num_seqs, max_model_len, max(1, config.num_kv_heads // tp), config.head_dim
 
 
 def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> dict[str, list[int]]:

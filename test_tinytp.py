@@ -16,6 +16,7 @@ import importlib.machinery
 import importlib.util
 import itertools
 import json
+import math
 import os
 import re
 import runpy
@@ -46,7 +47,7 @@ from checkpoints import (REAL_MODEL_INSTALL, byte_level_tokenizer, convert_smoll
 from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
                    VocabParallelEmbedding, check_tensor_parallel_size, split)
 import tinytp
-from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams, WorkerError, explain
+from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams, WorkerError
 from worker import (CHUNK_HEADER, COLLECTIVE_BUFFER_BYTES, CachedRequest, MessageQueue, ModelRunnerOutput, NewRequest,
                     SchedulerOutput, SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory,
                     sampling_probabilities)
@@ -862,7 +863,7 @@ class TestTp4ReplicatedKvHeads:
         import bench
 
         _, _, llm = tp4
-        printed = re.findall(r"rank (\d) holds ([\d,]+) bytes", explain(llm.config, 4, "float32"))
+        printed = re.findall(r"rank (\d) holds ([\d,]+) bytes", bench.explain(llm.config, 4, "float32"))
         head_copy = 65 * 64 * 4
         assert [int(n.replace(",", "")) + head_copy for _, n in printed] == llm.collective_rpc(bench.parameter_bytes)
 
@@ -1269,7 +1270,7 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_spawning(
 @pytest.mark.parametrize("text, message", [
     ("{not json", r"config.json is not valid JSON"),
     ("[1, 2]", r"config.json holds a list, not a JSON object"),
-    ({"vocab_size": None}, r"config.json: vocab_size is missing"),
+    ({"vocab_size": None}, r"config.json: vocab_size is null, which transformers refuses too: give it a value"),
     ({"num_attention_heads": 0}, r"config.json: num_attention_heads must be a positive integer, got 0"),
     ({"num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": None},
      r"config.json: hidden_size=64 is not a multiple of num_attention_heads=6, and there is no head_dim"),
@@ -1395,10 +1396,10 @@ def test_the_real_smollm2_config_is_classified(smollm2):
     ({"tie_word_embeddings": "false"}, r"tie_word_embeddings='false' is not supported: tinytp runs False or True"),
     ({"attention_bias": 0}, r"attention_bias=0 is not supported: tinytp runs False"),
     ({"mlp_bias": True}, r"mlp_bias=True is not supported"),
-    ({"quantization_config": {"quant_method": "fp8"}}, r"unknown key quantization_config=\{'quant_method': 'fp8'\}: "
-                                                        r"tinytp cannot tell whether it changes the model"),
-    ({"rope_scaling": {"type": "linear", "factor": 4.0}}, r"unsupported rope_type 'linear'"),  # beside rope_parameters
-    ({"rope_scaling": {"type": "linear", "factor": 4.0}, "rope_parameters": None}, r"unsupported rope_type 'linear'"),
+    ({"quantization_config": {"quant_method": "fp8"}}, r"unsupported key quantization_config=\{'quant_method': "
+                                                        r"'fp8'\}: transformers reads it \(quantized weights"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, r"unsupported rope_type 'dynamic'"),  # beside rope_parameters
+    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}, "rope_parameters": None}, r"unsupported rope_type 'dynamic'"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      r"unsupported RoPE setting partial_rotary_factor=0.5 \(rope_type 'default'\)"),
 ])
@@ -1601,8 +1602,9 @@ def test_an_llm_in_a_pool_worker_is_one_line_of_tinytps(mha_checkpoint, tmp_path
 
 def test_a_kv_cache_larger_than_memory_is_refused_naming_its_size(mha_checkpoint):
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(ValueError, match=r"max_num_seqs=1000000000 and max_model_len=256 need a [\d,.]+ GiB KV "
-                                             r"cache \(float32\), more than the [\d,.]+ GiB of this machine: lower one"):
+        with pytest.raises(ValueError, match=r"MiB of weights and [\d,.]+ GiB of KV cache \(max_num_seqs=1000000000, "
+                                             r"max_model_len=256\) in float32 need more than the [\d,.]+ GiB of this "
+                                             r"machine: lower max_num_seqs or max_model_len$"):
             LLM(mha_checkpoint[0], device="cpu", max_num_seqs=10**9)
 
 
@@ -1623,9 +1625,12 @@ def kv_cache_bytes(worker) -> int:  # run in the workers, through collective_rpc
 
 
 def test_the_kv_cache_check_counts_the_bytes_the_workers_allocate(mha_checkpoint):
-    """To the byte: memory for exactly the workers' KV caches (every rank's, on one CPU) passes, one byte less not."""
+    """To the byte: memory for exactly the workers' weights and KV caches (every rank's, on one CPU) passes, one byte
+    less not."""
+    import bench
+
     with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=3, max_model_len=64) as llm:
-        allocated = sum(llm.collective_rpc(kv_cache_bytes))
+        allocated = sum(llm.collective_rpc(kv_cache_bytes)) + sum(llm.collective_rpc(bench.parameter_bytes))
     for memory, refused in [(allocated, False), (allocated - 1, True)]:
         pages = {"SC_PHYS_PAGES": memory, "SC_PAGE_SIZE": 1}
         with mock.patch.object(os, "sysconf", side_effect=pages.get), \
@@ -2182,7 +2187,7 @@ def test_a_message_cut_off_part_way_fails_the_llm_clearly(mha_checkpoint):
             llm.collective_rpc(sleep_in_worker, 0.1, args=(1.0,))  # the worker is busy for a second
         with pytest.raises(TimeoutError, match="writer waited"):  # 8 of its 20 chunks fill the ring
             llm.collective_rpc(length_of, 0.3, args=(b"x" * 20_000_000,))
-        with pytest.raises(RuntimeError, match=r"workers are gone \(a message to them was cut off part-way"):
+        with pytest.raises(RuntimeError, match=r"workers are gone \(a message between us was cut off part-way"):
             llm.collective_rpc(length_of, 5, args=(b"y",))
         with pytest.raises(RuntimeError, match="workers are gone"):
             llm.generate([[256, 1, 2]])
@@ -3159,7 +3164,9 @@ def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags()
     from _pytest.mark.expression import Expression  # pytest's own -k/-m language
 
     import bench
-    parsers = {"tinytp.py": tinytp.parse_args, "bench.py": bench.parse_args, "checkpoints.py": checkpoints.parse_args}
+    import serve
+    parsers = {"tinytp.py": tinytp.parse_args, "bench.py": bench.parse_args, "checkpoints.py": checkpoints.parse_args,
+               "serve.py": serve.parse_args}
     tests = names_for_k(sys.modules[__name__])
     pages = [path for path in ("README.md", "docs/exercises.md") if os.path.exists(os.path.join(HERE, path))]
     checked = []
@@ -3186,3 +3193,680 @@ def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags()
                             f"{page}: `{command}` selects no test"
             checked.append(command)
     assert len(checked) >= 15 and any("bench.py" in c for c in checked) and any("-k" in c for c in checked)
+
+
+# --------------------------------------------------------------------------------------
+# Exact or refuse, round 4
+# --------------------------------------------------------------------------------------
+# Real config.json files, interrupted downloads, gloo's sockets, and vLLM scripts as they are written.
+
+
+@contextlib.contextmanager
+def llm_without_workers(path, **kwargs):
+    """An LLM whose Executor is a mock: everything the driver checks, in this process, no worker started."""
+    with mock.patch.object(tinytp, "Executor"):
+        yield LLM(str(path), device="cpu", **kwargs)
+
+
+HUB_CONFIGS = sorted(name for name in os.listdir(os.path.join(HERE, "hub_configs")) if name.endswith(".json"))
+
+
+def write_hub_checkpoint(path, config_name: str) -> dict:
+    """Random weights of the shapes a hub_configs/ file implies, under that very config.json; returns it."""
+    with open(os.path.join(HERE, "hub_configs", config_name)) as f:
+        raw = json.load(f)
+    model = make_checkpoint(path, **{"vocab": raw["vocab_size"], "hidden": raw["hidden_size"],
+                                     "heads": raw["num_attention_heads"], "tied": raw["tie_word_embeddings"],
+                                     "kv_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
+                                     "intermediate": raw["intermediate_size"]})
+    assert model.config.head_dim == raw.get("head_dim", model.config.head_dim)
+    (path / "config.json").write_text(json.dumps(raw))
+    return raw
+
+
+@pytest.mark.parametrize("config_name", HUB_CONFIGS)
+def test_a_real_hub_config_runs_as_transformers_runs_it_or_is_refused(tmp_path, capsys, config_name):
+    """Each published config.json in hub_configs/ (sizes shrunk, every key kept): tinytp's greedy tokens at tp 1 and
+    2 are transformers' on the same weights under that file, or it is refused for a reason tinytp states."""
+    if config_name.startswith("mistralai--"):  # another architecture (sliding window, its own class): refused
+        (tmp_path / "config.json").write_text(open(os.path.join(HERE, "hub_configs", config_name)).read())
+        byte_level_tokenizer().save_pretrained(tmp_path)  # a tokenizer, as the CLI wants one before anything else
+        refused_before_spawning(tmp_path, r"tinytp runs Llama checkpoints only; this config has model_type='mistral'",
+                                capsys)
+        return
+    raw = write_hub_checkpoint(tmp_path, config_name)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    capsys.readouterr()
+    for tp in (1, 2):
+        with LLM(str(tmp_path), tensor_parallel_size=tp, device="cpu", dtype="float32", max_model_len=64) as llm:
+            check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
+    unread = sorted(raw.keys() & {"is_llama_config", "rope_interleaved", "transformers.js_config", "max_sequence_length"})
+    said = [line for line in capsys.readouterr().err.splitlines() if "not read by transformers' Llama either" in line]
+    expected = f"tinytp: {tmp_path}/config.json: ignoring {', '.join(unread)}: not read by transformers' Llama either"
+    assert said == ([expected] * 2 if unread else []), said  # once per LLM
+
+
+@pytest.mark.quick
+def test_the_keys_tinytp_ignores_in_the_real_configs_change_nothing_in_transformers(tmp_path):
+    """The other half of the rule: a key that tinytp neither reads nor knows, it ignores (and says so) only because
+    transformers' Llama does not read it either: its logits are the same without the key or with another value."""
+    unread = {}
+    for config_name in [name for name in HUB_CONFIGS if not name.startswith("mistralai--")]:  # Llama only
+        with open(os.path.join(HERE, "hub_configs", config_name)) as f:
+            raw = json.load(f)
+        for key in ModelConfig.from_dict(raw).unread_keys:
+            unread.setdefault(key, (config_name, raw))
+    assert sorted(unread) == ["is_llama_config", "max_sequence_length", "rope_interleaved", "transformers.js_config"]
+    ids = torch.tensor([PROMPTS[2]])
+    for key, (config_name, raw) in unread.items():
+        write_hub_checkpoint(tmp_path, config_name)
+        logits = []
+        other = {bool: lambda v: not v, int: lambda v: v * 4, dict: lambda v: {}}[type(raw[key])](raw[key])
+        for config in (raw, {k: v for k, v in raw.items() if k != key}, {**raw, key: other}):
+            (tmp_path / "config.json").write_text(json.dumps(config))
+            with torch.no_grad():
+                model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+                logits.append(model(ids).logits)
+        assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2]), key
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("rope_keys", [
+    {"rope_scaling": {"type": "linear", "factor": 4.0}, "rope_parameters": None, "rope_theta": 10000.0},
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.5, "rope_theta": 500.0}},
+])
+def test_linear_rope_scaling_is_transformers_inverse_frequencies(tmp_path, rope_keys):
+    make_checkpoint(tmp_path)
+    edit_config(tmp_path, **rope_keys)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ours = model_code.rope_inverse_frequencies(ModelConfig.from_file(os.path.join(tmp_path, "config.json")))
+    assert torch.equal(ours, hf_model.model.rotary_emb.inv_freq)
+
+
+def test_linear_rope_scaling_runs_as_transformers_runs_it(tmp_path):
+    make_checkpoint(tmp_path)
+    edit_config(tmp_path, rope_scaling={"type": "linear", "factor": 4.0}, rope_parameters=None, rope_theta=10000.0)
+    check_tp1_and_tp2_against_transformers(tmp_path)
+
+
+def cut(path, keep) -> None:
+    """Keep the first `keep(size)` bytes of a file, as an interrupted download leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[:keep(len(data))])
+
+
+@pytest.mark.parametrize("file_name, damage, message", [
+    ("model.safetensors", lambda path: cut(path, lambda size: 0),
+     r"model.safetensors is not a safetensors file \(0 bytes, no safetensors header in them\)"),
+    ("model.safetensors", lambda path: cut(path, lambda size: 100),  # part of the header
+     r"model.safetensors is not a safetensors file \(100 bytes, no safetensors header in them\)"),
+    ("model.safetensors", lambda path: cut(path, lambda size: 5000),  # the header, and a little data
+     r"model.safetensors is cut short: its tensors need [\d,]+ bytes, it has 5,000"),
+    ("model.safetensors", lambda path: path.write_bytes(os.urandom(20_000)),
+     r"model.safetensors is not a safetensors file \(20,000 bytes"),
+    ("model.safetensors", lambda path: cut(path, lambda size: size - 100),
+     r"model.safetensors is cut short: its tensors need [\d,]+ bytes, it has [\d,]+ \(an interrupted download\?\)"),
+    ("model-00002-of-00004.safetensors", lambda path: cut(path, lambda size: size - 100),
+     r"model-00002-of-00004.safetensors is cut short: its tensors need [\d,]+ bytes"),
+])
+def test_a_weight_file_empty_cut_short_or_garbage_is_one_line_naming_it(tmp_path, capsys, file_name, damage, message):
+    make_checkpoint(tmp_path, max_shard_size="100KB" if "-of-" in file_name else None)
+    damage(tmp_path / file_name)
+    refused_before_spawning(tmp_path, re.escape(str(tmp_path)) + "/" + message, capsys)
+
+
+@pytest.mark.parametrize("index, message", [
+    ("[1, 2]", r"model.safetensors.index.json holds a list, not a JSON object"),
+    ("{not json", r"model.safetensors.index.json is not valid JSON"),
+    ({"weight_map": ["model-00001-of-00004.safetensors"]},
+     r"model.safetensors.index.json: its weight_map must be an object of tensor names to file names, got \['model"),
+    ({"metadata": {}}, r"model.safetensors.index.json: its weight_map must be an object of tensor names to file names"),
+    (lambda weight_map: weight_map.update({"model.norm.weight": 5}),
+     r"model.safetensors.index.json: weight_map puts model.norm.weight in 5, not a file name"),
+    (lambda weight_map: weight_map.update({"model.norm.weight": None}),
+     r"model.safetensors.index.json: weight_map puts model.norm.weight in None, not a file name"),
+    (lambda weight_map: weight_map.update({"model.norm.weight": "config.json"}),
+     r"config.json is not a safetensors file"),
+])
+def test_an_index_of_the_wrong_shape_is_one_line_naming_it(tmp_path, capsys, index, message):
+    make_checkpoint(tmp_path, max_shard_size="100KB")
+    if callable(index):
+        edit_index(tmp_path, index)
+    else:
+        (tmp_path / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+    refused_before_spawning(tmp_path, message, capsys)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("changes, message", [
+    ({"hidden_act": None}, r"hidden_act is null, which transformers refuses too: give it a value"),
+    ({"rms_norm_eps": None}, r"rms_norm_eps is null, which transformers refuses too"),
+    ({"tie_word_embeddings": None}, r"tie_word_embeddings is null, which transformers refuses too"),
+    ({"dtype": "bogus"}, r"dtype 'bogus' is not supported: tinytp runs float32, bfloat16 or float16"),
+    ({"num_attention_heads": 64, "num_key_value_heads": 32, "head_dim": 1},  # fits the weights: [64, 64], [32, 64]
+     r"head_dim=1 is odd: RoPE needs an even head_dim \(transformers refuses it too\)"),
+    ({"sliding_window": 16}, r"unsupported key sliding_window=16: transformers reads it \(attention over a window"),
+])
+def test_a_null_value_a_bogus_dtype_or_an_odd_head_dim_is_one_line(tmp_path, capsys, changes, message):
+    make_checkpoint(tmp_path)
+    edit_config(tmp_path, **changes)
+    refused_before_spawning(tmp_path, re.escape(str(tmp_path)) + "/config.json: " + message, capsys)
+
+
+@pytest.mark.quick
+def test_a_null_that_transformers_reads_as_its_default_is_its_default(tmp_path):
+    make_checkpoint(tmp_path, heads=4, kv_heads=4)
+    edit_config(tmp_path, num_key_value_heads=None, head_dim=None, eos_token_id=None, rope_scaling=None)
+    config = ModelConfig.from_file(os.path.join(tmp_path, "config.json"))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert (config.num_kv_heads, config.head_dim) == (theirs.num_key_value_heads, theirs.head_dim) == (4, 16)
+
+
+@pytest.mark.quick
+def test_a_text_prompt_whose_ids_are_outside_the_vocabulary_is_refused_like_token_ids(tmp_path):
+    make_checkpoint(tmp_path, vocab=200)  # the byte-level tokenizer's ids reach 257
+    with llm_without_workers(tmp_path, tensor_parallel_size=2) as llm:
+        assert llm.tokenizer("A").input_ids == [256, 65]
+        with pytest.raises(ValueError, match=r"the tokenizer's ids for 'A': \[256\] are outside the vocabulary "
+                                             r"\(0..199\)"):
+            llm._make_requests("A", None)  # what generate() checks every prompt with, before any runs
+
+
+@pytest.mark.quick
+def test_a_temperature_below_vllms_floor_is_raised_to_it_as_vllm_does(capsys):
+    assert SamplingParams(temperature=1e-39).temperature == 0.01
+    assert "tinytp: temperature 1e-39 is below 0.01" in capsys.readouterr().err
+    assert SamplingParams(temperature=0.01).temperature == 0.01 and SamplingParams(temperature=0).temperature == 0
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    request = CachedRequest([256], 0, 0, SamplingParams(temperature=1e-39), torch.Generator().manual_seed(0))
+    assert Worker(rank=0, world_size=1).sample(logits, [request]) == [1]  # no NaN: the likeliest, by far
+
+
+def test_a_tiny_temperature_in_generation_config_samples_and_the_workers_live(mha_checkpoint):
+    path, hf_model = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=64) as llm, generation_config_with(path, temperature=1e-39):
+        assert llm.get_default_sampling_params().temperature == 0.01
+        output = llm.generate([PROMPTS[0]], SamplingParams(temperature=1e-39, max_tokens=6, ignore_eos=True))[0]
+        assert_tokens_match_hf(hf_model, PROMPTS[0], output.outputs[0].token_ids, tolerance=0.5)
+        assert len(llm.generate([PROMPTS[1]])[0].outputs[0].token_ids) >= 1  # the defaults: still alive
+
+
+@pytest.mark.quick
+def test_queue_reader_interrupted_part_way_through_a_message_is_marked_cut_off():
+    writer = MessageQueue.create(num_readers=1, num_chunks=2, chunk_bytes=64)
+    reader = MessageQueue.attach(writer.handle, reader=0)
+    with pytest.raises(TimeoutError):  # 2 of the message's 10 chunks go out, then the ring is full
+        writer.enqueue(b"z" * 500, timeout=0.01)
+    with pytest.raises(TimeoutError):  # the reader takes those 2, and waits for the rest in vain
+        reader.dequeue(timeout=0.01)
+    assert reader.cut_off
+    writer.cut_off = False
+    writer.enqueue("a")
+    assert reader.dequeue() == "a" and not reader.cut_off  # a whole message leaves it sound
+    reader.close()
+    writer.close()
+
+
+def big_reply(worker):  # run in the workers: a reply of many chunks
+    return b"r" * 3_000_000
+
+
+def test_ctrl_c_while_the_driver_reads_a_long_reply_fails_the_next_call_in_one_line(mha_checkpoint):
+    path, _ = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        replies = llm.executor.responses[0]
+        real_ready, first_chunk, interrupted = replies.ready, replies.next_chunk, []
+
+        def ctrl_c_once_part_read():  # in place of the checks the driver makes while it waits
+            if replies.next_chunk != first_chunk:
+                interrupted.append(True)
+                raise KeyboardInterrupt
+
+        # The reply's first chunk is there; the driver takes it, then waits for the next: Ctrl-C comes then.
+        with mock.patch.object(replies, "ready", lambda: real_ready() and replies.next_chunk == first_chunk), \
+                mock.patch.object(llm.executor, "_check_workers", ctrl_c_once_part_read), \
+                pytest.raises(KeyboardInterrupt):
+            llm.executor.collective_rpc(big_reply, 10)  # a queue that misses the cut: a TimeoutError, not a hang
+        assert interrupted and replies.cut_off
+        with pytest.raises(RuntimeError, match=r"^tinytp's workers are gone \(a message .*cut off part-way"):
+            llm.executor.collective_rpc(length_of, 10, b"y")
+    assert not shm_entries()
+
+
+HOSTS_ELSEWHERE = "127.0.0.1 localhost\n192.0.2.2 tinytp-elsewhere\n"  # 192.0.2.0/24: TEST-NET-1, for examples
+LISTENERS_SCRIPT = """
+import json, os, socket, sys
+from tinytp import LLM, SamplingParams
+from test_tinytp import listeners_of
+
+if __name__ == "__main__":
+    with LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        llm.generate([[256, 1, 2]], SamplingParams(max_tokens=2))
+        pids = [os.getpid(), *(p.pid for p in llm.executor.workers)]
+        print(json.dumps([socket.gethostbyname(socket.gethostname()), [listeners_of(pid) for pid in pids]]))
+"""
+
+
+def test_under_a_hostname_that_resolves_to_a_network_address_everything_listens_on_loopback(mha_checkpoint, tmp_path):
+    """As on Docker and many cloud VMs: the hostname resolves to the host's network address, where gloo would listen
+    by default. A private network, hostname and /etc/hosts (unshare: a user namespace, no root needed) make it so."""
+    if subprocess.run(["unshare", "-r", "-n", "-m", "-u", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare cannot make a user namespace here")
+    (tmp_path / "hosts").write_text(HOSTS_ELSEWHERE)
+    (tmp_path / "listeners.py").write_text(LISTENERS_SCRIPT)
+    setup = (f"ip link set lo up && ip addr add 192.0.2.2/24 dev lo && mount --bind {tmp_path}/hosts /etc/hosts && "
+             f"hostname tinytp-elsewhere && exec {sys.executable} {tmp_path}/listeners.py {mha_checkpoint[0]}")
+    result = subprocess.run(["unshare", "-r", "-n", "-m", "-u", "sh", "-c", setup], cwd=HERE, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": HERE})
+    assert result.returncode == 0, result.stderr[-3000:]
+    address, listening = json.loads(result.stdout.splitlines()[-1])
+    assert address == "192.0.2.2"
+    assert all(listening), listening  # the driver's store, and each worker's gloo
+    assert all(is_loopback(a) for addresses in listening for a in addresses), listening
+
+
+@pytest.mark.quick
+def test_generate_and_chat_without_params_sample_with_the_models_defaults(mha_checkpoint):
+    path, _ = mha_checkpoint
+    with llm_without_workers(path) as llm, generation_config_with(path, temperature=0.6, top_p=0.9,
+                                                                   max_new_tokens=5):
+        for make in (lambda: llm._make_requests("Hi", None),
+                     lambda: llm._make_requests(llm.chat_prompt([{"role": "user", "content": "Hi"}]), None)):
+            assert make()[0].params == SamplingParams(temperature=0.6, top_p=0.9, max_tokens=5)
+
+
+def test_generate_without_params_runs_the_models_defaults(mha_checkpoint):
+    path, hf_model = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=64) as llm, generation_config_with(path, temperature=0,
+                                                                                   max_new_tokens=5):
+        output = llm.generate([PROMPTS[3]])[0].outputs[0]
+        assert len(output.token_ids) == 5 and output.finish_reason == "length"
+        assert_tokens_match_hf(hf_model, PROMPTS[3], output.token_ids)
+
+
+@pytest.mark.quick
+def test_chat_content_parts_are_their_texts_joined_as_vllm_joins_them(mha_checkpoint):
+    with llm_without_workers(mha_checkpoint[0]) as llm:
+        parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+        assert (llm.chat_prompt([{"role": "user", "content": parts}])
+                == llm.chat_prompt([{"role": "user", "content": "Hi\nthere"}]))
+        image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+        with pytest.raises(ValueError, match=r'^a content part must be \{"type": "text", "text": ...\}: tinytp runs '
+                                             r"text models; got \{'type': 'image_url'"):
+            llm.chat([{"role": "user", "content": [parts[0], image]}])
+
+
+@pytest.mark.quick
+def test_chat_template_kwargs_and_continue_final_message_are_transformers(mha_checkpoint):
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    template = "{% for m in messages %}{{ m['content'] }}{{ sep }}{% endfor %}"
+    with llm_without_workers(mha_checkpoint[0]) as llm:
+        prompt = llm.chat_prompt(conversation, template, add_generation_prompt=False, continue_final_message=True,
+                                 chat_template_kwargs={"sep": "|"})
+        assert prompt["prompt"] == "Hi|Hello, I am"  # the last message left open: transformers cut its "|"
+        assert prompt["prompt"] == llm.tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=False, continue_final_message=True, sep="|")
+        with pytest.raises(ValueError, match="continue_final_message=True goes on with the last message: give "
+                                             "add_generation_prompt=False"):
+            llm.chat(conversation, continue_final_message=True)
+        with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize: chat"):
+            llm.chat(conversation, chat_template_kwargs={"tokenize": True})
+
+
+@pytest.mark.quick
+def test_llm_takes_vllms_arguments_that_mean_something_here_and_refuses_the_rest_by_name(mha_checkpoint, tmp_path):
+    path = mha_checkpoint[0]
+    with llm_without_workers(path, seed=0, enforce_eager=True, trust_remote_code=False, gpu_memory_utilization=0.9,
+                             generation_config="auto", tokenizer=path) as llm:
+        seeds = [request.seed for request in llm._make_requests([1, 2], SamplingParams(n=2))]
+    with llm_without_workers(path, seed=0) as again, llm_without_workers(path, seed=1) as other:
+        assert [request.seed for request in again._make_requests([1, 2], SamplingParams(n=2))] == seeds
+        assert [request.seed for request in other._make_requests([1, 2], SamplingParams(n=2))] != seeds
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "eos_token_id": 65}))
+    with llm_without_workers(path, generation_config=str(tmp_path)) as elsewhere, \
+            llm_without_workers(path, generation_config="vllm") as vllms:
+        assert elsewhere.get_default_sampling_params() == SamplingParams(temperature=0.3)
+        assert 65 in elsewhere.scheduler.eos_token_ids and 65 not in vllms.scheduler.eos_token_ids
+        assert vllms.get_default_sampling_params() == SamplingParams()
+    takes = ("model, tensor_parallel_size, device, dtype, max_num_seqs, max_model_len, load_format, "
+             "distributed_executor_backend, cuda_graphs, async_scheduling, tokenizer, seed, generation_config, enforce_eager, "
+             "trust_remote_code, gpu_memory_utilization")
+    with pytest.raises(ValueError, match=rf"^LLM\(enable_prefix_caching=\.\.\.\): tinytp does not support "
+                                         rf"enable_prefix_caching; it takes {takes}$"):
+        LLM(path, enable_prefix_caching=True)
+    for kwargs, message in [({"trust_remote_code": True}, "it must be False: tinytp never runs a checkpoint's own"),
+                            ({"enforce_eager": True, "cuda_graphs": True}, "True only without cuda_graphs"),
+                            ({"seed": -1}, "None or an integer >= 0"), ({"gpu_memory_utilization": 1.5}, r"\(0, 1\]"),
+                            ({"generation_config": "/no/such/dir"}, "'auto' .*, 'vllm' .* or a directory")]:
+        with pytest.raises(ValueError, match=rf"^{next(iter(kwargs.items()))[0]}=.* is not supported: .*{message}"):
+            LLM(path, **kwargs)
+
+
+@pytest.mark.quick
+def test_request_and_completion_outputs_carry_vllms_other_fields_as_none():
+    output = RequestOutput("0", "Hi", [1], [CompletionOutput(0, "x", [2], "length")])
+    assert all(getattr(output, name) is None for name in ("prompt_logprobs", "metrics", "lora_request", "encoder_prompt",
+                                                           "encoder_prompt_token_ids", "num_cached_tokens",
+                                                           "multi_modal_placeholders", "kv_transfer_params"))
+    assert all(getattr(output.outputs[0], name) is None for name in ("cumulative_logprob", "logprobs", "lora_request"))
+
+
+def test_max_tokens_none_generates_up_to_max_model_len_as_vllm(mha_checkpoint):
+    path, hf_model = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=20) as llm:
+        output = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert len(output.outputs[0].token_ids) == 20 - len(PROMPTS[0]) and output.outputs[0].finish_reason == "length"
+    assert_tokens_match_hf(hf_model, PROMPTS[0], output.outputs[0].token_ids)
+
+
+@pytest.mark.quick
+def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp_path):
+    """On cpu every rank's weights and KV cache share the machine's memory: to the byte, the line names the figures and
+    the fix (bfloat16 halves both), as the mission's 8B model in float32 on a 24 GiB machine needs."""
+    make_checkpoint(tmp_path)
+    config = ModelConfig.from_file(os.path.join(tmp_path, "config.json"))
+
+    def needed(dtype: str) -> int:  # 2 ranks' weights, and 2 ranks x 2 layers of KV cache
+        return 2 * (model_code.weight_bytes(config, TPGroup(0, 2), dtype)
+                    + 2 * math.prod(model_code.kv_cache_shape(config, 2, 8, 64)) * getattr(torch, dtype).itemsize)
+
+    weights_bfloat16 = 2 * model_code.weight_bytes(config, TPGroup(0, 2), "bfloat16")
+    for dtype, memory, message in [
+            ("float32", needed("float32"), None),
+            ("float32", needed("float32") - 1, r"^[\d.]+ MiB of weights and [\d.]+ MiB of KV cache \(max_num_seqs=8, "
+             r"max_model_len=64\) in float32 need more than the [\d.]+ MiB of this machine: dtype='bfloat16' "
+             r"\(--dtype bfloat16\) needs [\d.]+ MiB$"),
+            ("bfloat16", needed("bfloat16") - 1, r"in bfloat16 need more .*: lower max_num_seqs or max_model_len$"),
+            ("float32", weights_bfloat16, r"in float32 need more .*: a machine with more memory$")]:
+        pages = {"SC_PHYS_PAGES": memory, "SC_PAGE_SIZE": 1}
+        with mock.patch.object(os, "sysconf", side_effect=pages.get), \
+                pytest.raises(ValueError, match=message) if message else contextlib.nullcontext():
+            with llm_without_workers(tmp_path, tensor_parallel_size=2, dtype=dtype, max_model_len=64):
+                pass
+
+
+# --------------------------------------------------------------------------------------
+# The OpenAI-compatible server
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def openai():
+    """The official client, a test-only package: skipped without it, naming it; in CI (which installs it) a failure."""
+    if importlib.util.find_spec("openai") is None:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)("the server tests need openai: pip install openai")
+    import openai
+    return openai
+
+
+class Served:
+    """serve.py in a process of its own on a port the OS picks, its log in a file (an unread pipe would fill up)."""
+
+    def __init__(self, tmp_path, *args):
+        self.log_path = tmp_path / f"serve-{time.monotonic_ns()}.log"
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", *args], cwd=HERE, text=True,
+                                            stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+        line = self.process.stdout.readline()
+        found = re.fullmatch(r"tinytp: serving (\S+) at http://127\.0\.0\.1:(\d+)/v1\n", line)
+        assert found, (line, self.log())
+        self.name, self.port = found[1], int(found[2])
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.workers = spawned_workers_of(self.process.pid)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def client(self, openai, api_key="none"):
+        return openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=120)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers=None):
+        """A raw http.client request: the status, the headers and the body as text."""
+        import http.client
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        connection.request(method, path, body, headers or {})
+        response = connection.getresponse()
+        return response.status, response.headers, response.read().decode()
+
+    def terminate_group(self) -> None:
+        """SIGTERM to its whole process group (workers and resource tracker too), as systemd or `timeout` sends it."""
+        os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the group's id is its pid
+
+    def stop(self) -> int:
+        """SIGTERM to the group; then nothing of it may be left: no process of the group, nothing in /dev/shm."""
+        if self.process.poll() is None:
+            self.terminate_group()
+        code = self.process.wait(timeout=30)
+        assert wait_for(lambda: not processes_in_group(self.process.pid), 5), self.log()
+        assert not shm_entries(self.process.pid)
+        return code
+
+
+def processes_in_group(group: int) -> list[int]:
+    """The live processes of a process group (zombies not counted: nobody left to reap them matters not)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it exited between the listing and the read
+            with open(f"/proc/{entry}/stat") as f:
+                state, _, process_group = f.read().rsplit(")", 1)[1].split()[:3]
+            if int(process_group) == group and state != "Z":
+                found.append(int(entry))
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory):
+    served = Served(tmp_path_factory.mktemp("serve"), "--max-num-seqs", "8")
+    yield served
+    assert served.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    """The engine in this process, for the texts the server must give."""
+    with LLM(device="cpu") as llm:
+        yield llm
+
+
+def test_server_completions_and_chat_equal_generate_plain_and_streamed(openai, tiny_server, tiny_llm):
+    client = tiny_server.client(openai)
+    assert [model.id for model in client.models.list()] == ["tiny-llama"]
+    prompt, greedy = "Hello, my name is", SamplingParams(temperature=0, max_tokens=12)
+    expected = tiny_llm.generate(prompt, greedy)[0]
+    done = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0)
+    assert done.choices[0].text == expected.outputs[0].text and done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(expected.prompt_token_ids), 12)
+    chunks = list(client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == expected.outputs[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == len(expected.prompt_token_ids) + 12
+    conversation = [{"role": "user", "content": "Hi there"}]
+    expected_chat = tiny_llm.chat(conversation, greedy)[0].outputs[0]
+    answer = client.chat.completions.create(model="tiny-llama", messages=conversation, max_tokens=12, temperature=0)
+    assert answer.choices[0].message.content == expected_chat.text and answer.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=conversation, max_completion_tokens=12,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected_chat.text
+    # Token-id prompts, two at once: a choice each, in prompt order.
+    ids = [[256, 72, 105], [256, 84, 104, 101]]
+    both = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=6, temperature=0)
+    assert [c.text for c in both.choices] == [o.outputs[0].text for o in tiny_llm.generate(
+        ids, SamplingParams(temperature=0, max_tokens=6))]
+
+
+def test_server_n_with_a_seed_repeats_and_stop_ends_the_text(openai, tiny_server, tiny_llm):
+    client = tiny_server.client(openai)
+    sampled = SamplingParams(n=2, seed=5, temperature=1.0, max_tokens=10)
+    expected = [o.text for o in tiny_llm.generate("Once upon", sampled)[0].outputs]
+    for stream in (False, True):
+        for _ in range(2):
+            answer = client.completions.create(model="tiny-llama", prompt="Once upon", n=2, seed=5, temperature=1.0,
+                                               max_tokens=10, stream=stream)
+            texts = ["", ""]
+            for c in (answer if stream else [answer]):
+                for each in c.choices:
+                    texts[each.index] += each.text
+            assert texts == expected, stream
+    greedy = tiny_llm.generate("Hello", SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
+    stop = next(ch for ch in greedy[3:] if ch.isascii() and ch.isprintable())  # a character it does write
+    expected = tiny_llm.generate("Hello", SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0].outputs[0]
+    assert expected.finish_reason == "stop" and stop not in expected.text
+    for stream in (False, True):
+        answer = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=30, temperature=0,
+                                           stop=[stop], stream=stream)
+        chunks = list(answer) if stream else [answer]
+        assert "".join(c.choices[0].text for c in chunks) == expected.text
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_server_8_concurrent_streams_share_steps_and_each_gets_its_solo_text(openai, tiny_server, tiny_llm):
+    client = tiny_server.client(openai)
+    prompts = [f"Client {i} says" for i in range(8)]
+    solo = [tiny_llm.generate(p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0].outputs[0].text
+            for p in prompts]
+    texts, start = [None] * 8, threading.Barrier(8)
+
+    def stream(i):
+        start.wait()
+        chunks = client.completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=200, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        texts[i] = "".join(c.choices[0].text for c in chunks)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert texts == solo
+    batches = [int(n) for n in re.findall(r"at most (\d+) requests in one", tiny_server.log())]
+    assert max(batches) == 8, tiny_server.log()[-2000:]  # all 8 ran in one step
+
+
+def test_server_errors_are_openais_shapes_and_classes(openai, tiny_server):
+    client = tiny_server.client(openai)
+    base = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2}
+    for change, message in [({"logprobs": 2}, "logprobs=2: tinytp does not support logprobs"),
+                            ({"echo": True}, "tinytp does not support echo"),
+                            ({"best_of": 2}, "tinytp does not support best_of"),
+                            ({"frequency_penalty": 0.5}, "tinytp does not support frequency_penalty"),
+                            ({"suffix": "x"}, "tinytp does not support suffix"),
+                            ({"temperature": -1}, "temperature must be a number >= 0, got -1"),
+                            ({"n": 0}, "n must be an integer >= 1, got 0"),
+                            ({"max_tokens": 600}, "max_tokens=600 is too large: this model's context is 512 tokens"),
+                            ({"prompt": [256, 300]}, r"token ids \[300\] are outside the vocabulary"),
+                            ({"prompt": {"a": 1}}, "prompt must be a string, a list of strings")]:
+        with pytest.raises(openai.BadRequestError, match=message) as error:
+            client.completions.create(**{**base, **change})
+        assert error.value.status_code == 400 and error.value.body["type"] == "invalid_request_error"
+    assert client.completions.create(**base, frequency_penalty=0, presence_penalty=0).choices  # 0 changes nothing
+    chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for change, message in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "does not support tools"),
+                            ({"response_format": {"type": "json_object"}}, "does not support response_format"),
+                            ({"top_logprobs": 2}, "does not support top_logprobs"),
+                            ({"messages": "Hi"}, "messages must be a non-empty list")]:
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(**{**chat, **change})
+    with pytest.raises(openai.NotFoundError, match="the model `gpt-4` does not exist") as error:
+        client.chat.completions.create(**{**chat, "model": "gpt-4"})
+    assert error.value.body == {"message": "the model `gpt-4` does not exist: this server has tiny-llama",
+                                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    assert "Traceback" not in tiny_server.log()
+
+
+def test_server_raw_http_malformed_json_limits_routes_and_the_sse_framing(tiny_server):
+    request = tiny_server.request
+    status, headers, body = request("POST", "/v1/completions", b'{"prompt": "Hi",')
+    assert status == 400 and json.loads(body)["error"]["message"].startswith("the body is not valid JSON")
+    assert request("POST", "/v1/completions", b'["Hi"]')[0] == 400  # not an object
+    assert request("POST", "/v1/completions", b'{"prompt": "Hi", "stream": "yes"}')[0] == 400  # a wrong type
+    assert request("POST", "/v1/completions", None, {"Content-Length": str(64 << 20)})[0] == 413
+    assert request("GET", "/v1/nothing")[0] == 404 and request("GET", "/v1/completions")[0] == 405
+    assert request("GET", "/health")[:1] == (200,)
+    body = json.dumps({"prompt": "Hi", "max_tokens": 5, "temperature": 0, "stream": True}).encode()
+    status, headers, text = request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    events = text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(event.startswith("data: {") for event in events[:-2])
+    chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+    assert {c["object"] for c in chunks} == {"text_completion"} and chunks[-1]["choices"][0]["finish_reason"]
+    assert "Traceback" not in tiny_server.log()
+
+
+def test_server_api_key_disconnect_frees_the_slot_and_group_sigterm_ends_a_stream(openai, tmp_path):
+    served = Served(tmp_path, "--max-num-seqs", "1", "--api-key", "sesame", "--served-model-name", "tiny")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            served.client(openai, api_key="wrong").models.list()
+        with pytest.raises(openai.AuthenticationError):
+            served.client(openai).completions.create(model="tiny", prompt="Hi")
+        client = served.client(openai, api_key="sesame")
+        # One slot: a client gone after 2 chunks must free it, or the next request waits for 500 tokens.
+        stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=500, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        for _, _ in zip(range(2), stream):
+            pass
+        stream.close()
+        start = time.monotonic()
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=4).choices[0].finish_reason
+        steps = int(re.findall(r"engine: (\d+) steps so far", served.log())[-1])
+        assert steps < 100, served.log()  # the abandoned request's 500 steps were not run
+        assert "the client went away" in served.log()
+        # SIGTERM to the process group while a stream runs (the workers get it too, and leave it to the server): the
+        # stream ends with an error event, the server exits 0 and leaves nothing.
+        stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=500, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(stream)
+        served.terminate_group()
+        with pytest.raises(openai.APIError, match="the server is shutting down"):
+            list(stream)
+        assert time.monotonic() - start < 30
+    finally:
+        assert served.stop() == 0
+    assert served.log().strip().splitlines()[-1] == "tinytp: stopped"
+
+
+def test_server_worker_death_answers_503_and_exits_1_leaving_nothing(openai, tmp_path, mha_checkpoint):
+    served = Served(tmp_path, "--model", mha_checkpoint[0], "--tp", "2", "--max-model-len", "256")
+    client = served.client(openai)
+    stream = client.completions.create(model=served.name, prompt=[256, 1, 2], max_tokens=200, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(stream)
+    os.kill(served.workers[1], signal.SIGKILL)
+    with pytest.raises(openai.APIError, match=r"worker rank 1 died"):
+        list(stream)
+    assert served.process.wait(timeout=30) == 1
+    assert all(process_gone(pid) for pid in served.workers) and not shm_entries(served.process.pid)
+    assert "worker rank 1" in served.log().strip().splitlines()[-1]
+
+
+def test_serve_refuses_a_port_in_use_and_warns_off_loopback():
+    import socket
+    with socket.socket() as taken:  # bound, not listening: nothing is reachable
+        taken.bind(("0.0.0.0", 0))
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "serve.py", "--host", "0.0.0.0", "--port", str(port)], cwd=HERE,
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "tinytp: warning: serving on 0.0.0.0 without --api-key: anyone who reaches it can use it",
+        f"tinytp: error: cannot listen at 0.0.0.0:{port}: Address already in use"]
+
+
+def test_server_smollm2_chat_and_completion_equal_transformers(openai, smollm2, smollm2_greedy, tmp_path):
+    path, _ = smollm2
+    served = Served(tmp_path, "--model", path, "--max-model-len", "512")
+    try:
+        client = served.client(openai)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        for stream in (False, True):
+            answer = client.chat.completions.create(model=path, messages=question, temperature=0, stream=stream)
+            text = ("".join(c.choices[0].delta.content or "" for c in answer) if stream
+                    else answer.choices[0].message.content)
+            assert text == "The capital of France is Paris."
+        prompt = "def fibonacci(n):"
+        expected = tokenizer.decode(smollm2_greedy(tuple(tokenizer(prompt).input_ids), 16), skip_special_tokens=True)
+        done = client.completions.create(model=path, prompt=prompt, max_tokens=16, temperature=0)
+        assert done.choices[0].text == expected and done.usage.completion_tokens == 16
+    finally:
+        assert served.stop() == 0

@@ -15,7 +15,9 @@ import concurrent.futures
 import contextlib
 import functools
 import heapq
+import inspect
 import itertools
+import math
 import os
 import pickle
 import queue
@@ -33,9 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import (ModelConfig, TPGroup, check_checkpoint, check_count, check_tensor_parallel_size, checkpoint_shapes,
-                   cpu_has_native_bfloat16, is_integer, meta_model, packing_wanted, read_json_object, token_id_list,
-                   vocab_rows_per_rank)
+from model import (ModelConfig, TPGroup, check_checkpoint, check_count, check_tensor_parallel_size,
+                   cpu_has_native_bfloat16, is_integer, is_number, kv_cache_shape, packing_wanted, read_json_object,
+                   token_id_list, weight_bytes)
 from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, RPCResult, SamplingParams,
                     SchedulerOutput, check_free_shared_memory, collective_block_bytes, forget_child_processes,
                     importing_main_for_spawn, new_shared_memory, unlink_semaphores, wait_until, worker_main)
@@ -52,6 +54,10 @@ class CompletionOutput:  # one sample of a prompt's completion
     token_ids: list[int]  # the generated tokens (the one that ended the sequence included)
     finish_reason: str  # "stop" (an end-of-sequence token, a stop token or string) or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # vLLM's other fields, as vLLM leaves them when they were not asked for: tinytp has none of these.
+    cumulative_logprob: float | None = None
+    logprobs: list | None = None
+    lora_request: None = None
 
 
 @dataclass
@@ -61,6 +67,15 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # the n samples, in index order
     finished: bool = True
+    # vLLM's other fields, as vLLM leaves them when they were not asked for: tinytp has none of these.
+    prompt_logprobs: list | None = None
+    metrics: None = None
+    lora_request: None = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    num_cached_tokens: int | None = None
+    multi_modal_placeholders: dict | None = None
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -282,7 +297,7 @@ class Executor:
         """Number the call, broadcast it, and expect its answers; return its number."""
         with self.sending:
             if self.failure is None and any(q.cut_off for q in [self.broadcast, *self.responses]):
-                self._fail("a message to them was cut off part-way, and they would misread what follows")
+                self._fail("a message between us was cut off part-way, and its reader would misread what follows")
             if self.failure is not None:
                 raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
             call.call_id = next(self.call_ids)
@@ -584,17 +599,62 @@ class EngineCore:
 
 
 # The front end ------------------------------------------------------------------------
+def in_units(size: float) -> str:
+    return f"{size / 2**30:,.1f} GiB" if size >= 2**30 else f"{size / 2**20:,.1f} MiB"
+
+
+def message_text(parts: list) -> str:
+    """A chat message's content given as OpenAI's content parts: the text parts joined by newlines, as vLLM's chat does;
+    any other part (an image, audio) refused: a text model cannot take it."""
+    for part in parts:
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise ValueError(f'a content part must be {{"type": "text", "text": ...}}: tinytp runs text models; '
+                             f"got {part!r:.80}")
+    return "\n".join(part["text"] for part in parts)
+
+
+# What LLM takes of the vLLM arguments that it checks, as the refusal says it.
+LLM_ARGUMENTS = {
+    "seed": "it must be None or an integer >= 0",
+    "enforce_eager": "it must be False or True, and True only without cuda_graphs",
+    "trust_remote_code": "it must be False: tinytp never runs a checkpoint's own code",
+    "gpu_memory_utilization": "it must be a number in (0, 1]",
+    "generation_config": "it must be 'auto' (the model's generation_config.json), 'vllm' (SamplingParams()'s "
+                         "defaults) or a directory holding a generation_config.json",
+}
+
+
 class LLM:
     """Generate text with a Llama checkpoint split over `tensor_parallel_size` processes."""
 
     def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, device: str | None = None,
                  dtype: str = "auto", max_num_seqs: int = 8, max_model_len: int | None = None,
                  load_format: str = "auto", distributed_executor_backend: str | type = "mp", cuda_graphs: bool = False,
-                 async_scheduling: bool = False, max_num_batched_tokens: int | None = None):
+                 async_scheduling: bool = False,
+                 *, tokenizer: str | None = None, seed: int | None = None, generation_config: str = "auto",
+                 enforce_eager: bool = False, trust_remote_code: bool = False,
+                 gpu_memory_utilization: float = 1.0, max_num_batched_tokens: int | None = None, **others):
+        """As vLLM's LLM, for the arguments it has (and cuda_graphs, its own). tokenizer: a directory or hub id
+        (default: the model's). seed: where requests without one draw theirs from. generation_config: "auto" (the
+        model's generation_config.json), "vllm" (SamplingParams()'s defaults) or a directory holding one.
+        enforce_eager: True forbids cuda_graphs. trust_remote_code: False only (a checkpoint's code never runs).
+        gpu_memory_utilization: the share of the memory (a GPU's; on cpu the machine's) that weights and KV cache may
+        take. max_num_batched_tokens: the tokens one step may run (below). Any other argument is refused by name."""
         from transformers import AutoTokenizer
         if importing_main_for_spawn():
             sys.exit("tinytp: a worker process, importing your script as spawn does, ran its LLM(...) too: "
                      'put the code that creates the LLM under if __name__ == "__main__":')
+        for name in others:  # vLLM's other arguments (enable_prefix_caching, quantization, ...) and typos
+            raise ValueError(f"LLM({name}=...): tinytp does not support {name}; it takes "
+                             f"{', '.join(list(inspect.signature(LLM).parameters)[:-1])}")
+        for name, value, valid in [
+                ("seed", seed, seed is None or is_integer(seed) and 0 <= seed),
+                ("enforce_eager", enforce_eager, enforce_eager is False or enforce_eager is True and not cuda_graphs),
+                ("trust_remote_code", trust_remote_code, trust_remote_code is False),
+                ("gpu_memory_utilization", gpu_memory_utilization,
+                 is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1)]:
+            if not valid:
+                raise ValueError(f"{name}={value!r} is not supported: {LLM_ARGUMENTS[name]}")
         main_file = getattr(sys.modules["__main__"], "__file__", None)  # spawn re-imports the script from it
         if main_file is not None and not os.path.exists(main_file):
             raise RuntimeError(f"tinytp cannot start workers from a script read from {main_file}: save it to a file")
@@ -606,6 +666,17 @@ class LLM:
             raise ValueError(f"distributed_executor_backend must be 'mp' or an Executor class, got {executor_class!r}")
         self.model_dir = resolve_model(model)
         self.config = ModelConfig.from_file(os.path.join(self.model_dir, "config.json"))
+        if self.config.unread_keys:
+            print(f"tinytp: {self.model_dir}/config.json: ignoring {', '.join(self.config.unread_keys)}: not read by "
+                  "transformers' Llama either", file=sys.stderr)
+        if generation_config not in ("auto", "vllm") and not (isinstance(generation_config, str)
+                                                             and os.path.isdir(generation_config)):
+            raise ValueError(f"generation_config={generation_config!r} is not supported: "
+                             f"{LLM_ARGUMENTS['generation_config']}")
+        # Where the sampling defaults come from (None: SamplingParams()'s), and the end-of-sequence ids besides.
+        self.generation_config = {"auto": self.model_dir, "vllm": None}.get(generation_config, generation_config)
+        self.get_default_sampling_params()  # a bad generation_config.json refused now
+        self.seeds = random.Random(seed)  # seed None: from the OS
         tp = tensor_parallel_size
         check_tensor_parallel_size(self.config, tp)
         device, dtype = choose_device_and_dtype(self.config, tp, device, dtype)
@@ -621,17 +692,9 @@ class LLM:
         if not is_integer(max_num_batched_tokens) or max_num_batched_tokens < max_num_seqs:  # vLLM's bound too
             raise ValueError(f"max_num_batched_tokens must be an integer >= max_num_seqs ({max_num_seqs}), so that "
                              f"every slot's token fits a step; got {max_num_batched_tokens!r}")
-        # init_kv_cache's tensors ([2, slots, max_model_len, KV heads, head_dim] per layer and rank) against the memory
-        # they go in (a GPU's; on cpu, every rank's): one line now, not N failures later.
-        kv_heads = max(1, self.config.num_kv_heads // tp)
-        kv_bytes = (self.config.num_layers * 2 * max_num_seqs * self.max_model_len * kv_heads * self.config.head_dim
-                    * getattr(torch, dtype).itemsize * (1 if device == "cuda" else tp))
-        memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
-                  else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        if kv_bytes > memory:
-            raise ValueError(f"max_num_seqs={max_num_seqs} and max_model_len={self.max_model_len} need a "
-                             f"{kv_bytes / 2**30:,.1f} GiB KV cache ({dtype}), more than the {memory / 2**30:,.1f} GiB "
-                             f"of {'a GPU' if device == 'cuda' else 'this machine'}: lower one")
+        memory = gpu_memory_utilization * (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
+                                           else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        self.check_memory(tp, device, dtype, max_num_seqs, memory)
         if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":  # graphs capture CUDA kernels
             raise ValueError(f"cuda_graphs must be False, or True on device 'cuda'; got {cuda_graphs!r} on {device}")
         if load_format not in ("auto", "dummy"):
@@ -641,10 +704,10 @@ class LLM:
             check_checkpoint(self.config, self.model_dir)
         # A dummy-weight run of a bare config.json needs no tokenizer: its prompts are token ids.
         try:  # never the checkpoint's own code (auto_map): transformers would ask on stdin, then run it
-            self.tokenizer = (AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=False)
-                              if has_tokenizer(self.model_dir) else None)
-        except ValueError as e:
-            raise ValueError(f"{self.model_dir}: its tokenizer: {' '.join(str(e).split())}") from None
+            self.tokenizer = (AutoTokenizer.from_pretrained(tokenizer or self.model_dir, trust_remote_code=False)
+                              if tokenizer or has_tokenizer(self.model_dir) else None)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"{tokenizer or self.model_dir}: its tokenizer: {' '.join(str(e).split())}") from None
         if type(async_scheduling) is not bool:
             raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
         self.scheduler = Scheduler(max_num_seqs, self.max_model_len, max_num_batched_tokens, self.end_of_sequence_ids(),
@@ -660,10 +723,33 @@ class LLM:
         self.engine_thread.start()
         atexit.register(self.shutdown)  # registered after the executor's, so run before it
 
+    def check_memory(self, tp: int, device: str, dtype: str, max_num_seqs: int, memory: float) -> None:
+        """What the workers will hold, each rank's weights and KV cache (one GPU's share, or on cpu every rank's),
+        against the memory it goes in: one line now, not a worker killed by the kernel while it loads (exit code -9)."""
+        def needed(dtype: str) -> tuple[int, int]:  # bytes of weights, of KV cache
+            ranks = 1 if device == "cuda" else tp
+            layer_cache = math.prod(kv_cache_shape(self.config, tp, max_num_seqs, self.max_model_len))
+            return (ranks * weight_bytes(self.config, TPGroup(0, tp), dtype),
+                    ranks * self.config.num_layers * layer_cache * getattr(torch, dtype).itemsize)
+
+        weights, kv_cache = needed(dtype)
+        if weights + kv_cache <= memory:
+            return
+        where = f"{in_units(memory)} of {'a GPU' if device == 'cuda' else 'this machine'}"
+        if dtype == "float32" and sum(needed("bfloat16")) <= memory:  # on a CPU without native bfloat16, say
+            fix = f"dtype='bfloat16' (--dtype bfloat16) needs {in_units(sum(needed('bfloat16')))}"
+        elif weights < memory:
+            fix = "lower max_num_seqs or max_model_len"
+        else:
+            fix = "more GPUs (a larger tensor_parallel_size)" if device == "cuda" else "a machine with more memory"
+        raise ValueError(f"{in_units(weights)} of weights and {in_units(kv_cache)} of KV cache (max_num_seqs="
+                         f"{max_num_seqs}, max_model_len={self.max_model_len}) in {dtype} need more than the {where}: "
+                         f"{fix}")
+
     def end_of_sequence_ids(self) -> set[int]:
         """Tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3), the tokenizer's."""
         ids = set(self.config.eos_token_ids)
-        path = os.path.join(self.model_dir, "generation_config.json")
+        path = os.path.join(self.generation_config or self.model_dir, "generation_config.json")
         if os.path.exists(path):
             ids.update(token_id_list(read_json_object(path).get("eos_token_id"), f"{path}: eos_token_id"))
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -694,24 +780,42 @@ class LLM:
                 for group in groups]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """The next message of a conversation (a list of {"role", "content"} dicts), or of each in a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.chat_prompt(conversation, chat_template, add_generation_prompt)
+        return self.generate([self.chat_prompt(conversation, chat_template, add_generation_prompt,
+                                               continue_final_message, chat_template_kwargs)
                               for conversation in conversations], sampling_params, use_tqdm)
 
     def chat_prompt(self, conversation: list[dict], chat_template: str | None = None,
-                     add_generation_prompt: bool = True) -> dict:
-        """A conversation as a prompt: its text, and its token ids (the template writes the special tokens)."""
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> dict:
+        """A conversation as a prompt: its text, and its token ids (the template writes the special tokens). A content
+        given as OpenAI's parts ([{"type": "text", "text": ...}, ...]) is their texts joined by newlines, as in vLLM.
+        continue_final_message: the text ends in the last message, for the model to go on with it. chat_template_kwargs:
+        more variables for the template (enable_thinking=False, say)."""
         if not (self.tokenizer and (chat_template or self.tokenizer.chat_template)):
             raise ValueError(f"{self.model_dir} has no tokenizer with a chat template: give chat_template=...")
+        if add_generation_prompt and continue_final_message:  # as vLLM: a new message, or more of the last one
+            raise ValueError("continue_final_message=True goes on with the last message: "
+                             "give add_generation_prompt=False")
+        template_kwargs = dict(chat_template_kwargs or {})
+        taken = template_kwargs.keys() & {"conversation", "chat_template", "tokenize", "add_generation_prompt",
+                                          "continue_final_message"}
+        if taken:
+            raise ValueError(f"chat_template_kwargs cannot set {sorted(taken)[0]}: chat() has an argument for it")
+        conversation = [dict(message, content=message_text(message["content"]))
+                        if isinstance(message, dict) and isinstance(message.get("content"), list) else message
+                        for message in conversation]
         text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message, **template_kwargs)
         return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return default_sampling_params(self.model_dir)
+        """What generate() and chat() sample with when given no SamplingParams, as vLLM's (see generation_config)."""
+        return default_sampling_params(self.generation_config) if self.generation_config else SamplingParams()
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
@@ -754,7 +858,7 @@ class LLM:
 
     def _make_requests(self, prompt: str | dict | list[int], params: SamplingParams | None) -> list[Request]:
         """A prompt's requests, one per sample (params.n), checked."""
-        params = SamplingParams() if params is None else params
+        params = self.get_default_sampling_params() if params is None else params  # as vLLM's
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {params!r}")
         text = prompt if isinstance(prompt, str) else None
@@ -769,6 +873,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer: give prompts as token ids")
             token_ids = self.tokenizer(prompt).input_ids
+            self._check_vocabulary(token_ids, f"the tokenizer's ids for {prompt[:40]!r}:")
         elif isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("empty prompt: give at least one token id")
@@ -785,7 +890,9 @@ class LLM:
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids")
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        if params.max_tokens is None:  # vLLM's: as many as max_model_len leaves
+            params = replace(params, max_tokens=self.max_model_len - len(token_ids))
+        seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
         # Sample 0 takes the seed itself (n=1 samples as before), sample i one drawn from (seed, i):
         # a seeded call repeats exactly, and sample 1 of seed s is not sample 0 of seed s + 1.
         seeds = [seed] + [random.Random(f"{seed}:{index}").getrandbits(64) for index in range(1, params.n)]
@@ -858,36 +965,6 @@ class LLM:
         self.shutdown()
 
 
-# --explain: how the checkpoint is cut, without running anything -----------------------
-def explain(config: ModelConfig, tp: int, dtype: str) -> str:
-    """Build every rank's model on the "meta" device (shapes, no memory) with the workers' code, and describe the cut:
-    per checkpoint tensor its full shape, a rank's slice and split dimension, then bytes per rank, traffic per step."""
-    itemsize = getattr(torch, dtype).itemsize
-    padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
-    whole, mine = checkpoint_shapes(config), checkpoint_shapes(config, TPGroup(0, tp))
-    lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
-             f"{'rank 0 slice':>14}  split"]
-    for name, full_shape in whole.items():
-        if ".layers." in name and ".layers.0." not in name:
-            continue  # every layer is cut alike
-        split = [dim for dim, (full, part) in enumerate(zip(full_shape, mine[name])) if part < full]
-        how = f"dim {split[0]}" if split else "replicated"
-        if split and full_shape[split[0]] < mine[name][split[0]] * tp:  # the parts overlap or overhang
-            how += f", vocab padded to {padded_vocab}" if full_shape[0] == config.vocab_size else ", KV heads replicated"
-        lines.append(f"{name:<48}{str(full_shape):>14}{str(mine[name]):>14}  {how}")
-    lines.append("")
-    for rank in range(tp):
-        held = sum(p.numel() for p in meta_model(config, TPGroup(rank, tp)).parameters()) * itemsize
-        lines.append(f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})")
-    hidden, vocab = config.hidden_size * itemsize, padded_vocab * itemsize
-    lines += ["", "communication: none (tp=1)"] if tp == 1 else [
-        "", "communication per decode step, per sequence in the batch:",
-        f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes (2 per layer, after o_proj and down_proj, "
-        "and 1 after the embedding)",
-        f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all"]
-    return "\n".join(lines)
-
-
 # Command line -------------------------------------------------------------------------
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "Tensor parallelism splits"]
 
@@ -917,7 +994,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="send each step while the one before it runs (two steps in flight)")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt text as it is")
-    parser.add_argument("--explain", action="store_true", help="print how the model is cut across ranks; run nothing")
     return parser.parse_args(argv)
 
 
@@ -928,11 +1004,6 @@ def main(argv: list[str] | None = None) -> int:
                   if getattr(args, name) is not None}
         others = dict(max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
         params = SamplingParams(**chosen, **others)  # checked now, before anything loads
-        if args.explain:
-            config = ModelConfig.from_file(os.path.join(resolve_model(args.model, weights=False), "config.json"))
-            check_tensor_parallel_size(config, args.tp)
-            print(explain(config, args.tp, choose_device_and_dtype(config, args.tp, args.device, args.dtype)[1]))
-            return 0
         prompts = args.prompt or DEFAULT_PROMPTS
         if not all(prompts):
             raise ValueError("empty --prompt: give at least one character")

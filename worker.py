@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 import model as model_code  # for model_code.collectives, which init_device may replace
 from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, check_count,
-                   cpu_has_native_bfloat16, init_dummy_weights, is_integer, is_number, load_checkpoint, pack_for_cpu,
-                   packing_wanted, token_id_list)
+                   cpu_has_native_bfloat16, init_dummy_weights, is_integer, is_number, kv_cache_shape, load_checkpoint,
+                   pack_for_cpu, packing_wanted, token_id_list)
 
 # Not Python's public API, in one place --------------------------------------------------
 # multiprocessing internals that no public call replaces in Python 3.11, each used once.
@@ -72,6 +72,9 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
 
 
 # Messages between the driver and the workers ------------------------------------------
+MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a lower temperature other than 0 is raised to it
+
+
 @dataclass(kw_only=True)  # keywords only: vLLM's positional order differs
 class SamplingParams:
     """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy, sampling_probabilities
@@ -86,7 +89,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as max_model_len leaves, as in vLLM
 
     def __new__(cls, *args, **kwargs):
         # vLLM's other fields (beam search, penalties, logprobs, ...) and typos: a ValueError naming
@@ -115,7 +118,12 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(stop)
         self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")
-        check_count("max_tokens", self.max_tokens)
+        if self.max_tokens is not None:
+            check_count("max_tokens", self.max_tokens)
+        if 0 < self.temperature < MIN_TEMPERATURE:  # 1 / temperature would overflow the logits into NaN
+            print(f"tinytp: temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}, which gives NaN or inf in "
+                  f"the sampler: raised to {MIN_TEMPERATURE:g}, as vLLM does (0 is greedy)", file=sys.stderr)
+            self.temperature = MIN_TEMPERATURE
 
 
 @dataclass
@@ -282,7 +290,7 @@ class MessageQueue:
         self.who_waits = (f"queue {handle.name}: the writer waited for readers to free a chunk" if reader is None
                           else f"queue {handle.name}: reader {reader} waited for a message")  # built once
         self.next_chunk = 0  # the writer's or this reader's position in the ring
-        self.cut_off = False  # the writer gave up part-way through a message (see enqueue)
+        self.cut_off = False  # the writer or this reader gave up part-way through a message (see enqueue, dequeue)
         self.receive_buffer = bytearray()  # kept between multi-chunk messages: a new 16 MiB one each costs page faults
 
     # Sizes: vLLM's ring is 10 chunks of up to 16-24 MiB (it carries images). A step here is
@@ -337,6 +345,8 @@ class MessageQueue:
                 return len(data)
 
     def dequeue(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> Any:
+        """The next message. A timeout or Ctrl-C after its first chunk leaves `cut_off` set: the rest of it waits in
+        the ring and would be read as the start of the next message, so the queue is of no more use (as in enqueue)."""
         received = 0
         while True:
             if not self.ready():
@@ -355,6 +365,7 @@ class MessageQueue:
             del payload  # release the view before the writer may reuse the chunk
             self.buf[self.my_read_at[i]] = 1  # done with this chunk
             self.next_chunk = (i + 1) % self.handle.num_chunks
+            self.cut_off = received < total
             if received == total:
                 return message if size == total else decode(memoryview(self.receive_buffer)[:total])
 
@@ -483,6 +494,9 @@ class Worker:
         # For a driver that died meanwhile (NCCL's first get waits this long too: ranks come together).
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
         backend = "nccl" if device == "cuda" else "gloo"
+        # gloo listens on the address the hostname resolves to, a network one on many hosts (Docker, cloud VMs): the
+        # loopback interface instead, as the store's (Linux calls it lo). A worker's environment is its own.
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         dist.init_process_group(backend, store=store, rank=self.group.rank, world_size=self.group.size,
                                 device_id=self.device if backend == "nccl" else None)  # nccl: connect now, not lazily
         if collective_block is not None:
@@ -507,8 +521,7 @@ class Worker:
     def init_kv_cache(self, max_num_seqs: int, static_decode: bool = False) -> None:
         """Preallocate keys and values: one slot per running request, max_model_len positions each. Zeros:
         never-written positions are masked, but a masked NaN would still poison the weighted sum."""
-        attn = self.model.layers[0].self_attn
-        shape = (2, max_num_seqs, self.max_model_len, attn.num_kv_heads, attn.head_dim)
+        shape = kv_cache_shape(self.config, self.group.size, max_num_seqs, self.max_model_len)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
         self.max_num_seqs = max_num_seqs
         self.static_decode = static_decode  # LLM(cuda_graphs=True): every decode step at one shape
