@@ -3530,7 +3530,7 @@ def test_llm_takes_vllms_arguments_that_mean_something_here_and_refuses_the_rest
         assert vllms.get_default_sampling_params() == SamplingParams()
     takes = ("model, tensor_parallel_size, device, dtype, max_num_seqs, max_model_len, load_format, "
              "distributed_executor_backend, cuda_graphs, async_scheduling, tokenizer, seed, generation_config, enforce_eager, "
-             "trust_remote_code, gpu_memory_utilization")
+             "trust_remote_code, gpu_memory_utilization, max_num_batched_tokens")
     with pytest.raises(ValueError, match=rf"^LLM\(enable_prefix_caching=\.\.\.\): tinytp does not support "
                                          rf"enable_prefix_caching; it takes {takes}$"):
         LLM(path, enable_prefix_caching=True)
