@@ -10,6 +10,7 @@
     python bench.py --trace --tp 2                # one decode step across the processes, on one clock
     python bench.py --explain --tp 4 --model tiny-llama   # how a checkpoint is cut: nothing runs
     python bench.py --write-gguf bench.gguf       # the same model for llama.cpp (needs gguf)
+    python bench.py --arrival-prompt-len 1024 --max-num-batched-tokens 256  # streams as a long prompt arrives
     python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B shapes, random weights
 
 The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: the same
@@ -70,7 +71,7 @@ REPLY = RPCResult(1, ModelRunnerOutput(list(range(8)), 0.0))  # rank 0's answer 
 def ipc_messages() -> dict[str, object]:
     """A decode step of 8 running requests, exactly as the Executor sends it (about 150
     bytes encoded), and two raw payloads."""
-    step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), finished_ids=[])
+    step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), num_scheduled_tokens=[1] * 8, finished_ids=[])
     return {"small": RPCCall(1, "execute_model", (step,), unique_reply_rank=0),
             "64k": bytes(64 << 10), "16m": bytes(16 << 20)}
 
@@ -380,8 +381,8 @@ def timed(executor_class: type, steps: list[Step]) -> type:
             def result() -> ModelRunnerOutput:
                 output = step.result()
                 answered = time.perf_counter()
-                steps.append(Step(bool(scheduler_output.new_requests), answered - max(sent, self.last_answer),
-                                  output.execute_seconds))
+                prompts = bool(scheduler_output.new_requests) or max(scheduler_output.num_scheduled_tokens) > 1
+                steps.append(Step(prompts, answered - max(sent, self.last_answer), output.execute_seconds))
                 self.last_answer = answered
                 return output
             return tinytp.StepFuture(result) if non_block else result()
@@ -399,7 +400,7 @@ class EngineBackend:
         self.llm = tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=len(prompts),
                               max_model_len=args.input_len + args.output_len, load_format=load_format,
                               distributed_executor_backend=executor_class, cuda_graphs=args.cuda_graphs,
-                              async_scheduling=args.async_scheduling)
+                              async_scheduling=args.async_scheduling, max_num_batched_tokens=args.max_num_batched_tokens)
         self.prompts = prompts
         self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
         self.parameter_bytes = max(self.llm.collective_rpc(parameter_bytes))
@@ -594,9 +595,11 @@ def run_latency(args) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def stream_token_times(llm, prompt: list[int], params: SamplingParams) -> list[float]:
-    """One caller: its prompt streamed, and when each of its tokens came (its start first)."""
-    times = [time.perf_counter()]
+def stream_token_times(llm, prompt: list[int], params: SamplingParams, times: list[float] | None = None) -> list[float]:
+    """One caller: its prompt streamed, and when each of its tokens came (its start first), into `times` if given:
+    another thread may watch it grow."""
+    times = [] if times is None else times
+    times.append(time.perf_counter())
     for [output] in llm.stream_outputs([prompt], params):
         arrived = len(output.outputs[0].token_ids) - (len(times) - 1)
         times += [time.perf_counter()] * arrived
@@ -609,7 +612,8 @@ def serving_figures(callers: list[list[float]], wall: float) -> dict:
     itl = [later - earlier for times in callers for earlier, later in zip(times[1:], times[2:])]
     return {"output_throughput": sum(len(times) - 1 for times in callers) / wall,
             "median_ttft_ms": float(np.median(ttft)) * 1e3, "p99_ttft_ms": float(np.percentile(ttft, 99)) * 1e3,
-            "median_itl_ms": float(np.median(itl)) * 1e3, "p99_itl_ms": float(np.percentile(itl, 99)) * 1e3}
+            "median_itl_ms": float(np.median(itl)) * 1e3, "p99_itl_ms": float(np.percentile(itl, 99)) * 1e3,
+            "max_itl_ms": max(itl) * 1e3}
 
 
 def run_concurrency(args) -> dict:
@@ -785,6 +789,55 @@ def run_trace(args) -> dict:
             report = trace_decode_step(llm, prompts)
     print(f"One decode step of {args.batch_size} sequences, tp={args.tp} (times from the driver's broadcast):\n{report}")
     return {"trace": report.splitlines()}
+
+
+def arrival_figures(llm: tinytp.LLM, streams: list[list[int]], arrival: list[int], params: SamplingParams) -> dict:
+    """The streams decode; once each has 8 tokens the arriving prompt is sent (for 1 token). The streams' figures."""
+    callers = [[] for _ in streams]
+
+    def arrive() -> None:
+        while min(map(len, callers)) <= 8:  # its start, then 8 tokens
+            time.sleep(1e-3)
+        llm.generate([arrival], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(streams) + 1) as pool:
+        calls = [pool.submit(stream_token_times, llm, prompt, params, times) for prompt, times in zip(streams, callers)]
+        for call in [*calls, pool.submit(arrive)]:
+            call.result()
+    return serving_figures(callers, time.perf_counter() - start)
+
+
+def run_arrival(args) -> dict:
+    """The token budget at work: --batch-size - 1 streams of --input-len-token prompts decode --output-len tokens each,
+    and a prompt of --arrival-prompt-len tokens arrives among them. Their inter-token latency (median, p99, max), with
+    the prompt in chunks at --max-num-batched-tokens (default 256), and with its whole prefill in one step (as the
+    engine ran it before the budget, then in a step of its own), in --rounds interleaved rounds."""
+    torch.set_num_threads(CORES)
+    budgets = {"chunked": args.max_num_batched_tokens or 256, "one step": args.arrival_prompt_len + args.batch_size}
+    with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
+        model_dir, load_format, config, device, dtype, streams = bench_inputs(args, workdir, args.batch_size - 1)
+        arrival = np.random.default_rng(1).integers(config.vocab_size, size=args.arrival_prompt_len).tolist()
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
+        max_model_len = max(args.input_len + args.output_len, args.arrival_prompt_len + 1)
+        with tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=args.batch_size, max_model_len=max_model_len,
+                        load_format=load_format, max_num_batched_tokens=max(budgets.values())) as llm:
+            print(f"tinytp, tp={args.tp}, {device}, {dtype}, {load_format} weights: {len(streams)} streams of "
+                  f"{args.output_len} tokens, a prompt of {args.arrival_prompt_len} arriving")
+            arrival_figures(llm, streams, arrival, params)  # warm-up
+            rounds = {name: [] for name in budgets}
+            for _ in range(args.rounds):
+                for name, budget in budgets.items():
+                    llm.scheduler.max_num_batched_tokens = budget  # (between calls: the engine loop is idle)
+                    rounds[name].append(arrival_figures(llm, streams, arrival, params))
+    keys = ("median_itl_ms", "p99_itl_ms", "max_itl_ms")
+    print(f"{'inter-token latency':<28}{'median':>10}{'p99':>11}{'max':>11}   (medians of {args.rounds} rounds)")
+    medians = {name: {key: statistics.median(r[key] for r in rounds[name]) for key in keys} for name in budgets}
+    for name, budget in budgets.items():
+        print(f"{f'{name}, budget {budget}':<28}" + "".join(f"{medians[name][key]:8.1f} ms" for key in keys))
+    each = [one["max_itl_ms"] / chunked["max_itl_ms"] for one, chunked in zip(rounds["one step"], rounds["chunked"])]
+    print(f"max, one step / chunked: {statistics.median(each):.2f} (rounds: {', '.join(f'{r:.2f}' for r in each)})")
+    return {"budgets": budgets, "rounds": rounds, "medians": medians}
 
 
 # --------------------------------------------------------------------------------------
@@ -991,7 +1044,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="--concurrency streaming clients at once over HTTP (serve.py) against one by one")
     parser.add_argument("--write-gguf", metavar="PATH", default=None,
                         help="write the benchmark's model, random weights, as a GGUF for llama.cpp, and exit")
-    parser.add_argument("--rounds", type=int, default=3, help="with --compare: how many times to run them all in turn")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --compare or --arrival-prompt-len: how many times to run them all in turn")
+    parser.add_argument("--arrival-prompt-len", type=int, default=None,
+                        help="inter-token latency of --batch-size - 1 streams as a prompt this long arrives")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="the tokens one step may run")
     parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: a ~56M Llama)")
     parser.add_argument("--config", default=None, help="a config.json to run with dummy weights")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default=None,
@@ -1035,6 +1092,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.serve and not (args.model and args.concurrency):
         parser.error("--serve needs --model (a checkpoint with a tokenizer: the server streams text) "
                      "and --concurrency N (the number of clients)")
+    if args.arrival_prompt_len is not None and (args.arrival_prompt_len < 1 or args.batch_size < 2):
+        parser.error("--arrival-prompt-len needs a length of at least 1 and a --batch-size of at least 2")
     if args.write_gguf and os.path.exists(args.write_gguf):
         parser.error(f"--write-gguf {args.write_gguf} exists already: remove it, or give another name")
     return args
@@ -1058,6 +1117,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_serve(args)
         elif args.concurrency:
             result = run_concurrency(args)
+        elif args.arrival_prompt_len:
+            result = run_arrival(args)
         else:
             result = run_latency(args)
     except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as e:

@@ -340,17 +340,19 @@ class ParallelLMHead(VocabParallelEmbedding):
 # Llama --------------------------------------------------------------------------------
 @dataclass
 class ModelInputs:
-    """One step's batch (Worker.prepare_inputs): B right-padded sequences of T tokens (T is 1 in decode). The layers
-    see the N = B x T tokens as rows of one [N, hidden] matrix; only attention asks which sequence a row is in."""
-    input_ids: torch.Tensor  # [B, T]
+    """One step's tokens, packed (Worker.prepare_inputs): first one token of each of B requests (a decode), then each
+    prompt chunk's tokens, N in all. The layers see them as the rows of one [N, hidden] matrix, and only attention
+    asks which request a row is in: the B one-token rows in one call, each chunk in a call of its own."""
+    input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N] the position of each token in its sequence
     cache_rows: torch.Tensor  # [N] the KV-cache row of each token: slot x max_model_len + position
-    slot_index: slice | torch.Tensor  # [B] each sequence's slot, as a slice when contiguous (indexing copies nothing)
-    context_len: int  # L, the cached positions attention reads: the longest context
-    causal: bool  # a prefill from position 0: causal attention over the prompts
-    attn_mask: torch.Tensor | None  # [B, 1, T, L] True where a query may see a cached key; None where
-    # `causal` hides the rest, or where it would be all True (a decode step of sequences of one length)
-    last_index: torch.Tensor  # [B] the row in N of each sequence's last real token
+    num_decodes: int  # B
+    slot_index: slice | torch.Tensor  # [B] their slots, as a slice when contiguous (indexing copies nothing)
+    context_len: int  # L, the cached positions their attention reads: the longest context of the B
+    attn_mask: torch.Tensor | None  # [B, 1, 1, L] True where a row may see a cached key; None where all would be
+    chunks: list[tuple[int, int, int, torch.Tensor | None]]  # each chunk: slot, first position, tokens, and a mask
+    # [tokens, first position + tokens] of the keys each of its tokens sees (None from position 0: causal)
+    last_index: torch.Tensor  # the rows sampled: each decode's, and each chunk's last where it ends its prompt
 
 
 class RMSNorm(nn.Module):
@@ -415,32 +417,38 @@ class LlamaAttention(nn.Module):
         self.head_dim = hd
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
-        (B, T), hd, q_per_kv = inputs.input_ids.shape, self.head_dim, self.num_heads // self.num_kv_heads
-        qkv = self.qkv_proj(x).view(B * T, -1, 2, hd // 2)  # [N, q, k and v heads, the two halves of a head]
+        hd, q_per_kv, B = self.head_dim, self.num_heads // self.num_kv_heads, inputs.num_decodes
+        qkv = self.qkv_proj(x).view(len(x), -1, 2, hd // 2)  # [N, q, k and v heads, the two halves of a head]
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         # RoPE on the query and key heads at once: x cos + rotate_half(x) sin, where
         # rotate_half(x) = (-x2, x1) is flip(x) = (x2, x1) with its sign in sin's first half.
         qk = qk * cos + qk.flip(2) * sin
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
-        # This step's keys and values into their slots' rows, then attention over each slot up to the longest context.
+        # This step's keys and values into their slots' rows, then attention over each request's slot.
         k_cache, v_cache = kv_cache  # each [slots, max_model_len, kv_heads, hd]
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, inputs.cache_rows, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, inputs.cache_rows, v)
-        keys, values = (c[inputs.slot_index, : inputs.context_len].transpose(1, 2) for c in (k_cache, v_cache))
-        q = q.view(B, T, -1, hd).transpose(1, 2)  # [B, heads, T, hd]; keys and values [B, kv_heads, L, hd]
-        if T == 1:
-            # Grouped-query attention as plain attention: the query heads that share a KV head
-            # go in as one longer query (a view), and the mask's row, if any, serves them all.
-            q = q.reshape(B, self.num_kv_heads, q_per_kv, hd)
-        else:
-            # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on
-            # CUDA, only half-precision kernels, and a float32 prefill would fall to the unfused one.
-            keys, values = (t.repeat_interleave(q_per_kv, dim=1) for t in (keys, values))
-        # The mask hides later positions and whatever an earlier request left in the slot; a prefill's causal
-        # attention needs none (an 8k-token prompt: the upper half skipped).
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=inputs.attn_mask, is_causal=inputs.causal)
-        return self.o_proj(out.reshape(B, -1, T, hd).transpose(1, 2).reshape(B * T, -1))
+        outputs = []
+        if B:
+            # One call for the B one-token rows, up to the longest context: grouped-query attention as plain
+            # attention, the query heads that share a KV head going in as one longer query (a view); the mask, if
+            # any, hides each row's later positions and whatever an earlier request left in the slot.
+            keys, values = (c[inputs.slot_index, : inputs.context_len].transpose(1, 2) for c in (k_cache, v_cache))
+            query = q[:B].reshape(B, self.num_kv_heads, q_per_kv, hd)
+            outputs.append(F.scaled_dot_product_attention(query, keys, values, attn_mask=inputs.attn_mask).view(B, -1))
+        row = B
+        for slot, start, length, mask in inputs.chunks:
+            # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on CUDA, only
+            # half-precision kernels, and a float32 prefill would fall to the unfused one. Causal attention from
+            # position 0 needs no mask (an 8k-token prompt: the upper half skipped).
+            keys, values = (c[slot, : start + length].transpose(0, 1).repeat_interleave(q_per_kv, dim=0)[None]
+                            for c in (k_cache, v_cache))
+            query = q[row: row + length].reshape(length, self.num_heads, hd).transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None)
+            outputs.append(out[0].transpose(0, 1).reshape(length, -1))
+            row += length
+        return self.o_proj(outputs[0] if len(outputs) == 1 else torch.cat(outputs))
 
 
 class LlamaMLP(nn.Module):
@@ -499,7 +507,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_table", table.to(torch.get_default_dtype()), persistent=False)
 
     def forward(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x = self.embed_tokens(inputs.input_ids.view(-1))  # [N, hidden]
+        x = self.embed_tokens(inputs.input_ids)  # [N, hidden]
         cos, sin = self.rope_table[:, inputs.positions]  # each [N, 1, 2, hd / 2]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, inputs)

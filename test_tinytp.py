@@ -323,10 +323,10 @@ def worker_in_process(prompts: list[list[int]], decode_steps: int) -> Worker:
     worker.load_model(tinytp.TINY_MODEL_DIR, max_model_len=64)
     worker.init_kv_cache(max_num_seqs=len(prompts))
     slots = list(range(len(prompts)))
-    worker.execute_model(SchedulerOutput(
-        [NewRequest(i, p, i, SamplingParams(temperature=0), seed=0) for i, p in enumerate(prompts)], slots, []))
+    worker.execute_model(SchedulerOutput([NewRequest(i, p, i, SamplingParams(temperature=0), seed=0)
+                                          for i, p in enumerate(prompts)], slots, list(map(len, prompts)), []))
     for _ in range(decode_steps):
-        worker.execute_model(SchedulerOutput([], slots, []))
+        worker.execute_model(SchedulerOutput([], slots, [1] * len(slots), []))
     return worker
 
 
@@ -334,7 +334,7 @@ def operations_in_a_decode_step(worker: Worker) -> int:
     """The ATen operations one decode step dispatches, as torch.profiler lists them: views
     and the operations called inside others each count, for each costs a dispatch."""
     with torch.profiler.profile() as profile:
-        worker.execute_model(SchedulerOutput([], list(worker.requests), []))
+        worker.execute_model(SchedulerOutput([], list(worker.requests), [1] * len(worker.requests), []))
     return sum(event.name.startswith("aten::") for event in profile.events())
 
 
@@ -347,7 +347,7 @@ def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did():
     whole = operations_in_a_decode_step(worker)
     worker.model.layers = worker.model.layers[:-1]
     per_layer = whole - operations_in_a_decode_step(worker)
-    assert per_layer <= 93 and whole - 2 * per_layer <= 65, (per_layer, whole)  # was 217 per layer, 90 besides
+    assert per_layer <= 87 and whole - 2 * per_layer <= 65, (per_layer, whole)  # was 217 per layer, 90 besides
 
 
 @pytest.mark.quick
@@ -364,11 +364,11 @@ def test_attention_never_asks_sdpa_for_grouped_query_attention(monkeypatch):
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
     worker_in_process(PROMPTS[:2], decode_steps=2)  # different lengths: the decode steps take a mask
-    assert len(calls) == 3 * 2 and not any(kwargs.get("enable_gqa") for _, _, kwargs in calls)
-    for q, k, kwargs in calls[:2]:  # the prefill, causal: each query head has a copy of its KV head
+    assert len(calls) == 2 * 2 + 2 * 2 and not any(kwargs.get("enable_gqa") for _, _, kwargs in calls)
+    for q, k, kwargs in calls[:4]:  # the prefill, a call per prompt, causal: each query head a copy of its KV head
         assert q[1] == k[1] == 4 and kwargs["is_causal"] and kwargs["attn_mask"] is None
-    for q, k, kwargs in calls[2:]:  # decode: the query heads of a KV head merged into one query
-        assert q[1] == k[1] == 2 and not kwargs["is_causal"] and kwargs["attn_mask"] is not None
+    for q, k, kwargs in calls[4:]:  # decode: one call, the query heads of a KV head merged into one query
+        assert q[0] == 2 and q[1] == k[1] == 2 and not kwargs.get("is_causal") and kwargs["attn_mask"] is not None
 
 
 def matmul_layouts(worker: Worker) -> list[str]:
@@ -576,25 +576,30 @@ def letters(token_ids: list[int]) -> str:  # a detokenizer for the scheduler's s
 
 
 def scheduler_with(prompt_lengths: list[int], max_num_seqs=2, max_model_len=64, eos_token_ids=(),
-                   **params) -> tinytp.Scheduler:
+                   max_num_batched_tokens=64, **params) -> tinytp.Scheduler:
     """A Scheduler with one waiting request (ids 0, 1, ...) per prompt length, all with `params`."""
-    scheduler = tinytp.Scheduler(max_num_seqs, max_model_len, set(eos_token_ids), letters)
+    scheduler = tinytp.Scheduler(max_num_seqs, max_model_len, max_num_batched_tokens, set(eos_token_ids), letters)
     for i, length in enumerate(prompt_lengths):
         scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(**params), seed=0))
     return scheduler
 
 
 def run_step(scheduler: tinytp.Scheduler, tokens: list[int] | None = None):
-    """One step, each scheduled request sampling its token of `tokens` (default: 0 for all); the requests it
-    finished."""
-    step = scheduler.schedule()
-    sampled = tokens if tokens is not None else [0] * len(step.scheduled_ids)
-    updated = scheduler.update(step, ModelRunnerOutput(sampled, 0.0))
+    """One step, each scheduled request that samples (all but a prompt part-way done) taking its token of `tokens`
+    (default: 0 for all); the requests it finished."""
+    return answer(scheduler, scheduler.schedule(), tokens)
+
+
+def answer(scheduler: tinytp.Scheduler, step: SchedulerOutput, tokens: list[int] | None = None):
+    by_id = {request.request_id: request for request in scheduler.running}
+    samples = [by_id[i].num_computed_tokens >= len(by_id[i].prompt_token_ids) for i in step.scheduled_ids]
+    sampled = iter(tokens if tokens is not None else [0] * sum(samples))
+    updated = scheduler.update(step, ModelRunnerOutput([next(sampled) if s else None for s in samples], 0.0))
     return step, [request for request in updated if request.finish_reason is not None]
 
 
 @pytest.mark.quick
-def test_scheduler_admits_waiting_requests_into_free_slots_and_prefills_them_in_a_step_of_their_own():
+def test_scheduler_admits_waiting_requests_into_free_slots():
     scheduler = scheduler_with([3, 5, 2], max_num_seqs=2, max_tokens=4)
     step, _ = run_step(scheduler)
     assert [(new.request_id, new.slot, new.prompt_token_ids) for new in step.new_requests] == [(0, 0, [1] * 3),
@@ -612,7 +617,8 @@ def test_a_freed_slot_goes_to_a_waiting_request_lowest_slot_first_and_the_worker
     assert [r.request_id for r in finished] == [0, 2] and scheduler.free_slots == [0, 2]
     step, _ = run_step(scheduler)
     assert [(new.request_id, new.slot) for new in step.new_requests] == [(3, 0), (4, 2)]
-    assert step.finished_ids == [0, 2] and step.scheduled_ids == [3, 4]  # the freed slots, told with the next step
+    assert step.finished_ids == [0, 2]  # the freed slots, told with the next step
+    assert step.scheduled_ids == [1, 3, 4] and step.num_scheduled_tokens == [1, 2, 2]  # 1 decodes meanwhile
     assert run_step(scheduler)[0].finished_ids == []  # told once
 
 
@@ -676,38 +682,37 @@ def test_with_a_step_in_flight_the_scheduler_counts_its_tokens_and_drops_those_a
 
 @pytest.mark.quick
 def test_slot_timeline_of_5_prompts_on_2_slots():
-    """Continuous batching, drawn (README, "Slots over time"; -s prints it): the real
-    Scheduler with 2 KV slots, 5 prompts A-E of 3, 5, 2, 4 and 1 tokens asking for 3, 1, 2,
-    4 and 2 tokens, each step answered with token 0. A cell is the request in that slot and
-    the positions whose keys and values the step writes. New requests are prefilled in a step
-    of their own; a finished request frees its slot at once, a waiting one takes it next step."""
-    scheduler = tinytp.Scheduler(max_num_seqs=2, max_model_len=64, eos_token_ids=set(), detokenize=str)
+    """Continuous batching with a token budget, drawn (README, "Slots over time"; -s prints it): the real Scheduler
+    with 2 KV slots and a budget of 4 tokens a step, 5 prompts A-E of 3, 5, 2, 4 and 1 tokens asking for 3, 1, 2, 4
+    and 2 tokens, each step answered with token 0. A cell is the request in that slot and the positions whose keys and
+    values the step writes. Decodes go first, prompts take what the budget leaves (B's and D's in chunks); a finished
+    request frees its slot at once, and a waiting one takes it in the next step."""
+    scheduler = tinytp.Scheduler(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=4, eos_token_ids=set(),
+                                 detokenize=str)
     names = "ABCDE"
     for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
         scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(max_tokens=max_tokens), seed=0))
-    lines = [f"{'step':>4}  {'kind':<8}{'slot 0':<12}{'slot 1':<12}finished"]
+    lines = [f"{'step':>4}  {'tokens':<8}{'slot 0':<12}{'slot 1':<12}finished"]
     while scheduler.waiting or scheduler.running:
         step = scheduler.schedule()
         cells = ["free", "free"]
-        for r in scheduler.running:
-            length = len(r.prompt_token_ids) + len(r.output_token_ids)
-            cells[r.slot] = (f"{names[r.request_id]} waits" if r.request_id not in step.scheduled_ids
-                             else f"{names[r.request_id]} 0..{length - 1}" if not r.output_token_ids  # its prefill
-                             else f"{names[r.request_id]} {length - 1}")  # a decode: its last token's position
-        updated = scheduler.update(step, ModelRunnerOutput([0] * len(step.scheduled_ids), 0.0))
-        finished = [r for r in updated if r.finish_reason is not None]
-        lines.append(f"{len(lines):>4}  {'prefill' if step.new_requests else 'decode':<8}{cells[0]:<12}{cells[1]:<12}"
+        for request_id, count in zip(step.scheduled_ids, step.num_scheduled_tokens):
+            request = next(r for r in scheduler.running if r.request_id == request_id)
+            first = request.num_computed_tokens - count
+            cells[request.slot] = f"{names[request_id]} {first}" + (f"..{first + count - 1}" if count > 1 else "")
+        _, finished = answer(scheduler, step)
+        lines.append(f"{len(lines):>4}  {sum(step.num_scheduled_tokens):<8}{cells[0]:<12}{cells[1]:<12}"
                      + " ".join(names[r.request_id] for r in finished))
     print("\n" + "\n".join(lines))
     assert [line.rstrip() for line in lines[1:]] == [
-        "   1  prefill A 0..2      B 0..4      B",
-        "   2  prefill A waits     C 0..1",
-        "   3  decode  A 3         C 2         C",
-        "   4  prefill A waits     D 0..3",
-        "   5  decode  A 4         D 4         A",
-        "   6  prefill E 0..0      D waits",
-        "   7  decode  E 1         D 5         E",
-        "   8  decode  free        D 6         D",
+        "   1  4       A 0..2      B 0",
+        "   2  4       A 3         B 1..3",
+        "   3  2       A 4         B 4         A B",
+        "   4  4       C 0..1      D 0..1",
+        "   5  3       C 2         D 2..3      C",
+        "   6  2       E 0         D 4",
+        "   7  2       E 1         D 5         E",
+        "   8  1       free        D 6         D",
     ]
 
 
@@ -776,10 +781,10 @@ class TestTp2MultiHeadAttention:
         assert [o.outputs[0].token_ids for o in other_seed] != [o.outputs[0].token_ids for o in first]
 
 
-def record_step_shapes(worker):  # run in the workers: each step's (rows, tokens per row, positions attended)
+def record_step_shapes(worker):  # run in the workers: each step's (one-token rows, all rows, positions they attend)
     worker.step_shapes = []
-    worker.model.register_forward_pre_hook(
-        lambda module, args: worker.step_shapes.append((*args[0].input_ids.shape, args[0].context_len)))
+    worker.model.register_forward_pre_hook(lambda module, args: worker.step_shapes.append(
+        (args[0].num_decodes, len(args[0].input_ids), args[0].context_len)))
 
 
 def step_shapes(worker):
@@ -807,9 +812,9 @@ class TestStaticDecode:
     def test_every_decode_step_has_a_row_per_slot_and_a_power_of_two_context(self, runs):
         _, _, normal_shapes, (rank0, rank1) = runs
         assert rank0 == rank1
-        decodes = [(rows, context) for rows, tokens, context in rank0 if tokens == 1]
+        decodes = [(rows, context) for rows, tokens, context in rank0 if rows == tokens]
         assert {rows for rows, _ in decodes} == {3} and {context for _, context in decodes} == {16, 32, 64}
-        assert any(rows < 3 for rows, tokens, _ in normal_shapes if tokens == 1)  # the normal path: scheduled rows
+        assert any(rows < 3 for rows, tokens, _ in normal_shapes if rows == tokens)  # the normal path: scheduled rows
 
     def test_greedy_tokens_equal_the_normal_path_and_transformers(self, runs, mha_checkpoint):
         normal, static, _, _ = runs
@@ -948,10 +953,11 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
             worker.device, worker.dtype = torch.device("cpu"), torch.float32  # what init_device sets
             worker.load_model(path, max_model_len=64)
             worker.init_kv_cache(max_num_seqs=1)
-            step = SchedulerOutput([NewRequest(0, prompt, 0, SamplingParams(temperature=0), seed=0)], [0], [])
+            new = [NewRequest(0, prompt, 0, SamplingParams(temperature=0), seed=0)]
+            step = SchedulerOutput(new, [0], [len(prompt)], [])
             for _ in range(8):  # the prefill, then decode steps
                 worker.execute_model(step)
-                step = SchedulerOutput([], [0], [])
+                step = SchedulerOutput([], [0], [1], [])
             tokens[rank] = worker.requests[0].token_ids[len(prompt):]
         except BaseException:
             collectives.barrier.abort()  # else the other rank waits at the barrier for ever
@@ -2323,13 +2329,16 @@ def set_end_of_sequence(llm: LLM, token: int) -> None:
     llm.scheduler.eos_token_ids = {token}  # (between calls: the engine loop is idle)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_async_scheduling_gives_the_tokens_and_texts_of_sync(mha_checkpoint, tp):
+@pytest.mark.parametrize("tp, budget", [(1, None), (2, None), (1, 4), (2, 7)],
+                         ids=["tp1", "tp2", "tp1_chunked_at_4", "tp2_chunked_at_7"])
+def test_async_scheduling_gives_the_tokens_and_texts_of_sync(mha_checkpoint, tp, budget):
     """Greedy, seeded n>1, a stop string, a stop token, an end-of-sequence token, max_tokens and a prompt that reaches
-    max_model_len, in one batch: async scheduling learns of each end one step late, and drops that step's token."""
+    max_model_len, in one batch: async scheduling learns of each end one step late, and drops that step's token. At a
+    budget of 4 or 7 tokens the prompts run in chunks beside decodes, whose chunks sample nothing."""
     path, _ = mha_checkpoint
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64) as sync:
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64,
+             max_num_batched_tokens=budget) as sync:
         reference = sync.generate([PROMPTS[0]], greedy)[0].outputs[0]
         tokens, text = reference.token_ids, reference.text
         cases = [(PROMPTS[0], greedy),
@@ -2348,7 +2357,7 @@ def test_async_scheduling_gives_the_tokens_and_texts_of_sync(mha_checkpoint, tp)
     assert [len(case[0][1]) for case in expected[3:]] == [tokens.index(tokens[9]) + 1, tokens.index(tokens[12]) + 1,
                                                           7, 4]
     with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64,
-             async_scheduling=True) as llm:
+             async_scheduling=True, max_num_batched_tokens=budget) as llm:
         set_end_of_sequence(llm, tokens[12])
         assert [samples(output) for output in llm.generate(prompts, params)] == expected
         assert llm.engine.max_steps_in_flight == 2 and not llm.scheduler.running
@@ -2382,6 +2391,157 @@ def test_a_worker_killed_under_async_scheduling_fails_every_caller_at_once(mha_c
         assert re.match(r"tinytp worker rank 1 died \(exit code -9\)", message) and when - killed_at < 2
     assert all(process_gone(pid) for pid in pids) and not shm_entries()
     llm.shutdown()
+
+
+# --------------------------------------------------------------------------------------
+# Token budget: mixed steps and chunked prefill
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.quick
+def test_a_prompt_chunk_that_does_not_end_its_prompt_samples_nothing_and_puts_no_token_in_flight():
+    """Async scheduling's count (two steps sent before either is answered) with a prompt of 8 cut at a budget of 4:
+    the running request decodes in every step, the prompt's chunks take the rest, and only its last chunk samples."""
+    scheduler = scheduler_with([2, 8], max_num_seqs=2, max_num_batched_tokens=4, max_tokens=8)
+    run_step(scheduler)  # request 0's prompt, and 2 of request 1's
+    request_0, request_1 = scheduler.running
+    assert (request_1.num_computed_tokens, request_1.num_in_flight, request_1.output_token_ids) == (2, 0, [])
+    second, third = scheduler.schedule(), scheduler.schedule()
+    assert (second.scheduled_ids, second.num_scheduled_tokens) == ([0, 1], [1, 3])  # a decode and a chunk: one step
+    assert (third.scheduled_ids, third.num_scheduled_tokens) == ([0, 1], [1, 3])  # its last chunk, 5..7
+    assert (request_0.num_in_flight, request_1.num_in_flight) == (2, 1)  # the chunk of 2..4 sampled nothing
+    assert scheduler.update(second, ModelRunnerOutput([5, None], 0.0)) == [request_0]
+    assert scheduler.update(third, ModelRunnerOutput([6, 9], 0.0)) == [request_0, request_1]
+    assert (request_0.output_token_ids, request_1.output_token_ids) == ([0, 5, 6], [9])
+    fourth = scheduler.schedule()
+    assert (fourth.scheduled_ids, fourth.num_scheduled_tokens) == ([0, 1], [1, 1])  # both decode
+    assert request_1.num_computed_tokens == 9 and not scheduler.waiting
+
+
+@pytest.mark.quick
+def test_every_step_keeps_to_the_budget_and_decodes_come_first():
+    """8 slots, a budget of 8: 7 short prompts decode while a prompt of 40 arrives; every step runs at most 8 tokens,
+    and each of the 7 its one token, until it ends: the prompt takes only what they leave."""
+    scheduler = scheduler_with([1] * 7, max_num_seqs=8, max_num_batched_tokens=8, max_tokens=12)
+    run_step(scheduler)
+    scheduler.add_request(tinytp.Request(7, None, [1] * 40, SamplingParams(max_tokens=2), seed=0))
+    steps = []
+    while scheduler.running or scheduler.waiting:
+        steps.append(run_step(scheduler)[0])
+    assert all(sum(step.num_scheduled_tokens) <= 8 for step in steps)
+    assert [step.num_scheduled_tokens for step in steps[:3]] == [[1] * 7 + [1]] * 3  # 1 token of 40 each step
+    assert all(step.scheduled_ids[:7] == list(range(7)) for step in steps[:11])  # the 7 stream, each step
+    assert steps[11].num_scheduled_tokens == [8]  # they ended (12 tokens): the prompt takes the whole budget
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_num_batched_tokens": 3, "max_num_seqs": 4},
+     r"^max_num_batched_tokens must be an integer >= max_num_seqs \(4\), so that every slot's token fits a step; "
+     r"got 3$"),
+    ({"max_num_batched_tokens": 0}, r"^max_num_batched_tokens must be an integer >= max_num_seqs \(8\).*got 0$"),
+    ({"max_num_batched_tokens": 64.0}, r"^max_num_batched_tokens must be an integer .*got 64.0$"),
+])
+def test_a_budget_below_the_slots_is_refused_before_spawning(mha_checkpoint, kwargs, message, capsys):
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=message):
+            LLM(mha_checkpoint[0], device="cpu", **kwargs)
+        assert tinytp.main(["--model", mha_checkpoint[0], "--device", "cpu", "--max-num-batched-tokens", "7"]) == 2
+    assert capsys.readouterr().err.strip().endswith("got 7")  # max_num_seqs is 8 by default
+
+
+def record_steps(worker):  # run in the workers: every step's (one-token rows, prompt chunks' tokens, last position)
+    if not hasattr(worker, "steps"):  # one hook, however often called
+        worker.model.register_forward_pre_hook(lambda module, args: worker.steps.append(
+            (args[0].num_decodes, [length for _, _, length, _ in args[0].chunks], args[0].positions.max().item())))
+    worker.steps = []
+
+
+def recorded_steps(worker):
+    return worker.steps
+
+
+@pytest.fixture(scope="module")
+def gqa_one_kv_head_checkpoint(tmp_path_factory):
+    """Grouped-query attention with 4 query heads on 1 KV head: at tp 2, more ranks than KV heads."""
+    path = str(tmp_path_factory.mktemp("one_kv_head"))
+    return path, make_checkpoint(path, heads=4, kv_heads=1, seed=2)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_tokens_equal_transformers_at_any_budget(gqa_one_kv_head_checkpoint, tp):
+    """5 prompts of 2 to 31 tokens on 4 slots, at a budget of 4 (the least 4 slots allow), 7 and 64 tokens, and
+    unchunked. A different chunking sums a float32 logit in another order, so each token is checked against
+    transformers' tolerance (within 1e-3 of its best logit, teacher-forced), as every test here does, not against
+    the unchunked run's tokens. The budget binds where it is below the 4 first prompts, and steps mix decodes and
+    chunks."""
+    path, hf_model = gqa_one_kv_head_checkpoint
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64) as llm:
+        for budget in (4, 7, 64, 4096):
+            llm.scheduler.max_num_batched_tokens = budget  # (between calls: the engine loop is idle)
+            llm.collective_rpc(record_steps)
+            check_greedy_against_hf(llm, hf_model, max_tokens=12)
+            steps = llm.collective_rpc(recorded_steps)[0]
+            first_prompts = sum(map(len, PROMPTS[:4]))  # 51 tokens, in the 4 slots
+            assert max(decodes + sum(chunks) for decodes, chunks, _ in steps) == min(budget, first_prompts)
+            assert any(decodes and chunks for decodes, chunks, _ in steps) == (budget < first_prompts), steps
+
+
+def test_a_seeded_n2_request_gives_the_same_tokens_at_any_budget(mha_checkpoint):
+    """A prompt's chunks that do not end it draw nothing from its generator: the samples are those of one prefill."""
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    with LLM(mha_checkpoint[0], device="cpu", max_num_seqs=2, max_model_len=64) as llm:
+        runs = {}
+        for budget in (2, 7, 4096):
+            llm.scheduler.max_num_batched_tokens = budget
+            runs[budget] = [sample.token_ids for sample in llm.generate([PROMPTS[2]], params)[0].outputs]
+    assert runs[2] == runs[7] == runs[4096] and runs[2][0] != runs[2][1]
+
+
+def test_a_prompt_arriving_while_3_stream_joins_their_steps_in_chunks(mha_checkpoint):
+    """3 callers stream; a 4th sends a prompt of 60 tokens. At a budget of 16 it runs in chunks of 13 beside the 3
+    decodes (one step holds both kinds), and each stream gets a token at every step from its first to its last:
+    none ever waits for the prompt (the old engine ran a prefill as a step of its own, and every stream waited)."""
+    path, hf_model = mha_checkpoint
+    long_prompt = [256] + list(range(100, 159))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(path, device="cpu", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16) as llm:
+        llm.collective_rpc(record_batches)
+        llm.collective_rpc(record_steps)
+        streaming = threading.Barrier(4)
+
+        def call(i):
+            if i == 3:
+                streaming.wait()
+                return llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
+            for j, _ in enumerate(llm.stream(PROMPTS[i], params)):
+                if j == 2:
+                    streaming.wait()
+
+        arriving = run_in_threads(call, 4)[3]
+        batches, steps = llm.collective_rpc(recorded_batches)[0], llm.collective_rpc(recorded_steps)[0]
+    assert_tokens_match_hf(hf_model, long_prompt, arriving.token_ids)
+    assert (3, [13]) in [(decodes, chunks) for decodes, chunks, _ in steps]  # 3 decodes and a chunk: one step
+    for stream_id in range(3):
+        present = [i for i, batch in enumerate(batches) if stream_id in batch]
+        assert present == list(range(present[0], present[-1] + 1)), (stream_id, batches)  # no step without it
+
+
+@pytest.mark.parametrize("budget", [7, 4096])
+def test_a_prompt_of_max_model_len_minus_1_and_decodes_at_the_end_of_their_slots_stay_in_the_cache(
+        mha_checkpoint, budget):
+    """max_model_len 32: a prompt of 31 tokens (chunked at a budget of 7) gets its one token while two others decode to
+    position 31, the last of their slots, in the same steps. No position reaches max_model_len."""
+    path, hf_model = mha_checkpoint
+    prompts = [[256] + list(range(40, 70)), PROMPTS[0] + [7] * 20, PROMPTS[3]]  # 31, 26 and 12 tokens
+    with LLM(path, device="cpu", max_num_seqs=3, max_model_len=32, max_num_batched_tokens=budget) as llm:
+        llm.collective_rpc(record_steps)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        steps = llm.collective_rpc(recorded_steps)[0]
+    for prompt, output in zip(prompts, outputs):
+        assert len(prompt) + len(output.outputs[0].token_ids) == 32 and output.outputs[0].finish_reason == "length"
+        assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids)
+    assert max(position for _, _, position in steps) == 30  # the last token's keys are never needed
+    assert any(decodes and chunks for decodes, chunks, _ in steps) == (budget == 7)
 
 
 def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(mha_checkpoint):
@@ -3371,7 +3531,7 @@ def test_llm_takes_vllms_arguments_that_mean_something_here_and_refuses_the_rest
         assert vllms.get_default_sampling_params() == SamplingParams()
     takes = ("model, tensor_parallel_size, device, dtype, max_num_seqs, max_model_len, load_format, "
              "distributed_executor_backend, cuda_graphs, async_scheduling, tokenizer, seed, generation_config, enforce_eager, "
-             "trust_remote_code, gpu_memory_utilization")
+             "trust_remote_code, gpu_memory_utilization, max_num_batched_tokens")
     with pytest.raises(ValueError, match=rf"^LLM\(enable_prefix_caching=\.\.\.\): tinytp does not support "
                                          rf"enable_prefix_caching; it takes {takes}$"):
         LLM(path, enable_prefix_caching=True)

@@ -91,6 +91,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_end: int | None = None  # where a stop string cuts the text of output_token_ids
+    num_computed_tokens: int = 0  # its tokens that the steps sent so far compute (their keys and values)
     num_in_flight: int = 0  # tokens of steps sent and not yet answered (vLLM's placeholders: async scheduling)
     outputs: queue.SimpleQueue | None = None  # its caller's: the engine loop puts (request, tokens, finished) there
     stream: bool = False  # report every new token (a stream), or only the end (generate): vLLM's output_kind
@@ -402,14 +403,17 @@ class Executor:
 
 # The scheduler ------------------------------------------------------------------------
 class Scheduler:
-    """Continuous batching over a fixed number of KV-cache slots: new requests take free slots and are prefilled in a
-    step of their own, else every running request decodes one token. A finished request's slot is free for the next.
-    With steps in flight (async scheduling) a request counts its tokens in flight, so that no step is sent that could
-    only produce a token past max_tokens or max_model_len."""
+    """vLLM V1's scheduler: no prefill step and no decode step. A request has the tokens it has computed
+    (num_computed_tokens) and the tokens it has; each step gives every running request what it still needs (one token
+    when it decodes, the rest of its prompt), then admits waiting requests into free KV-cache slots, all within a budget
+    of max_num_batched_tokens: a prompt that does not fit is cut, and continues in the next steps (chunked prefill). A
+    finished request's slot is free for the next. With steps in flight (async scheduling) a request counts its tokens
+    in flight, so that no step is sent that could only produce a token past max_tokens or max_model_len."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, eos_token_ids: set[int],
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, eos_token_ids: set[int],
                  detokenize: Callable[[list[int]], str]):
         self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
         self.detokenize = detokenize  # for stop strings
         self.waiting: deque[Request] = deque()
@@ -424,22 +428,39 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput | None:
-        """The next step: a prefill of the requests that fit into free slots, else a decode of every running request
-        that may still need a token; None if there is none (each waits for the tokens it has in flight)."""
+        """The next step: the running requests in the order they came, then the waiting ones that free slots and the
+        budget admit; None if there is nothing to run (each waits for the tokens it has in flight). Only the last
+        request admitted can be part-way through its prompt (the budget ran out in it), so every decoding request,
+        before it in the order, gets its token at every step: the budget is at least max_num_seqs."""
+        budget, scheduled = self.max_num_batched_tokens, []  # (a request, its tokens this step)
+        for request in self.running:
+            needed = self.num_tokens_needed(request)
+            if needed and budget:
+                scheduled.append((request, min(needed, budget)))
+                budget -= scheduled[-1][1]
         new = []
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and budget:
             request = self.waiting.popleft()
             request.slot = heapq.heappop(self.free_slots)
             new.append(request)
+            scheduled.append((request, min(len(request.prompt_token_ids), budget)))
+            budget -= scheduled[-1][1]
         self.running += new
-        scheduled = new or [request for request in self.running if self.may_need_another_token(request)]
         if not scheduled:
             return None
-        for request in scheduled:
-            request.num_in_flight += 1
+        for request, num_tokens in scheduled:
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens >= len(request.prompt_token_ids):  # decoding, or its prompt done: a token
+                request.num_in_flight += 1
         new_requests = [NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params, r.seed) for r in new]
         finished_ids, self.finished_ids = self.finished_ids, []
-        return SchedulerOutput(new_requests, [r.request_id for r in scheduled], finished_ids)
+        return SchedulerOutput(new_requests, [r.request_id for r, _ in scheduled], [n for _, n in scheduled],
+                               finished_ids)
+
+    def num_tokens_needed(self, request: Request) -> int:
+        """The rest of its prompt; else 1 (its last token, sampled or in flight) if it may need another token."""
+        prompt_left = len(request.prompt_token_ids) - request.num_computed_tokens
+        return prompt_left if prompt_left > 0 else int(self.may_need_another_token(request))
 
     def may_need_another_token(self, request: Request) -> bool:
         """Below max_tokens and max_model_len, counting the tokens in flight (which may yet end it by a stop)."""
@@ -454,7 +475,7 @@ class Scheduler:
         updated = []
         for request_id, token in zip(scheduler_output.scheduled_ids, runner_output.sampled_token_ids):
             request = by_id.get(request_id)
-            if request is None:
+            if request is None or token is None:  # finished or aborted since it was sent; or part-way in its prompt
                 continue
             request.num_in_flight -= 1
             request.output_token_ids.append(token)
@@ -618,13 +639,13 @@ class LLM:
                  async_scheduling: bool = False,
                  *, tokenizer: str | None = None, seed: int | None = None, generation_config: str = "auto",
                  enforce_eager: bool = False, trust_remote_code: bool = False,
-                 gpu_memory_utilization: float = 1.0, **others):
+                 gpu_memory_utilization: float = 1.0, max_num_batched_tokens: int | None = None, **others):
         """As vLLM's LLM, for the arguments it has (and cuda_graphs, its own). tokenizer: a directory or hub id
         (default: the model's). seed: where requests without one draw theirs from. generation_config: "auto" (the
         model's generation_config.json), "vllm" (SamplingParams()'s defaults) or a directory holding one.
         enforce_eager: True forbids cuda_graphs. trust_remote_code: False only (a checkpoint's code never runs).
         gpu_memory_utilization: the share of the memory (a GPU's; on cpu the machine's) that weights and KV cache may
-        take. Any other argument is refused by name."""
+        take. max_num_batched_tokens: the tokens one step may run (below). Any other argument is refused by name."""
         from transformers import AutoTokenizer
         if importing_main_for_spawn():
             sys.exit("tinytp: a worker process, importing your script as spawn does, ran its LLM(...) too: "
@@ -671,6 +692,12 @@ class LLM:
             raise ValueError(f"max_model_len must be an integer in 2..{limit} (the model's max_position_embeddings), "
                              f"got {self.max_model_len}")
         check_count("max_num_seqs", max_num_seqs)
+        # vLLM V1's offline defaults: 4096 tokens a rank on CPU, 8192 on a GPU (16384 on one of 70 GiB or more).
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 4096 * tp if device == "cpu" else 8192
+        if not is_integer(max_num_batched_tokens) or max_num_batched_tokens < max_num_seqs:  # vLLM's bound too
+            raise ValueError(f"max_num_batched_tokens must be an integer >= max_num_seqs ({max_num_seqs}), so that "
+                             f"every slot's token fits a step; got {max_num_batched_tokens!r}")
         memory = gpu_memory_utilization * (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                                            else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         self.check_memory(tp, device, dtype, max_num_seqs, memory)
@@ -689,7 +716,8 @@ class LLM:
             raise ValueError(f"{tokenizer or self.model_dir}: its tokenizer: {' '.join(str(e).split())}") from None
         if type(async_scheduling) is not bool:
             raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
-        self.scheduler = Scheduler(max_num_seqs, self.max_model_len, self.end_of_sequence_ids(), self.detokenize)
+        self.scheduler = Scheduler(max_num_seqs, self.max_model_len, max_num_batched_tokens, self.end_of_sequence_ids(),
+                                   self.detokenize)
         self.request_ids = itertools.count()
         self.executor = executor_class(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format,
                                        cuda_graphs=cuda_graphs)
@@ -971,6 +999,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)")
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the tokens one step may run (default: 4096 a rank on cpu, 8192 on cuda)")
     parser.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (opt-in)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="send each step while the one before it runs (two steps in flight)")
@@ -994,7 +1024,8 @@ def main(argv: list[str] | None = None) -> int:
         if not chosen:
             params = replace(default_sampling_params(model_dir), **others)
         with LLM(model_dir, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len,
-                 cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling) as llm:
+                 cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
+                 max_num_batched_tokens=args.max_num_batched_tokens) as llm:
             if args.model is None:
                 print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
                       "so its text is gibberish", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import multiprocessing
 import multiprocessing.synchronize
@@ -140,13 +141,14 @@ class SchedulerOutput:
     """One step, as deltas: never the last sampled token, which every worker appended to its own copy of the request."""
     new_requests: list[NewRequest]
     scheduled_ids: list[int]  # requests that run this step, in batch order
+    num_scheduled_tokens: list[int]  # each one's tokens this step: 1 when it decodes, else a chunk of its prompt
     finished_ids: list[int]  # requests whose slots can be freed
 
 
 @dataclass
 class ModelRunnerOutput:
     """Rank 0's answer to one step."""
-    sampled_token_ids: list[int]  # one per scheduled request, in the same order
+    sampled_token_ids: list[int | None]  # one per scheduled request, in its order; None: a prompt part-way done
     execute_seconds: float  # time inside the worker, to measure the executor's overhead
 
 
@@ -528,27 +530,33 @@ class Worker:
         capturable = self.device.type == "cuda" and dist.get_backend() == "nccl"
         self.cuda_graphs = {} if static_decode and capturable else None
 
-    def prepare_inputs(self, scheduled: list[CachedRequest], context_len: int | None = None) -> ModelInputs:
-        """Padded tensors of the scheduled requests: a new one feeds its whole prompt, a running one its last sampled
-        token. Padding takes the positions after a sequence's end, which attention hides and its tokens overwrite."""
-        new_tokens = [r.token_ids[r.num_computed:] for r in scheduled]
-        width = max(len(t) for t in new_tokens)
-        contexts = [r.num_computed + len(t) for r, t in zip(scheduled, new_tokens)]
-        static, context_len = context_len is not None, context_len or max(contexts)  # static_decode_step's: masked
-        positions = torch.tensor([[r.num_computed + i for i in range(width)] for r in scheduled], device=self.device)
-        slots = [r.slot for r in scheduled]
-        slot_ids = torch.tensor(slots, device=self.device)
-        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-        causal = all(r.num_computed == 0 for r in scheduled) and width > 1  # a prefill (see attention)
+    def prepare_inputs(self, batch: list[tuple[CachedRequest, int]], context_len: int | None = None) -> ModelInputs:
+        """The step's tokens packed, in `batch`'s order: (a request, its tokens this step), the one-token ones first.
+        Those are attended to in one call: a decoding request's token at position p sees 0..p of its slot, and so
+        does a prompt's one-token chunk. Each longer prompt chunk is attended to in a call of its own."""
+        positions = torch.tensor([r.num_computed + i for r, n in batch for i in range(n)], device=self.device)
+        slot_ids = torch.tensor([r.slot for r, n in batch for _ in range(n)], device=self.device)
+        decodes = [r for r, n in batch if n == 1]
+        slots, contexts = [r.slot for r in decodes], [r.num_computed + 1 for r in decodes]
+        static, context_len = context_len is not None, context_len or max(contexts, default=0)  # static: masked
+        first = slots[0] if slots else 0
+        ends = list(itertools.accumulate(n for _, n in batch))  # where each request's rows end
         return ModelInputs(
-            input_ids=torch.tensor([t + [0] * (width - len(t)) for t in new_tokens], device=self.device),
-            positions=positions.view(-1),
-            cache_rows=(slot_ids[:, None] * self.max_model_len + positions).view(-1),
-            slot_index=slice(slots[0], slots[0] + len(slots)) if contiguous else slot_ids,
-            context_len=context_len, causal=causal,
-            attn_mask=None if causal or not static and min(contexts) == max(contexts) and width == 1
-            else torch.arange(context_len, device=self.device) <= positions[:, None, :, None],
-            last_index=torch.tensor([i * width + len(t) - 1 for i, t in enumerate(new_tokens)], device=self.device),
+            input_ids=torch.tensor([t for r, n in batch for t in r.token_ids[r.num_computed:r.num_computed + n]],
+                                   device=self.device),
+            positions=positions, cache_rows=slot_ids * self.max_model_len + positions,
+            num_decodes=len(decodes),
+            slot_index=slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else
+            torch.tensor(slots, device=self.device),
+            context_len=context_len,
+            attn_mask=None if not static and len(set(contexts)) < 2  # all True where the contexts are one length
+            else torch.arange(context_len, device=self.device) <= positions[:len(decodes), None, None, None],
+            # A chunk from position 0 is plain causal attention; a later one sees the cached positions before it too.
+            chunks=[(r.slot, r.num_computed, n, None if r.num_computed == 0 else
+                     torch.arange(r.num_computed + n, device=self.device) <= positions[end - n:end, None])
+                    for (r, n), end in zip(batch, ends) if n > 1],
+            last_index=torch.tensor([end - 1 for (r, n), end in zip(batch, ends)
+                                     if r.num_computed + n == len(r.token_ids)], dtype=torch.long, device=self.device),
         )
 
     def static_decode_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
@@ -557,7 +565,8 @@ class Worker:
         by_slot = {request.slot: request for request in scheduled}
         rows = [by_slot.get(slot) or CachedRequest([0], 0, slot, None, None) for slot in range(self.max_num_seqs)]
         longest = max(r.num_computed for r in scheduled)  # + 1, this step's token: at most the power of two above
-        inputs = self.prepare_inputs(rows, min(self.max_model_len, max(16, 1 << longest.bit_length())))
+        context_len = min(self.max_model_len, max(16, 1 << longest.bit_length()))
+        inputs = self.prepare_inputs([(row, 1) for row in rows], context_len)
         if self.cuda_graphs is None:  # no graphs (see init_kv_cache): run it as it is
             return self.model(inputs, self.kv_caches)[[r.slot for r in scheduled]]
         if inputs.context_len not in self.cuda_graphs:  # at a length's first step: every rank at the same step
@@ -590,16 +599,21 @@ class Worker:
             generator = torch.Generator(self.device).manual_seed(new.seed)
             self.requests[new.request_id] = CachedRequest(
                 list(new.prompt_token_ids), 0, new.slot, new.params, generator)
-        scheduled = [self.requests[i] for i in scheduler_output.scheduled_ids]
-        static = self.static_decode and all(len(r.token_ids) == r.num_computed + 1 for r in scheduled)
+        counts = dict(zip(scheduler_output.scheduled_ids, scheduler_output.num_scheduled_tokens))
+        ids = sorted(counts, key=lambda request_id: counts[request_id] > 1)  # one-token rows first, the rest in order
+        batch = [(self.requests[request_id], counts[request_id]) for request_id in ids]
+        # Those that end their prompt this step, or decode, sample; a prompt part-way done draws nothing.
+        sampling = {i: r for i, (r, n) in zip(ids, batch) if r.num_computed + n == len(r.token_ids)}
+        decode_only = len(sampling) == len(batch) == sum(counts.values())  # every request samples its one token
         with torch.inference_mode():
-            logits = (self.static_decode_step(scheduled) if static  # a decode step, with LLM(cuda_graphs=True)
-                      else self.model(self.prepare_inputs(scheduled), self.kv_caches))
-        tokens = self.sample(logits, scheduled)  # .tolist() in it waits for the GPU to finish
-        for request, token in zip(scheduled, tokens):
-            request.num_computed = len(request.token_ids)
-            request.token_ids.append(token)
-        return ModelRunnerOutput(tokens, time.perf_counter() - start)
+            logits = (self.static_decode_step(list(sampling.values())) if decode_only and self.static_decode
+                      else self.model(self.prepare_inputs(batch), self.kv_caches))
+        tokens = dict(zip(sampling, self.sample(logits, list(sampling.values()))))  # .tolist() waits for the GPU
+        for request, count in batch:
+            request.num_computed += count
+        for request_id, token in tokens.items():
+            self.requests[request_id].token_ids.append(token)
+        return ModelRunnerOutput([tokens.get(i) for i in scheduler_output.scheduled_ids], time.perf_counter() - start)
 
     def close(self, unlink_collective_block: bool = False) -> None:
         if isinstance(model_code.collectives, SharedMemoryCollectives):
