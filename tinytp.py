@@ -258,14 +258,14 @@ class Executor:
             self.workers = [context.Process(target=worker_main, name=f"tinytp-rank{rank}", daemon=True, args=(
                                 rank, tp, self.broadcast.handle, self.responses[rank].handle, self.creator))
                             for rank in range(tp)]
-            # Ctrl-C blocked while they start: they inherit the mask, so it reaches the driver
-            # (when we unblock it) and never N workers mid-import; worker_main then ignores it.
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            # Ctrl-C and SIGTERM blocked while they start: they inherit the mask, so a signal sent to the process group
+            # reaches the driver (when we unblock it) and never N workers mid-import; worker_main then ignores both.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             try:
                 for process in self.workers:
                     process.start()
             finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
             forget_child_processes(self.workers)
             # Initialization goes through collective_rpc too, as in the design discussion.
             self.collective_rpc("init_device", None, device, dtype, self.store.port, threads_per_rank(tp),
@@ -374,31 +374,29 @@ class Executor:
     def shutdown(self, grace: float = 2.0) -> None:
         """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory block and semaphore,
         in the process that made them only: not in a forked child at its exit."""
-        with self.sending:
-            if self.broadcast.buf is not None and os.getpid() == self.creator:  # not done already, and ours
-                self._stop_workers_and_free_memory(grace)
-
-    def _stop_workers_and_free_memory(self, grace: float) -> None:
-        workers = [process for process in self.workers if process.pid is not None]  # the started ones
-        self.workers = []
-        atexit.unregister(self.shutdown)
-        self.failure = self.failure or "shut down"
-        with contextlib.suppress(TimeoutError):  # the ring is full: a worker is stuck, and gets killed below
-            self.broadcast.enqueue(RPCCall(0, SHUTDOWN), timeout=min(grace, 1))
-        deadline = time.monotonic() + grace  # an idle worker exits within milliseconds
-        for process in workers:
-            process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for process in workers:
-            if process.is_alive():  # stuck in a long step, a collective or loading
-                process.kill()
-                process.join()
-        unlink_semaphores([*self.broadcast.handle.doorbells, *filter(None, [getattr(self, "doorbell", None)])])
-        for message_queue in [self.broadcast, *self.responses]:
-            message_queue.close()
-        if self.collective_block is not None:
-            self.collective_block.close()
-            self.collective_block.unlink()
-        self.store = self.doorbell = None
+        with self.sending:  # (the engine loop may be sending)
+            if self.broadcast.buf is None or os.getpid() != self.creator:  # done already, or not ours
+                return
+            workers = [process for process in self.workers if process.pid is not None]  # the started ones
+            self.workers = []
+            atexit.unregister(self.shutdown)
+            self.failure = self.failure or "shut down"
+            with contextlib.suppress(TimeoutError):  # the ring is full: a worker is stuck, and gets killed below
+                self.broadcast.enqueue(RPCCall(0, SHUTDOWN), timeout=min(grace, 1))
+            deadline = time.monotonic() + grace  # an idle worker exits within milliseconds
+            for process in workers:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+            for process in workers:
+                if process.is_alive():  # stuck in a long step, a collective or loading
+                    process.kill()
+                    process.join()
+            unlink_semaphores([*self.broadcast.handle.doorbells, *filter(None, [getattr(self, "doorbell", None)])])
+            for message_queue in [self.broadcast, *self.responses]:
+                message_queue.close()
+            if self.collective_block is not None:
+                self.collective_block.close()
+                self.collective_block.unlink()
+            self.store = self.doorbell = None
 
 
 # The scheduler ------------------------------------------------------------------------
@@ -619,17 +617,6 @@ def message_text(parts: list) -> str:
     return "\n".join(part["text"] for part in parts)
 
 
-# What LLM takes of the vLLM arguments that it checks, as the refusal says it.
-LLM_ARGUMENTS = {
-    "seed": "it must be None or an integer >= 0",
-    "enforce_eager": "it must be False or True, and True only without cuda_graphs",
-    "trust_remote_code": "it must be False: tinytp never runs a checkpoint's own code",
-    "gpu_memory_utilization": "it must be a number in (0, 1]",
-    "generation_config": "it must be 'auto' (the model's generation_config.json), 'vllm' (SamplingParams()'s "
-                         "defaults) or a directory holding a generation_config.json",
-}
-
-
 class LLM:
     """Generate text with a Llama checkpoint split over `tensor_parallel_size` processes."""
 
@@ -653,14 +640,20 @@ class LLM:
         for name in others:  # vLLM's other arguments (enable_prefix_caching, quantization, ...) and typos
             raise ValueError(f"LLM({name}=...): tinytp does not support {name}; it takes "
                              f"{', '.join(list(inspect.signature(LLM).parameters)[:-1])}")
-        for name, value, valid in [
-                ("seed", seed, seed is None or is_integer(seed) and 0 <= seed),
-                ("enforce_eager", enforce_eager, enforce_eager is False or enforce_eager is True and not cuda_graphs),
-                ("trust_remote_code", trust_remote_code, trust_remote_code is False),
+        is_directory = isinstance(generation_config, str) and os.path.isdir(generation_config)
+        for name, value, valid, allowed in [
+                ("seed", seed, seed is None or is_integer(seed) and 0 <= seed, "None or an integer >= 0"),
+                ("enforce_eager", enforce_eager, enforce_eager is False or enforce_eager is True and not cuda_graphs,
+                 "False or True, and True only without cuda_graphs"),
+                ("trust_remote_code", trust_remote_code, trust_remote_code is False,
+                 "False: tinytp never runs a checkpoint's own code"),
                 ("gpu_memory_utilization", gpu_memory_utilization,
-                 is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1)]:
+                 is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1, "a number in (0, 1]"),
+                ("generation_config", generation_config, generation_config in ("auto", "vllm") or is_directory,
+                 "'auto' (the model's generation_config.json), 'vllm' (SamplingParams()'s defaults) or a directory "
+                 "holding a generation_config.json")]:
             if not valid:
-                raise ValueError(f"{name}={value!r} is not supported: {LLM_ARGUMENTS[name]}")
+                raise ValueError(f"{name}={value!r} is not supported: it must be {allowed}")
         main_file = getattr(sys.modules["__main__"], "__file__", None)  # spawn re-imports the script from it
         if main_file is not None and not os.path.exists(main_file):
             raise RuntimeError(f"tinytp cannot start workers from a script read from {main_file}: save it to a file")
@@ -675,10 +668,6 @@ class LLM:
         if self.config.unread_keys:
             print(f"tinytp: {self.model_dir}/config.json: ignoring {', '.join(self.config.unread_keys)}: not read by "
                   "transformers' Llama either", file=sys.stderr)
-        if generation_config not in ("auto", "vllm") and not (isinstance(generation_config, str)
-                                                             and os.path.isdir(generation_config)):
-            raise ValueError(f"generation_config={generation_config!r} is not supported: "
-                             f"{LLM_ARGUMENTS['generation_config']}")
         # Where the sampling defaults come from (None: SamplingParams()'s), and the end-of-sequence ids besides.
         self.generation_config = {"auto": self.model_dir, "vllm": None}.get(generation_config, generation_config)
         self.get_default_sampling_params()  # a bad generation_config.json refused now
