@@ -681,9 +681,10 @@ class LLM:
             raise ValueError(f"max_model_len must be an integer in 2..{limit} (the model's max_position_embeddings), "
                              f"got {self.max_model_len}")
         check_count("max_num_seqs", max_num_seqs)
-        # vLLM V1's offline defaults: 4096 tokens a rank on CPU, 8192 on a GPU (16384 on one of 70 GiB or more).
+        # vLLM V1's offline defaults: 4096 tokens a rank on CPU, 8192 on a GPU (16384 on one of 70 GiB or more); a
+        # default is never below max_num_seqs, the bound a given value must meet.
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = 4096 * tp if device == "cpu" else 8192
+            max_num_batched_tokens = max(max_num_seqs, 4096 * tp if device == "cpu" else 8192)
         if not is_integer(max_num_batched_tokens) or max_num_batched_tokens < max_num_seqs:  # vLLM's bound too
             raise ValueError(f"max_num_batched_tokens must be an integer >= max_num_seqs ({max_num_seqs}), so that "
                              f"every slot's token fits a step; got {max_num_batched_tokens!r}")
