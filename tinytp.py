@@ -35,16 +35,45 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import (ModelConfig, TPGroup, check_checkpoint, check_count, check_tensor_parallel_size,
-                   cpu_has_native_bfloat16, is_integer, is_number, kv_cache_shape, packing_wanted, read_json_object,
-                   token_id_list, weight_bytes)
-from worker import (SHUTDOWN, MessageQueue, ModelRunnerOutput, NewRequest, RPCCall, RPCResult, SamplingParams,
-                    SchedulerOutput, check_free_shared_memory, collective_block_bytes, forget_child_processes,
-                    importing_main_for_spawn, new_shared_memory, unlink_semaphores, wait_until, worker_main)
+from model import (
+    ModelConfig,
+    TPGroup,
+    check_checkpoint,
+    check_count,
+    check_tensor_parallel_size,
+    cpu_has_native_bfloat16,
+    is_integer,
+    is_number,
+    kv_cache_shape,
+    packing_wanted,
+    read_json_object,
+    token_id_list,
+    weight_bytes,
+)
+from worker import (
+    SHUTDOWN,
+    MessageQueue,
+    ModelRunnerOutput,
+    NewRequest,
+    RPCCall,
+    RPCResult,
+    SamplingParams,
+    SchedulerOutput,
+    check_free_shared_memory,
+    collective_block_bytes,
+    forget_child_processes,
+    importing_main_for_spawn,
+    new_shared_memory,
+    unlink_semaphores,
+    wait_until,
+    worker_main,
+)
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
-# transformers is imported in functions: spawned workers re-import this module and need neither it nor its seconds.
+# transformers is imported in functions: spawned workers re-import this module and need neither it
+# nor its seconds.
+
 
 # Requests and outputs, in vLLM's shape -----------------------------------------------
 @dataclass
@@ -54,7 +83,8 @@ class CompletionOutput:  # one sample of a prompt's completion
     token_ids: list[int]  # the generated tokens (the one that ended the sequence included)
     finish_reason: str  # "stop" (an end-of-sequence token, a stop token or string) or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # vLLM's other fields, as vLLM leaves them when they were not asked for: tinytp has none of these.
+    # vLLM's other fields, as vLLM leaves them when they were not asked for: tinytp has none of
+    # these.
     cumulative_logprob: float | None = None
     logprobs: list | None = None
     lora_request: None = None
@@ -67,7 +97,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # the n samples, in index order
     finished: bool = True
-    # vLLM's other fields, as vLLM leaves them when they were not asked for: tinytp has none of these.
+    # vLLM's other fields, as vLLM leaves them when they were not asked for: tinytp has none of
+    # these.
     prompt_logprobs: list | None = None
     metrics: None = None
     lora_request: None = None
@@ -80,7 +111,9 @@ class RequestOutput:
 
 @dataclass
 class Request:
-    """The driver's view of one sample of a prompt; the workers keep their own copy (`CachedRequest`)."""
+    """The driver's view of one sample of a prompt; the workers keep their own copy
+    (`CachedRequest`)."""
+
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
@@ -91,16 +124,21 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_end: int | None = None  # where a stop string cuts the text of output_token_ids
-    num_computed_tokens: int = 0  # its tokens that the steps sent so far compute (their keys and values)
-    num_in_flight: int = 0  # tokens of steps sent and not yet answered (vLLM's placeholders: async scheduling)
-    outputs: queue.SimpleQueue | None = None  # its caller's: the engine loop puts (request, tokens, finished) there
-    stream: bool = False  # report every new token (a stream), or only the end (generate): vLLM's output_kind
+    # its tokens that the steps sent so far compute (their keys and values)
+    num_computed_tokens: int = 0
+    # tokens of steps sent and not yet answered (vLLM's placeholders: async scheduling)
+    num_in_flight: int = 0
+    # its caller's: the engine loop puts (request, tokens, finished) there
+    outputs: queue.SimpleQueue | None = None
+    # report every new token (a stream), or only the end (generate): vLLM's output_kind
+    stream: bool = False
 
 
 class IncrementalText:
-    """One sample's text as its tokens come (vLLM's IncrementalDetokenizer). A window is decoded, not the whole output
-    at every step: the tokens not shown yet, after those shown last time (a tokenizer may spell a token by its
-    neighbour). The last characters wait while a stop string could begin there."""
+    """One sample's text as its tokens come (vLLM's IncrementalDetokenizer). A window is decoded,
+    not the whole output at every step: the tokens not shown yet, after those shown last time (a
+    tokenizer may spell a token by its neighbour). The last characters wait while a stop string
+    could begin there."""
 
     def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str]):
         self.detokenize = detokenize
@@ -109,13 +147,15 @@ class IncrementalText:
         self.decoded, self.text = "", ""  # the text so far, and how much of it may be shown
 
     def update(self, token_ids: list[int], finished: bool, text_end: int | None) -> str | None:
-        """The text to show for these tokens; None while the last one ends in half of a multi-byte character."""
-        window = self.detokenize(token_ids[self.start:])
+        """The text to show for these tokens; None while the last one ends in half of a multi-byte
+        character."""
+        window = self.detokenize(token_ids[self.start :])
         if window.endswith("\ufffd") and not finished:
             return None
-        self.decoded += window[len(self.detokenize(token_ids[self.start:self.shown])):]
+        self.decoded += window[len(self.detokenize(token_ids[self.start : self.shown])) :]
         self.start, self.shown = self.shown, len(token_ids)
-        # At the end, all of it up to the stop that ended it, if one did (text_end None: to the end).
+        # At the end, all of it up to the stop that ended it, if one did (text_end None: to the
+        # end).
         end = text_end if finished else max(len(self.text), len(self.decoded) - self.hold)
         self.text = self.decoded[:end]
         return self.text
@@ -123,8 +163,13 @@ class IncrementalText:
 
 def request_output(group: list[Request], completions: list[CompletionOutput]) -> RequestOutput:
     """A prompt's output: named by its first sample's request, with its n completions so far."""
-    return RequestOutput(str(group[0].request_id), group[0].prompt, group[0].prompt_token_ids, completions,
-                         finished=all(completion.finish_reason for completion in completions))
+    return RequestOutput(
+        str(group[0].request_id),
+        group[0].prompt,
+        group[0].prompt_token_ids,
+        completions,
+        finished=all(completion.finish_reason for completion in completions),
+    )
 
 
 # Finding the checkpoint ---------------------------------------------------------------
@@ -134,22 +179,30 @@ TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-
 
 
 def resolve_model(model: str | None, weights: bool = True) -> str:
-    """A local checkpoint directory for `model`: the tiny default, a directory (~ expanded here, as a shell does on the
-    command line but not in LLM("~/...")) or a hub id (weights=False: only its json and tokenizer files are fetched)."""
+    """A local checkpoint directory for `model`: the tiny default, a directory (~ expanded here, as
+    a shell does on the command line but not in LLM("~/...")) or a hub id (weights=False: only
+    its json and tokenizer files are fetched)."""
     model = os.path.expanduser(model or TINY_MODEL_DIR)
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")):
-            raise FileNotFoundError(f"{model} has no config.json: is it a Hugging Face checkpoint directory?")
+            raise FileNotFoundError(
+                f"{model} has no config.json: is it a Hugging Face checkpoint directory?"
+            )
         return model
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise FileNotFoundError(f"model path {model} does not exist (nor is it a hub id like org/name)")
+        raise FileNotFoundError(
+            f"model path {model} does not exist (nor is it a hub id like org/name)"
+        )
     from huggingface_hub import snapshot_download
+
     patterns = ["*.json", "tokenizer.model"] + (["*.safetensors"] if weights else [])
     try:  # only what inference needs: configs, safetensors weights, tokenizer files
         return snapshot_download(model, allow_patterns=patterns)
     except Exception as e:  # the hub's messages span lines; ours is one
-        raise FileNotFoundError(f"could not get {model} from the Hugging Face Hub or its cache "
-                                f"({type(e).__name__}: {' '.join(str(e).split())})") from None
+        raise FileNotFoundError(
+            f"could not get {model} from the Hugging Face Hub or its cache "
+            f"({type(e).__name__}: {' '.join(str(e).split())})"
+        ) from None
 
 
 def has_tokenizer(model_dir: str) -> bool:
@@ -157,29 +210,44 @@ def has_tokenizer(model_dir: str) -> bool:
 
 
 def default_sampling_params(model_dir: str) -> SamplingParams:
-    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens from the checkpoint's
-    generation_config.json, vLLM's defaults for the rest (do_sample is not read, as in vLLM)."""
+    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens
+    from the checkpoint's generation_config.json, vLLM's defaults for the rest (do_sample is not
+    read, as in vLLM)."""
     path = os.path.join(model_dir, "generation_config.json")
     config = read_json_object(path) if os.path.exists(path) else {}
     try:
         if config.get("repetition_penalty", 1.0) != 1.0:
-            raise ValueError(f"repetition_penalty={config['repetition_penalty']}: tinytp does not support penalties")
+            raise ValueError(
+                f"repetition_penalty={config['repetition_penalty']}: tinytp does not support "
+                "penalties"
+            )
         config["max_tokens"] = config.get("max_new_tokens")  # transformers' name for it
-        return SamplingParams(**{key: config[key] for key in ("temperature", "top_p", "top_k", "min_p", "max_tokens")
-                                 if config.get(key) is not None})
+        return SamplingParams(
+            **{
+                key: config[key]
+                for key in ("temperature", "top_p", "top_k", "min_p", "max_tokens")
+                if config.get(key) is not None
+            }
+        )
     except ValueError as e:  # a value SamplingParams refuses
         raise ValueError(f"{path}: {e}") from None
 
 
 # The executor: N worker processes and the queues between them and us ------------------
-def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dtype: str) -> tuple[str, str]:
-    """The device (default: cuda where there are GPUs, else cpu) and the dtype ("auto": the checkpoint's; on cpu
-    bfloat16 only where oneDNN runs it natively (AVX-512 and newer: faster than float32 and half the memory,
-    docs/performance.md), float32 otherwise, float16 included: slow on CPUs)."""
+def choose_device_and_dtype(
+    config: ModelConfig, tp: int, device: str | None, dtype: str
+) -> tuple[str, str]:
+    """The device (default: cuda where there are GPUs, else cpu) and the dtype ("auto": the
+    checkpoint's; on cpu bfloat16 only where oneDNN runs it natively (AVX-512 and newer: faster than
+    float32 and half the memory, docs/performance.md), float32 otherwise, float16 included: slow on
+    CPUs)."""
     gpus = torch.cuda.device_count()
-    device = device or ("cuda" if gpus else "cpu")  # too few GPUs: refused, not a silent fall back to the CPU
+    # too few GPUs: refused, not a silent fall back to the CPU
+    device = device or ("cuda" if gpus else "cpu")
     if device == "cuda" and gpus < tp:
-        raise ValueError(f"tp={tp} needs {tp} GPUs and {gpus} are visible; --device cpu runs it on the CPU")
+        raise ValueError(
+            f"tp={tp} needs {tp} GPUs and {gpus} are visible; --device cpu runs it on the CPU"
+        )
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dtype == "auto":
@@ -192,10 +260,16 @@ def choose_device_and_dtype(config: ModelConfig, tp: int, device: str | None, dt
 
 def loopback_store() -> dist.TCPStore:
     """A TCP store for the workers to meet in, on a port the OS picks (no torchrun, no MASTER_PORT,
-    no race for a "free" port), listening on loopback only: c10d's own listener takes every interface."""
+    no race for a "free" port), listening on loopback only: c10d's own listener takes every
+    interface."""
     listener = socket.create_server(("127.0.0.1", 0))
-    return dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                         master_listen_fd=listener.detach())
+    return dist.TCPStore(
+        "127.0.0.1",
+        listener.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )
 
 
 def threads_per_rank(tp: int) -> int:
@@ -211,7 +285,8 @@ STOPPED_GRACE = 5.0
 def is_stopped(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")  # the state follows the name, "(...)"
+            # the state follows the name, "(...)"
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except OSError:  # no /proc (macOS), or the process is gone: not stopped, as far as we can tell
         return False
 
@@ -222,44 +297,87 @@ class WorkerError(RuntimeError):
 
 @dataclass
 class StepFuture:
-    """A step on its way (vLLM: execute_model(..., non_block=True) returns a Future); result() waits for its answer."""
+    """A step on its way (vLLM: execute_model(..., non_block=True) returns a Future); result() waits
+    for its answer."""
+
     result: Callable[[], ModelRunnerOutput]
 
 
 class Executor:
-    """Spawns one worker process per rank, rank 0 included (design discussion: "N worker processes rather than N-1"),
-    and runs methods on all of them. Calls go out on one shared-memory broadcast queue (one writer, N readers); each
-    worker answers on its own queue, and a step (execute_model) rank 0 alone: every rank sampled the same tokens."""
+    """Spawns one worker process per rank, rank 0 included (design discussion: "N worker processes
+    rather than N-1"), and runs methods on all of them. Calls go out on one shared-memory broadcast
+    queue (one writer, N readers); each worker answers on its own queue, and a step (execute_model)
+    rank 0 alone: every rank sampled the same tokens."""
 
-    def __init__(self, model_dir: str, tp: int, device: str, dtype: str, max_num_seqs: int, max_model_len: int,
-                 load_format: str = "auto", cuda_graphs: bool = False):
+    def __init__(
+        self,
+        model_dir: str,
+        tp: int,
+        device: str,
+        dtype: str,
+        max_num_seqs: int,
+        max_model_len: int,
+        load_format: str = "auto",
+        cuda_graphs: bool = False,
+    ):
         self.tp = tp
         self.call_ids = itertools.count(1)
         self.failure: str | None = None
-        self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop our workers
-        self.workers, self.responses, self.collective_block = [], [], None  # made in the try below, freed if it fails
+        # a forked child inherits our exit hook, and must not stop our workers
+        self.creator = os.getpid()
+        # made in the try below, freed if it fails
+        self.workers, self.responses, self.collective_block = [], [], None
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
-        self.awaited: dict[int, tuple[str, dict, int]] = {}  # call id: (its name, its answers by rank, how many due)
-        # One thread drives the executor (an LLM's engine loop); another may still shut it down, so sending is a
-        # critical section, and `closing` makes the driving thread give up its wait at its next check.
+        # call id: (its name, its answers by rank, how many due)
+        self.awaited: dict[int, tuple[str, dict, int]] = {}
+        # One thread drives the executor (an LLM's engine loop); another may still shut it down, so
+        # sending is a critical section, and `closing` makes the driving thread give up its wait at
+        # its next check.
         self.sending = threading.RLock()
         self.closing = threading.Event()
         self.broadcast = MessageQueue.create(num_readers=tp)
         atexit.register(self.shutdown)
         try:
             context = mp.get_context("spawn")
-            self.doorbell = context.Semaphore(0)  # one for all the reply queues: we wait on all of them at once
+            # one for all the reply queues: we wait on all of them at once
+            self.doorbell = context.Semaphore(0)
             for _ in range(tp):
-                self.responses.append(MessageQueue.create(num_readers=1, num_chunks=4, chunk_bytes=1 << 18, reader=0,
-                                                          doorbells=[self.doorbell]))
-            self.collective_block = new_shared_memory(collective_block_bytes(tp)) if device == "cpu" and tp > 1 else None
-            check_free_shared_memory([self.collective_block, *(q.shm for q in [self.broadcast, *self.responses])])
+                self.responses.append(
+                    MessageQueue.create(
+                        num_readers=1,
+                        num_chunks=4,
+                        chunk_bytes=1 << 18,
+                        reader=0,
+                        doorbells=[self.doorbell],
+                    )
+                )
+            self.collective_block = (
+                new_shared_memory(collective_block_bytes(tp))
+                if device == "cpu" and tp > 1
+                else None
+            )
+            check_free_shared_memory(
+                [self.collective_block, *(q.shm for q in [self.broadcast, *self.responses])]
+            )
             self.store = loopback_store()
-            self.workers = [context.Process(target=worker_main, name=f"tinytp-rank{rank}", daemon=True, args=(
-                                rank, tp, self.broadcast.handle, self.responses[rank].handle, self.creator))
-                            for rank in range(tp)]
-            # Ctrl-C and SIGTERM blocked while they start: they inherit the mask, so a signal sent to the process group
-            # reaches the driver (when we unblock it) and never N workers mid-import; worker_main then ignores both.
+            self.workers = [
+                context.Process(
+                    target=worker_main,
+                    name=f"tinytp-rank{rank}",
+                    daemon=True,
+                    args=(
+                        rank,
+                        tp,
+                        self.broadcast.handle,
+                        self.responses[rank].handle,
+                        self.creator,
+                    ),
+                )
+                for rank in range(tp)
+            ]
+            # Ctrl-C and SIGTERM blocked while they start: they inherit the mask, so a signal sent
+            # to the process group reaches the driver (when we unblock it) and never N workers
+            # mid-import; worker_main then ignores both.
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
             try:
                 for process in self.workers:
@@ -268,31 +386,51 @@ class Executor:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
             forget_child_processes(self.workers)
             # Initialization goes through collective_rpc too, as in the design discussion.
-            self.collective_rpc("init_device", None, device, dtype, self.store.port, threads_per_rank(tp),
-                                self.collective_block and self.collective_block.name)
+            self.collective_rpc(
+                "init_device",
+                None,
+                device,
+                dtype,
+                self.store.port,
+                threads_per_rank(tp),
+                self.collective_block and self.collective_block.name,
+            )
             self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)
             self.collective_rpc("init_kv_cache", None, max_num_seqs, cuda_graphs)
         except BaseException:
             self.shutdown()
             raise
 
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None, *args, **kwargs) -> list:
-        """Run `method` on every worker; return each rank's result, in rank order. A callable (picklable: defined at
-        module level) is called with the Worker first, pickled on its own: a worker that cannot import it says so.
-        It runs after the steps in flight, and their answers come first: they are kept for those who wait on them."""
-        name, payload = (method, method) if isinstance(method, str) else (method.__name__, pickle.dumps(method))
+    def collective_rpc(
+        self, method: str | Callable, timeout: float | None = None, *args, **kwargs
+    ) -> list:
+        """Run `method` on every worker; return each rank's result, in rank order. A callable
+        (picklable: defined at module level) is called with the Worker first, pickled on its own: a
+        worker that cannot import it says so. It runs after the steps in flight, and their answers
+        come first: they are kept for those who wait on them."""
+        name, payload = (
+            (method, method) if isinstance(method, str) else (method.__name__, pickle.dumps(method))
+        )
         call_id = self._send(RPCCall(0, payload, args, kwargs), timeout, name)
         return self._wait_for(call_id, timeout)
 
-    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False) -> ModelRunnerOutput | StepFuture:
-        """One step; rank 0 answers. With non_block (async scheduling) return at once with a StepFuture, so that the
-        next step can be scheduled and sent while this one runs (vLLM's non_block, which returns a Future)."""
-        call_id = self._send(RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0), None, "execute_model")
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | StepFuture:
+        """One step; rank 0 answers. With non_block (async scheduling) return at once with a
+        StepFuture, so that the next step can be scheduled and sent while this one runs (vLLM's
+        non_block, which returns a Future)."""
+        call_id = self._send(
+            RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0),
+            None,
+            "execute_model",
+        )
         step = StepFuture(functools.partial(self._wait_for_step, call_id))
         return step if non_block else step.result()
 
     def _wait_for_step(self, call_id: int) -> ModelRunnerOutput:
-        """A step's answer. A failure shuts the workers down: the ranks may now disagree about the requests."""
+        """A step's answer. A failure shuts the workers down: the ranks may now disagree about the
+        requests."""
         try:
             return self._wait_for(call_id, None)[0]
         except WorkerError as e:
@@ -303,7 +441,10 @@ class Executor:
         """Number the call, broadcast it, and expect its answers; return its number."""
         with self.sending:
             if self.failure is None and any(q.cut_off for q in [self.broadcast, *self.responses]):
-                self._fail("a message between us was cut off part-way, and its reader would misread what follows")
+                self._fail(
+                    "a message between us was cut off part-way, and its reader would misread what "
+                    "follows"
+                )
             if self.failure is not None:
                 raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
             call.call_id = next(self.call_ids)
@@ -317,8 +458,9 @@ class Executor:
             return call.call_id
 
     def _wait_for(self, call_id: int, timeout: float | None) -> list:
-        """Wait for a call's answers (rank order); any other awaited call's answers that come meanwhile are kept. After
-        a timeout or Ctrl-C the call is no longer awaited, and its late answers are recognised and dropped."""
+        """Wait for a call's answers (rank order); any other awaited call's answers that come
+        meanwhile are kept. After a timeout or Ctrl-C the call is no longer awaited, and its late
+        answers are recognised and dropped."""
         name, answers, count = self.awaited[call_id]
 
         def answered() -> bool:
@@ -326,14 +468,16 @@ class Executor:
             return len(answers) == count
 
         try:
-            wait_until(answered, timeout, f"{name} on the workers", self._check_workers, self.doorbell)
+            wait_until(
+                answered, timeout, f"{name} on the workers", self._check_workers, self.doorbell
+            )
         finally:
             del self.awaited[call_id]
         return [answers[rank] for rank in sorted(answers)]
 
     def _take_replies(self) -> None:
-        """Every reply that has come, from every rank's queue (not only those that owe one: a failed rank sends its
-        error unasked), filed under the call it answers."""
+        """Every reply that has come, from every rank's queue (not only those that owe one: a failed
+        rank sends its error unasked), filed under the call it answers."""
         for rank, replies in enumerate(self.responses):
             while replies.ready():
                 reply: RPCResult = replies.dequeue(check=self._check_workers)  # may span chunks
@@ -356,32 +500,44 @@ class Executor:
         if self.closing.is_set():
             raise RuntimeError("tinytp was shut down while it waited for its workers")
         for rank, process in enumerate(self.workers):
-            if process.exitcode is not None:  # the others wait for it in a collective: no use waiting for them
+            # the others wait for it in a collective: no use waiting for them
+            if process.exitcode is not None:
                 self._fail(f"worker rank {rank} exited with code {process.exitcode}", grace=0)
-                raise RuntimeError(f"tinytp worker rank {rank} died (exit code {process.exitcode}); "
-                                   "the other workers were stopped")
+                raise RuntimeError(
+                    f"tinytp worker rank {rank} died (exit code {process.exitcode}); "
+                    "the other workers were stopped"
+                )
             if not is_stopped(process.pid):
                 self.stopped_since.pop(rank, None)
-            elif time.monotonic() - self.stopped_since.setdefault(rank, time.monotonic()) > STOPPED_GRACE:
+            elif (
+                time.monotonic() - self.stopped_since.setdefault(rank, time.monotonic())
+                > STOPPED_GRACE
+            ):
                 self._fail(f"worker rank {rank} was stopped")
-                raise RuntimeError(f"tinytp worker rank {rank} (pid {process.pid}) is stopped (SIGSTOP?), for "
-                                   f"{STOPPED_GRACE:g} s now; the workers were shut down")
+                raise RuntimeError(
+                    f"tinytp worker rank {rank} (pid {process.pid}) is stopped (SIGSTOP?), for "
+                    f"{STOPPED_GRACE:g} s now; the workers were shut down"
+                )
 
     def _fail(self, reason: str, grace: float = 2.0) -> None:
         self.failure = reason
         self.shutdown(grace)
 
     def shutdown(self, grace: float = 2.0) -> None:
-        """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory block and semaphore,
-        in the process that made them only: not in a forked child at its exit."""
+        """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory
+        block and semaphore, in the process that made them only: not in a forked child at its
+        exit."""
         with self.sending:  # (the engine loop may be sending)
-            if self.broadcast.buf is None or os.getpid() != self.creator:  # done already, or not ours
+            # done already, or not ours
+            if self.broadcast.buf is None or os.getpid() != self.creator:
                 return
-            workers = [process for process in self.workers if process.pid is not None]  # the started ones
+            # the started ones
+            workers = [process for process in self.workers if process.pid is not None]
             self.workers = []
             atexit.unregister(self.shutdown)
             self.failure = self.failure or "shut down"
-            with contextlib.suppress(TimeoutError):  # the ring is full: a worker is stuck, and gets killed below
+            # the ring is full: a worker is stuck, and gets killed below
+            with contextlib.suppress(TimeoutError):
                 self.broadcast.enqueue(RPCCall(0, SHUTDOWN), timeout=min(grace, 1))
             deadline = time.monotonic() + grace  # an idle worker exits within milliseconds
             for process in workers:
@@ -390,7 +546,9 @@ class Executor:
                 if process.is_alive():  # stuck in a long step, a collective or loading
                     process.kill()
                     process.join()
-            unlink_semaphores([*self.broadcast.handle.doorbells, *filter(None, [getattr(self, "doorbell", None)])])
+            unlink_semaphores(
+                [*self.broadcast.handle.doorbells, *filter(None, [getattr(self, "doorbell", None)])]
+            )
             for message_queue in [self.broadcast, *self.responses]:
                 message_queue.close()
             if self.collective_block is not None:
@@ -401,15 +559,22 @@ class Executor:
 
 # The scheduler ------------------------------------------------------------------------
 class Scheduler:
-    """vLLM V1's scheduler: no prefill step and no decode step. A request has the tokens it has computed
-    (num_computed_tokens) and the tokens it has; each step gives every running request what it still needs (one token
-    when it decodes, the rest of its prompt), then admits waiting requests into free KV-cache slots, all within a budget
-    of max_num_batched_tokens: a prompt that does not fit is cut, and continues in the next steps (chunked prefill). A
-    finished request's slot is free for the next. With steps in flight (async scheduling) a request counts its tokens
-    in flight, so that no step is sent that could only produce a token past max_tokens or max_model_len."""
+    """vLLM V1's scheduler: no prefill step and no decode step. A request has the tokens it has
+    computed (num_computed_tokens) and the tokens it has; each step gives every running request what
+    it still needs (one token when it decodes, the rest of its prompt), then admits waiting requests
+    into free KV-cache slots, all within a budget of max_num_batched_tokens: a prompt that does not
+    fit is cut, and continues in the next steps (chunked prefill). A finished request's slot is free
+    for the next. With steps in flight (async scheduling) a request counts its tokens in flight, so
+    that no step is sent that could only produce a token past max_tokens or max_model_len."""
 
-    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, eos_token_ids: set[int],
-                 detokenize: Callable[[list[int]], str]):
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        eos_token_ids: set[int],
+        detokenize: Callable[[list[int]], str],
+    ):
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
@@ -426,10 +591,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput | None:
-        """The next step: the running requests in the order they came, then the waiting ones that free slots and the
-        budget admit; None if there is nothing to run (each waits for the tokens it has in flight). Only the last
-        request admitted can be part-way through its prompt (the budget ran out in it), so every decoding request,
-        before it in the order, gets its token at every step: the budget is at least max_num_seqs."""
+        """The next step: the running requests in the order they came, then the waiting ones that
+        free slots and the budget admit; None if there is nothing to run (each waits for the
+        tokens it has in flight). Only the last request admitted can be part-way through its
+        prompt (the budget ran out in it), so every decoding request, before it in the order,
+        gets its token at every step: the budget is at least max_num_seqs."""
         budget, scheduled = self.max_num_batched_tokens, []  # (a request, its tokens this step)
         for request in self.running:
             needed = self.num_tokens_needed(request)
@@ -448,32 +614,50 @@ class Scheduler:
             return None
         for request, num_tokens in scheduled:
             request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens >= len(request.prompt_token_ids):  # decoding, or its prompt done: a token
+            # decoding, or its prompt done: a token
+            if request.num_computed_tokens >= len(request.prompt_token_ids):
                 request.num_in_flight += 1
-        new_requests = [NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params, r.seed) for r in new]
+        new_requests = [
+            NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params, r.seed) for r in new
+        ]
         finished_ids, self.finished_ids = self.finished_ids, []
-        return SchedulerOutput(new_requests, [r.request_id for r, _ in scheduled], [n for _, n in scheduled],
-                               finished_ids)
+        return SchedulerOutput(
+            new_requests,
+            [r.request_id for r, _ in scheduled],
+            [n for _, n in scheduled],
+            finished_ids,
+        )
 
     def num_tokens_needed(self, request: Request) -> int:
-        """The rest of its prompt; else 1 (its last token, sampled or in flight) if it may need another token."""
+        """The rest of its prompt; else 1 (its last token, sampled or in flight) if it may need
+        another token."""
         prompt_left = len(request.prompt_token_ids) - request.num_computed_tokens
         return prompt_left if prompt_left > 0 else int(self.may_need_another_token(request))
 
     def may_need_another_token(self, request: Request) -> bool:
-        """Below max_tokens and max_model_len, counting the tokens in flight (which may yet end it by a stop)."""
+        """Below max_tokens and max_model_len, counting the tokens in flight (which may yet end it
+        by a stop)."""
         tokens = len(request.output_token_ids) + request.num_in_flight
-        return tokens < request.params.max_tokens and len(request.prompt_token_ids) + tokens < self.max_model_len
+        return (
+            tokens < request.params.max_tokens
+            and len(request.prompt_token_ids) + tokens < self.max_model_len
+        )
 
-    def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
-        """Append each sampled token to its request; return the requests that got one (those that finished with it
-        have finish_reason set). A request that finished or was aborted after this step was sent is no longer
-        running: its token, computed on the workers all the same, is dropped here, never shown, never counted."""
+    def update(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Append each sampled token to its request; return the requests that got one (those that
+        finished with it have finish_reason set). A request that finished or was aborted after this
+        step was sent is no longer running: its token, computed on the workers all the same, is
+        dropped here, never shown, never counted."""
         by_id = {r.request_id: r for r in self.running}
         updated = []
-        for request_id, token in zip(scheduler_output.scheduled_ids, runner_output.sampled_token_ids):
+        for request_id, token in zip(
+            scheduler_output.scheduled_ids, runner_output.sampled_token_ids
+        ):
             request = by_id.get(request_id)
-            if request is None or token is None:  # finished or aborted since it was sent; or part-way in its prompt
+            # finished or aborted since it was sent; or part-way in its prompt
+            if request is None or token is None:
                 continue
             request.num_in_flight -= 1
             request.output_token_ids.append(token)
@@ -484,14 +668,18 @@ class Scheduler:
                 self.stop_at_token(request, stop_reason=token)
             elif request.params.stop and self.found_stop_string(request):
                 request.finish_reason = "stop"
-            elif (len(request.output_token_ids) >= request.params.max_tokens
-                  or len(request.prompt_token_ids) + len(request.output_token_ids) >= self.max_model_len):
+            elif (
+                len(request.output_token_ids) >= request.params.max_tokens
+                or len(request.prompt_token_ids) + len(request.output_token_ids)
+                >= self.max_model_len
+            ):
                 request.finish_reason = "length"
         self.release([request for request in updated if request.finish_reason is not None])
         return updated
 
     def stop_at_token(self, request: Request, stop_reason: int | None) -> None:
-        """An end-of-sequence or stop token ends it: kept in token_ids, left out of the text, as vLLM does."""
+        """An end-of-sequence or stop token ends it: kept in token_ids, left out of the text, as
+        vLLM does."""
         request.finish_reason, request.stop_reason = "stop", stop_reason
         request.text_end = len(self.detokenize(request.output_token_ids[:-1]))
 
@@ -503,7 +691,8 @@ class Scheduler:
             self.finished_ids.append(request.request_id)
 
     def found_stop_string(self, request: Request) -> bool:
-        """Does the text (decoded whole: a stop string may span tokens) hold a stop string? It ends before the first."""
+        """Does the text (decoded whole: a stop string may span tokens) hold a stop string? It ends
+        before the first."""
         text = self.detokenize(request.output_token_ids)
         found = [(text.find(stop), stop) for stop in request.params.stop if stop in text]
         if found:
@@ -511,9 +700,11 @@ class Scheduler:
         return bool(found)
 
     def abort_requests(self, request_ids: set[int]) -> None:
-        """Forget these requests: waiting ones are dropped, running ones free their slots (their tokens in flight
-        are dropped when they come)."""
-        self.waiting = deque(request for request in self.waiting if request.request_id not in request_ids)
+        """Forget these requests: waiting ones are dropped, running ones free their slots (their
+        tokens in flight are dropped when they come)."""
+        self.waiting = deque(
+            request for request in self.waiting if request.request_id not in request_ids
+        )
         self.release([request for request in self.running if request.request_id in request_ids])
 
 
@@ -522,17 +713,20 @@ SHUTDOWN_ENGINE = "shutdown"
 
 
 class EngineCore:
-    """vLLM's EngineCore: it owns the Scheduler and the Executor, and has vLLM's verbs for them: add_request,
-    abort_request, step, has_unfinished_requests. One thread calls them: run_busy_loop's (an LLM starts it). Callers
-    in other threads talk to that thread through queues: one in, and one out for each caller's requests."""
+    """vLLM's EngineCore: it owns the Scheduler and the Executor, and has vLLM's verbs for them:
+    add_request, abort_request, step, has_unfinished_requests. One thread calls them:
+    run_busy_loop's (an LLM starts it). Callers in other threads talk to that thread through queues:
+    one in, and one out for each caller's requests."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, async_scheduling: bool):
         self.scheduler = scheduler
         self.executor = executor
-        # Design discussion (njhill): "make the scheduling async, so that they always have the schedule for the
-        # next step waiting when they finish the current one". Two steps in flight do that; one is synchronous.
+        # Design discussion (njhill): "make the scheduling async, so that they always have the
+        # schedule for the next step waiting when they finish the current one". Two steps in flight
+        # do that; one is synchronous.
         self.max_steps_in_flight = 2 if async_scheduling else 1
-        self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()  # steps sent, oldest first
+        # steps sent, oldest first
+        self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         self.stats = {"steps": 0, "largest_batch": 0}
 
     def add_request(self, request: Request) -> None:
@@ -545,16 +739,21 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> list[Request]:
-        """Send the next step while fewer than max_steps_in_flight are on their way; then, when they are that many
-        or there is nothing more to send, wait for the oldest and return the requests it gave a token (vLLM's
-        step_with_batch_queue). Async, the step sent here runs on the workers while we wait for the one before it:
-        the workers append their own sampled tokens, so a step needs nothing from the answer to the one before."""
+        """Send the next step while fewer than max_steps_in_flight are on their way; then, when they
+        are that many or there is nothing more to send, wait for the oldest and return the requests
+        it gave a token (vLLM's step_with_batch_queue). Async, the step sent here runs on the
+        workers while we wait for the one before it: the workers append their own sampled tokens, so
+        a step needs nothing from the answer to the one before."""
         if len(self.batch_queue) < self.max_steps_in_flight:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output is not None:
                 self.stats["steps"] += 1
-                self.stats["largest_batch"] = max(self.stats["largest_batch"], len(scheduler_output.scheduled_ids))
-                self.batch_queue.append((scheduler_output, self.executor.execute_model(scheduler_output, True)))
+                self.stats["largest_batch"] = max(
+                    self.stats["largest_batch"], len(scheduler_output.scheduled_ids)
+                )
+                self.batch_queue.append(
+                    (scheduler_output, self.executor.execute_model(scheduler_output, True))
+                )
                 if len(self.batch_queue) < self.max_steps_in_flight:
                     return []  # this step is on its way: send the next one before waiting for it
         if not self.batch_queue:
@@ -563,9 +762,10 @@ class EngineCore:
         return self.scheduler.update(scheduler_output, step.result())
 
     def run_busy_loop(self, commands: queue.SimpleQueue) -> None:
-        """vLLM's EngineCoreProc.run_busy_loop, as a thread: take every command that has come (add, abort, call),
-        sleeping on the queue when there is no work (an idle LLM costs no CPU), step, and hand each updated request
-        to its caller's queue. A failure (a worker died) goes to every caller at once."""
+        """vLLM's EngineCoreProc.run_busy_loop, as a thread: take every command that has come (add,
+        abort, call), sleeping on the queue when there is no work (an idle LLM costs no CPU), step,
+        and hand each updated request to its caller's queue. A failure (a worker died) goes to every
+        caller at once."""
         while True:
             try:
                 while not commands.empty() or not self.has_unfinished_requests():
@@ -576,9 +776,17 @@ class EngineCore:
                     self.run_command(verb, argument)
                 for request in self.step():
                     if request.stream or request.finish_reason is not None:
-                        request.outputs.put((request, len(request.output_token_ids), request.finish_reason is not None))
-            except Exception as error:  # a worker failed or died: the executor is shut down, later steps raise too
-                self.executor.shutdown()  # (already, but for a fault of the driver's own: the ranks may disagree now)
+                        request.outputs.put(
+                            (
+                                request,
+                                len(request.output_token_ids),
+                                request.finish_reason is not None,
+                            )
+                        )
+            # a worker failed or died: the executor is shut down, later steps raise too
+            except Exception as error:
+                # (already, but for a fault of the driver's own: the ranks may disagree now)
+                self.executor.shutdown()
                 self.fail_every_request(error)
 
     def run_command(self, verb: str, argument) -> None:
@@ -587,7 +795,8 @@ class EngineCore:
                 self.add_request(request)
         elif verb == "abort":
             self.abort_request(argument)
-        else:  # "call": a function to run here, between steps, as the one thread that drives the executor
+        # "call": a function to run here, between steps, as the one thread that drives the executor
+        else:
             function, result = argument
             try:
                 result.set_result(function())
@@ -608,68 +817,145 @@ def in_units(size: float) -> str:
 
 
 def message_text(parts: list) -> str:
-    """A chat message's content given as OpenAI's content parts: the text parts joined by newlines, as vLLM's chat does;
-    any other part (an image, audio) refused: a text model cannot take it."""
+    """A chat message's content given as OpenAI's content parts: the text parts joined by newlines,
+    as vLLM's chat does; any other part (an image, audio) refused: a text model cannot take it."""
     for part in parts:
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise ValueError(f'a content part must be {{"type": "text", "text": ...}}: tinytp runs text models; '
-                             f"got {part!r:.80}")
+        if not (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            raise ValueError(
+                f'a content part must be {{"type": "text", "text": ...}}: tinytp runs text models; '
+                f"got {part!r:.80}"
+            )
     return "\n".join(part["text"] for part in parts)
 
 
 class LLM:
     """Generate text with a Llama checkpoint split over `tensor_parallel_size` processes."""
 
-    def __init__(self, model: str | None = None, tensor_parallel_size: int = 1, device: str | None = None,
-                 dtype: str = "auto", max_num_seqs: int = 8, max_model_len: int | None = None,
-                 load_format: str = "auto", distributed_executor_backend: str | type = "mp", cuda_graphs: bool = False,
-                 async_scheduling: bool = False,
-                 *, tokenizer: str | None = None, seed: int | None = None, generation_config: str = "auto",
-                 enforce_eager: bool = False, trust_remote_code: bool = False,
-                 gpu_memory_utilization: float = 1.0, max_num_batched_tokens: int | None = None, **others):
-        """As vLLM's LLM, for the arguments it has (and cuda_graphs, its own). tokenizer: a directory or hub id
-        (default: the model's). seed: where requests without one draw theirs from. generation_config: "auto" (the
-        model's generation_config.json), "vllm" (SamplingParams()'s defaults) or a directory holding one.
-        enforce_eager: True forbids cuda_graphs. trust_remote_code: False only (a checkpoint's code never runs).
-        gpu_memory_utilization: the share of the memory (a GPU's; on cpu the machine's) that weights and KV cache may
-        take. max_num_batched_tokens: the tokens one step may run (below). Any other argument is refused by name."""
+    def __init__(
+        self,
+        model: str | None = None,
+        tensor_parallel_size: int = 1,
+        device: str | None = None,
+        dtype: str = "auto",
+        max_num_seqs: int = 8,
+        max_model_len: int | None = None,
+        load_format: str = "auto",
+        distributed_executor_backend: str | type = "mp",
+        cuda_graphs: bool = False,
+        async_scheduling: bool = False,
+        *,
+        tokenizer: str | None = None,
+        seed: int | None = None,
+        generation_config: str = "auto",
+        enforce_eager: bool = False,
+        trust_remote_code: bool = False,
+        gpu_memory_utilization: float = 1.0,
+        max_num_batched_tokens: int | None = None,
+        **others,
+    ):
+        """As vLLM's LLM, for the arguments it has (and cuda_graphs, its own). tokenizer: a
+        directory or hub id (default: the model's). seed: where requests without one draw theirs
+        from. generation_config: "auto" (the model's generation_config.json), "vllm"
+        (SamplingParams()'s defaults) or a directory holding one. enforce_eager: True forbids
+        cuda_graphs. trust_remote_code: False only (a checkpoint's code never runs).
+        gpu_memory_utilization: the share of the memory (a GPU's; on cpu the machine's) that
+        weights and KV cache may take. max_num_batched_tokens: the tokens one step may run
+        (below). Any other argument is refused by name."""
         from transformers import AutoTokenizer
+
         if importing_main_for_spawn():
-            sys.exit("tinytp: a worker process, importing your script as spawn does, ran its LLM(...) too: "
-                     'put the code that creates the LLM under if __name__ == "__main__":')
-        for name in others:  # vLLM's other arguments (enable_prefix_caching, quantization, ...) and typos
-            raise ValueError(f"LLM({name}=...): tinytp does not support {name}; it takes "
-                             f"{', '.join(list(inspect.signature(LLM).parameters)[:-1])}")
+            sys.exit(
+                "tinytp: a worker process, importing your script as spawn does, ran its LLM(...) "
+                "too: "
+                'put the code that creates the LLM under if __name__ == "__main__":'
+            )
+        # vLLM's other arguments (enable_prefix_caching, quantization, ...) and typos
+        for name in others:
+            raise ValueError(
+                f"LLM({name}=...): tinytp does not support {name}; it takes "
+                f"{', '.join(list(inspect.signature(LLM).parameters)[:-1])}"
+            )
         is_directory = isinstance(generation_config, str) and os.path.isdir(generation_config)
         for name, value, valid, allowed in [
-                ("seed", seed, seed is None or is_integer(seed) and 0 <= seed, "None or an integer >= 0"),
-                ("enforce_eager", enforce_eager, enforce_eager is False or enforce_eager is True and not cuda_graphs,
-                 "False or True, and True only without cuda_graphs"),
-                ("trust_remote_code", trust_remote_code, trust_remote_code is False,
-                 "False: tinytp never runs a checkpoint's own code"),
-                ("gpu_memory_utilization", gpu_memory_utilization,
-                 is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1, "a number in (0, 1]"),
-                ("generation_config", generation_config, generation_config in ("auto", "vllm") or is_directory,
-                 "'auto' (the model's generation_config.json), 'vllm' (SamplingParams()'s defaults) or a directory "
-                 "holding a generation_config.json")]:
+            (
+                "seed",
+                seed,
+                seed is None or is_integer(seed) and 0 <= seed,
+                "None or an integer >= 0",
+            ),
+            (
+                "enforce_eager",
+                enforce_eager,
+                enforce_eager is False or enforce_eager is True and not cuda_graphs,
+                "False or True, and True only without cuda_graphs",
+            ),
+            (
+                "trust_remote_code",
+                trust_remote_code,
+                trust_remote_code is False,
+                "False: tinytp never runs a checkpoint's own code",
+            ),
+            (
+                "gpu_memory_utilization",
+                gpu_memory_utilization,
+                is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1,
+                "a number in (0, 1]",
+            ),
+            (
+                "generation_config",
+                generation_config,
+                generation_config in ("auto", "vllm") or is_directory,
+                "'auto' (the model's generation_config.json), 'vllm' (SamplingParams()'s "
+                "defaults) or a directory "
+                "holding a generation_config.json",
+            ),
+        ]:
             if not valid:
                 raise ValueError(f"{name}={value!r} is not supported: it must be {allowed}")
-        main_file = getattr(sys.modules["__main__"], "__file__", None)  # spawn re-imports the script from it
+        # spawn re-imports the script from it
+        main_file = getattr(sys.modules["__main__"], "__file__", None)
         if main_file is not None and not os.path.exists(main_file):
-            raise RuntimeError(f"tinytp cannot start workers from a script read from {main_file}: save it to a file")
-        if mp.current_process().daemon:  # whose children multiprocessing forbids (asserts, which -O skips)
-            raise RuntimeError("tinytp cannot start workers from a daemonic process (a multiprocessing.Pool worker)")
-        executor_class = Executor if distributed_executor_backend == "mp" else distributed_executor_backend
-        if executor_class is not Executor and not (isinstance(executor_class, type) and all(
-                hasattr(executor_class, m) for m in ("collective_rpc", "execute_model", "shutdown"))):
-            raise ValueError(f"distributed_executor_backend must be 'mp' or an Executor class, got {executor_class!r}")
+            raise RuntimeError(
+                f"tinytp cannot start workers from a script read from {main_file}: save it to a "
+                "file"
+            )
+        # whose children multiprocessing forbids (asserts, which -O skips)
+        if mp.current_process().daemon:
+            raise RuntimeError(
+                "tinytp cannot start workers from a daemonic process (a multiprocessing.Pool "
+                "worker)"
+            )
+        executor_class = (
+            Executor if distributed_executor_backend == "mp" else distributed_executor_backend
+        )
+        if executor_class is not Executor and not (
+            isinstance(executor_class, type)
+            and all(
+                hasattr(executor_class, m) for m in ("collective_rpc", "execute_model", "shutdown")
+            )
+        ):
+            raise ValueError(
+                "distributed_executor_backend must be 'mp' or an Executor class, got "
+                f"{executor_class!r}"
+            )
         self.model_dir = resolve_model(model)
         self.config = ModelConfig.from_file(os.path.join(self.model_dir, "config.json"))
         if self.config.unread_keys:
-            print(f"tinytp: {self.model_dir}/config.json: ignoring {', '.join(self.config.unread_keys)}: not read by "
-                  "transformers' Llama either", file=sys.stderr)
-        # Where the sampling defaults come from (None: SamplingParams()'s), and the end-of-sequence ids besides.
-        self.generation_config = {"auto": self.model_dir, "vllm": None}.get(generation_config, generation_config)
+            print(
+                f"tinytp: {self.model_dir}/config.json: ignoring "
+                f"{', '.join(self.config.unread_keys)}: not read by "
+                "transformers' Llama either",
+                file=sys.stderr,
+            )
+        # Where the sampling defaults come from (None: SamplingParams()'s), and the end-of-sequence
+        # ids besides.
+        self.generation_config = {"auto": self.model_dir, "vllm": None}.get(
+            generation_config, generation_config
+        )
         self.get_default_sampling_params()  # a bad generation_config.json refused now
         self.seeds = random.Random(seed)  # seed None: from the OS
         tp = tensor_parallel_size
@@ -678,150 +964,295 @@ class LLM:
         limit = self.config.max_position_embeddings
         self.max_model_len = max_model_len or min(limit, 4096)
         if not is_integer(self.max_model_len) or not 1 < self.max_model_len <= limit:
-            raise ValueError(f"max_model_len must be an integer in 2..{limit} (the model's max_position_embeddings), "
-                             f"got {self.max_model_len}")
+            raise ValueError(
+                f"max_model_len must be an integer in 2..{limit} (the model's "
+                "max_position_embeddings), "
+                f"got {self.max_model_len}"
+            )
         check_count("max_num_seqs", max_num_seqs)
-        # vLLM V1's offline defaults: 4096 tokens a rank on CPU, 8192 on a GPU (16384 on one of 70 GiB or more); a
-        # default is never below max_num_seqs, the bound a given value must meet.
+        # vLLM V1's offline defaults: 4096 tokens a rank on CPU, 8192 on a GPU (16384 on one of 70
+        # GiB or more); a default is never below max_num_seqs, the bound a given value must meet.
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(max_num_seqs, 4096 * tp if device == "cpu" else 8192)
-        if not is_integer(max_num_batched_tokens) or max_num_batched_tokens < max_num_seqs:  # vLLM's bound too
-            raise ValueError(f"max_num_batched_tokens must be an integer >= max_num_seqs ({max_num_seqs}), so that "
-                             f"every slot's token fits a step; got {max_num_batched_tokens!r}")
-        memory = gpu_memory_utilization * (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
-                                           else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        # vLLM's bound too
+        if not is_integer(max_num_batched_tokens) or max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= max_num_seqs ({max_num_seqs}), so "
+                "that "
+                f"every slot's token fits a step; got {max_num_batched_tokens!r}"
+            )
+        memory = gpu_memory_utilization * (
+            torch.cuda.get_device_properties(0).total_memory
+            if device == "cuda"
+            else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        )
         self.check_memory(tp, device, dtype, max_num_seqs, memory)
-        if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":  # graphs capture CUDA kernels
-            raise ValueError(f"cuda_graphs must be False, or True on device 'cuda'; got {cuda_graphs!r} on {device}")
+        # graphs capture CUDA kernels
+        if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":
+            raise ValueError(
+                f"cuda_graphs must be False, or True on device 'cuda'; got {cuda_graphs!r} on "
+                f"{device}"
+            )
         if load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' (safetensors) or 'dummy', got {load_format!r}")
+            raise ValueError(
+                f"load_format must be 'auto' (safetensors) or 'dummy', got {load_format!r}"
+            )
         packing_wanted()  # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
         if load_format == "auto":
             check_checkpoint(self.config, self.model_dir)
         # A dummy-weight run of a bare config.json needs no tokenizer: its prompts are token ids.
-        try:  # never the checkpoint's own code (auto_map): transformers would ask on stdin, then run it
-            self.tokenizer = (AutoTokenizer.from_pretrained(tokenizer or self.model_dir, trust_remote_code=False)
-                              if tokenizer or has_tokenizer(self.model_dir) else None)
+        # never the checkpoint's own code (auto_map): transformers would ask on stdin, then run it
+        try:
+            self.tokenizer = (
+                AutoTokenizer.from_pretrained(tokenizer or self.model_dir, trust_remote_code=False)
+                if tokenizer or has_tokenizer(self.model_dir)
+                else None
+            )
         except (ValueError, OSError) as e:
-            raise ValueError(f"{tokenizer or self.model_dir}: its tokenizer: {' '.join(str(e).split())}") from None
+            raise ValueError(
+                f"{tokenizer or self.model_dir}: its tokenizer: {' '.join(str(e).split())}"
+            ) from None
         if type(async_scheduling) is not bool:
             raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
-        self.scheduler = Scheduler(max_num_seqs, self.max_model_len, max_num_batched_tokens, self.end_of_sequence_ids(),
-                                   self.detokenize)
+        self.scheduler = Scheduler(
+            max_num_seqs,
+            self.max_model_len,
+            max_num_batched_tokens,
+            self.end_of_sequence_ids(),
+            self.detokenize,
+        )
         self.request_ids = itertools.count()
-        self.executor = executor_class(self.model_dir, tp, device, dtype, max_num_seqs, self.max_model_len, load_format,
-                                       cuda_graphs=cuda_graphs)
-        # The engine loop: one thread drives the scheduler and the executor; every caller talks to it through queues.
+        self.executor = executor_class(
+            self.model_dir,
+            tp,
+            device,
+            dtype,
+            max_num_seqs,
+            self.max_model_len,
+            load_format,
+            cuda_graphs=cuda_graphs,
+        )
+        # The engine loop: one thread drives the scheduler and the executor; every caller talks to
+        # it through queues.
         self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.engine_thread = threading.Thread(target=self.engine.run_busy_loop, args=(self.commands,),
-                                              name="tinytp-engine", daemon=True)
+        self.engine_thread = threading.Thread(
+            target=self.engine.run_busy_loop,
+            args=(self.commands,),
+            name="tinytp-engine",
+            daemon=True,
+        )
         self.engine_thread.start()
         atexit.register(self.shutdown)  # registered after the executor's, so run before it
 
-    def check_memory(self, tp: int, device: str, dtype: str, max_num_seqs: int, memory: float) -> None:
-        """What the workers will hold, each rank's weights and KV cache (one GPU's share, or on cpu every rank's),
-        against the memory it goes in: one line now, not a worker killed by the kernel while it loads (exit code -9)."""
+    def check_memory(
+        self, tp: int, device: str, dtype: str, max_num_seqs: int, memory: float
+    ) -> None:
+        """What the workers will hold, each rank's weights and KV cache (one GPU's share, or on cpu
+        every rank's), against the memory it goes in: one line now, not a worker killed by the
+        kernel while it loads (exit code -9)."""
+
         def needed(dtype: str) -> tuple[int, int]:  # bytes of weights, of KV cache
             ranks = 1 if device == "cuda" else tp
-            layer_cache = math.prod(kv_cache_shape(self.config, tp, max_num_seqs, self.max_model_len))
-            return (ranks * weight_bytes(self.config, TPGroup(0, tp), dtype),
-                    ranks * self.config.num_layers * layer_cache * getattr(torch, dtype).itemsize)
+            layer_cache = math.prod(
+                kv_cache_shape(self.config, tp, max_num_seqs, self.max_model_len)
+            )
+            return (
+                ranks * weight_bytes(self.config, TPGroup(0, tp), dtype),
+                ranks * self.config.num_layers * layer_cache * getattr(torch, dtype).itemsize,
+            )
 
         weights, kv_cache = needed(dtype)
         if weights + kv_cache <= memory:
             return
         where = f"{in_units(memory)} of {'a GPU' if device == 'cuda' else 'this machine'}"
-        if dtype == "float32" and sum(needed("bfloat16")) <= memory:  # on a CPU without native bfloat16, say
+        # on a CPU without native bfloat16, say
+        if dtype == "float32" and sum(needed("bfloat16")) <= memory:
             fix = f"dtype='bfloat16' (--dtype bfloat16) needs {in_units(sum(needed('bfloat16')))}"
         elif weights < memory:
             fix = "lower max_num_seqs or max_model_len"
         else:
-            fix = "more GPUs (a larger tensor_parallel_size)" if device == "cuda" else "a machine with more memory"
-        raise ValueError(f"{in_units(weights)} of weights and {in_units(kv_cache)} of KV cache (max_num_seqs="
-                         f"{max_num_seqs}, max_model_len={self.max_model_len}) in {dtype} need more than the {where}: "
-                         f"{fix}")
+            fix = (
+                "more GPUs (a larger tensor_parallel_size)"
+                if device == "cuda"
+                else "a machine with more memory"
+            )
+        raise ValueError(
+            f"{in_units(weights)} of weights and {in_units(kv_cache)} of KV cache (max_num_seqs="
+            f"{max_num_seqs}, max_model_len={self.max_model_len}) in {dtype} need more than the "
+            f"{where}: "
+            f"{fix}"
+        )
 
     def end_of_sequence_ids(self) -> set[int]:
-        """Tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3), the tokenizer's."""
+        """Tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3),
+        the tokenizer's."""
         ids = set(self.config.eos_token_ids)
         path = os.path.join(self.generation_config or self.model_dir, "generation_config.json")
         if os.path.exists(path):
-            ids.update(token_id_list(read_json_object(path).get("eos_token_id"), f"{path}: eos_token_id"))
+            ids.update(
+                token_id_list(read_json_object(path).get("eos_token_id"), f"{path}: eos_token_id")
+            )
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def generate(self, prompts: str | dict | list[str | dict | list[int]],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate completions for each prompt, in prompt order. A prompt is a string, a list of token ids, or vLLM's
-        {"prompt": text} or {"prompt_token_ids": ids}; a bare string or dict is one prompt. sampling_params: one for
-        all prompts, or one per prompt. Every prompt is checked before any runs: one bad prompt rejects the call."""
+    def generate(
+        self,
+        prompts: str | dict | list[str | dict | list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for each prompt, in prompt order. A prompt is a string, a list of
+        token ids, or vLLM's {"prompt": text} or {"prompt_token_ids": ids}; a bare string or dict
+        is one prompt. sampling_params: one for all prompts, or one per prompt. Every prompt is
+        checked before any runs: one bad prompt rejects the call."""
         from tqdm import tqdm
+
         groups = self._make_groups(prompts, sampling_params)
         requests = [request for group in groups for request in group]
-        with tqdm(total=len(requests), desc="generating", unit="sequence",
-                  disable=not use_tqdm or len(requests) < 2) as bar:
+        with tqdm(
+            total=len(requests),
+            desc="generating",
+            unit="sequence",
+            disable=not use_tqdm or len(requests) < 2,
+        ) as bar:
             for _ in self._run(requests):  # each request is reported once, when it finishes
                 bar.update(1)
-        return [request_output(group, [CompletionOutput(index, self.detokenize(r.output_token_ids)[:r.text_end],
-                                                        r.output_token_ids, r.finish_reason, r.stop_reason)
-                                       for index, r in enumerate(group)])
-                for group in groups]
+        return [
+            request_output(
+                group,
+                [
+                    CompletionOutput(
+                        index,
+                        self.detokenize(r.output_token_ids)[: r.text_end],
+                        r.output_token_ids,
+                        r.finish_reason,
+                        r.stop_reason,
+                    )
+                    for index, r in enumerate(group)
+                ],
+            )
+            for group in groups
+        ]
 
-    def _make_groups(self, prompts: str | dict | list, sampling_params: SamplingParams | list | None) -> list:
+    def _make_groups(
+        self, prompts: str | dict | list, sampling_params: SamplingParams | list | None
+    ) -> list:
         """Each prompt's requests (its n samples), every prompt checked before any runs."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params] * len(prompts)
+        )
         if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+            raise ValueError(
+                f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per "
+                "prompt"
+            )
         return [self._make_requests(prompt, p) for prompt, p in zip(prompts, params)]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """The next message of a conversation (a list of {"role", "content"} dicts), or of each in a list of them."""
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """The next message of a conversation (a list of {"role", "content"} dicts), or of each in a
+        list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.chat_prompt(conversation, chat_template, add_generation_prompt,
-                                               continue_final_message, chat_template_kwargs)
-                              for conversation in conversations], sampling_params, use_tqdm)
+        return self.generate(
+            [
+                self.chat_prompt(
+                    conversation,
+                    chat_template,
+                    add_generation_prompt,
+                    continue_final_message,
+                    chat_template_kwargs,
+                )
+                for conversation in conversations
+            ],
+            sampling_params,
+            use_tqdm,
+        )
 
-    def chat_prompt(self, conversation: list[dict], chat_template: str | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    chat_template_kwargs: dict | None = None) -> dict:
-        """A conversation as a prompt: its text, and its token ids (the template writes the special tokens). A content
-        given as OpenAI's parts ([{"type": "text", "text": ...}, ...]) is their texts joined by newlines, as in vLLM.
-        continue_final_message: the text ends in the last message, for the model to go on with it. chat_template_kwargs:
-        more variables for the template (enable_thinking=False, say)."""
+    def chat_prompt(
+        self,
+        conversation: list[dict],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> dict:
+        """A conversation as a prompt: its text, and its token ids (the template writes the special
+        tokens). A content given as OpenAI's parts ([{"type": "text", "text": ...}, ...]) is their
+        texts joined by newlines, as in vLLM. continue_final_message: the text ends in the last
+        message, for the model to go on with it. chat_template_kwargs: more variables for the
+        template (enable_thinking=False, say)."""
         if not (self.tokenizer and (chat_template or self.tokenizer.chat_template)):
-            raise ValueError(f"{self.model_dir} has no tokenizer with a chat template: give chat_template=...")
-        if add_generation_prompt and continue_final_message:  # as vLLM: a new message, or more of the last one
-            raise ValueError("continue_final_message=True goes on with the last message: "
-                             "give add_generation_prompt=False")
+            raise ValueError(
+                f"{self.model_dir} has no tokenizer with a chat template: give chat_template=..."
+            )
+        # as vLLM: a new message, or more of the last one
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message=True goes on with the last message: "
+                "give add_generation_prompt=False"
+            )
         template_kwargs = dict(chat_template_kwargs or {})
-        taken = template_kwargs.keys() & {"conversation", "chat_template", "tokenize", "add_generation_prompt",
-                                          "continue_final_message"}
+        taken = template_kwargs.keys() & {
+            "conversation",
+            "chat_template",
+            "tokenize",
+            "add_generation_prompt",
+            "continue_final_message",
+        }
         if taken:
-            raise ValueError(f"chat_template_kwargs cannot set {sorted(taken)[0]}: chat() has an argument for it")
-        conversation = [dict(message, content=message_text(message["content"]))
-                        if isinstance(message, dict) and isinstance(message.get("content"), list) else message
-                        for message in conversation]
-        text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message, **template_kwargs)
-        return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
+            raise ValueError(
+                f"chat_template_kwargs cannot set {sorted(taken)[0]}: chat() has an argument for it"
+            )
+        conversation = [
+            dict(message, content=message_text(message["content"]))
+            if isinstance(message, dict) and isinstance(message.get("content"), list)
+            else message
+            for message in conversation
+        ]
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **template_kwargs,
+        )
+        return {
+            "prompt": text,
+            "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids,
+        }
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What generate() and chat() sample with when given no SamplingParams, as vLLM's (see generation_config)."""
-        return default_sampling_params(self.generation_config) if self.generation_config else SamplingParams()
+        """What generate() and chat() sample with when given no SamplingParams, as vLLM's (see
+        generation_config)."""
+        return (
+            default_sampling_params(self.generation_config)
+            if self.generation_config
+            else SamplingParams()
+        )
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
 
-    def stream(self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield one prompt's completion text as it is generated; the prompt is checked now, not at the first piece.
-        Closing it early (break, .close(), garbage collection) aborts the request: its slot is free within a step."""
+    def stream(
+        self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None
+    ) -> Iterator[str]:
+        """Yield one prompt's completion text as it is generated; the prompt is checked now, not at
+        the first piece. Closing it early (break, .close(), garbage collection) aborts the
+        request: its slot is free within a step."""
         requests = self._make_requests(prompt, sampling_params)
         if len(requests) > 1:
             raise ValueError(f"stream yields one completion: n must be 1, got {len(requests)}")
@@ -831,42 +1262,74 @@ class LLM:
         shown = ""
         for outputs in self._stream_outputs([requests]):
             text = outputs[0].outputs[0].text
-            yield text[len(shown):]
+            yield text[len(shown) :]
             shown = text
 
-    def stream_outputs(self, prompts: str | dict | list, sampling_params: SamplingParams | list | None = None
-                       ) -> Iterator[list[RequestOutput]]:
-        """generate's outputs as they grow (vLLM's AsyncLLM.generate streams one prompt, with asyncio): after each
-        step that gave a sample of the prompts new text, every prompt's RequestOutput so far, in prompt order; a
-        completion's finish_reason is None until it ends, an output `finished` once all its samples are. Checked now,
-        not at the first output; closing it early aborts the requests, as stream's does."""
+    def stream_outputs(
+        self, prompts: str | dict | list, sampling_params: SamplingParams | list | None = None
+    ) -> Iterator[list[RequestOutput]]:
+        """generate's outputs as they grow (vLLM's AsyncLLM.generate streams one prompt, with
+        asyncio): after each step that gave a sample of the prompts new text, every prompt's
+        RequestOutput so far, in prompt order; a completion's finish_reason is None until it
+        ends, an output `finished` once all its samples are. Checked now, not at the first
+        output; closing it early aborts the requests, as stream's does."""
         return self._stream_outputs(self._make_groups(prompts, sampling_params))
 
     def _stream_outputs(self, groups: list[list[Request]]) -> Iterator[list[RequestOutput]]:
-        texts = {r.request_id: IncrementalText(self.detokenize, r.params.stop) for group in groups for r in group}
-        place = {r.request_id: (number, index) for number, group in enumerate(groups) for index, r in enumerate(group)}
-        completions = [[CompletionOutput(index, "", [], None) for index in range(len(group))] for group in groups]
-        for request, num_tokens, finished in self._run([r for group in groups for r in group], stream=True):
-            token_ids = request.output_token_ids[:num_tokens]  # the engine may have appended more since
+        texts = {
+            r.request_id: IncrementalText(self.detokenize, r.params.stop)
+            for group in groups
+            for r in group
+        }
+        place = {
+            r.request_id: (number, index)
+            for number, group in enumerate(groups)
+            for index, r in enumerate(group)
+        }
+        completions = [
+            [CompletionOutput(index, "", [], None) for index in range(len(group))]
+            for group in groups
+        ]
+        for request, num_tokens, finished in self._run(
+            [r for group in groups for r in group], stream=True
+        ):
+            # the engine may have appended more since
+            token_ids = request.output_token_ids[:num_tokens]
             text = texts[request.request_id].update(token_ids, finished, request.text_end)
             if text is None:
                 continue  # half of a multi-byte character: wait for the rest
             number, index = place[request.request_id]
             completions[number][index] = (
-                CompletionOutput(index, text, token_ids, request.finish_reason, request.stop_reason) if finished
-                else CompletionOutput(index, text, token_ids, None))
-            yield [request_output(group, list(samples)) for group, samples in zip(groups, completions)]
+                CompletionOutput(index, text, token_ids, request.finish_reason, request.stop_reason)
+                if finished
+                else CompletionOutput(index, text, token_ids, None)
+            )
+            yield [
+                request_output(group, list(samples)) for group, samples in zip(groups, completions)
+            ]
 
-    def _make_requests(self, prompt: str | dict | list[int], params: SamplingParams | None) -> list[Request]:
+    def _make_requests(
+        self, prompt: str | dict | list[int], params: SamplingParams | None
+    ) -> list[Request]:
         """A prompt's requests, one per sample (params.n), checked."""
         params = self.get_default_sampling_params() if params is None else params  # as vLLM's
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {params!r}")
+            raise ValueError(
+                f"sampling_params must be SamplingParams or a list of them, got {params!r}"
+            )
         text = prompt if isinstance(prompt, str) else None
-        if isinstance(prompt, dict):  # vLLM's {"prompt": text}, {"prompt_token_ids": ids}, or both (from chat)
+        # vLLM's {"prompt": text}, {"prompt_token_ids": ids}, or both (from chat)
+        if isinstance(prompt, dict):
             text = prompt.get("prompt")
-            if not prompt or prompt.keys() - {"prompt", "prompt_token_ids"} or not isinstance(text, (str, type(None))):
-                raise ValueError(f'a dict prompt is {{"prompt": text}} or {{"prompt_token_ids": ids}}, got {prompt!r}')
+            if (
+                not prompt
+                or prompt.keys() - {"prompt", "prompt_token_ids"}
+                or not isinstance(text, (str, type(None)))
+            ):
+                raise ValueError(
+                    f'a dict prompt is {{"prompt": text}} or {{"prompt_token_ids": ids}}, got '
+                    f"{prompt!r}"
+                )
             prompt = prompt.get("prompt_token_ids", text)
         if isinstance(prompt, str):
             if not prompt:
@@ -880,34 +1343,54 @@ class LLM:
                 raise ValueError("empty prompt: give at least one token id")
             wrong_type = [t for t in prompt if not is_integer(t)]
             if wrong_type:
-                raise ValueError(f"token ids must be integers, got {wrong_type[0]!r} ({type(wrong_type[0]).__name__})")
+                raise ValueError(
+                    f"token ids must be integers, got {wrong_type[0]!r} "
+                    f"({type(wrong_type[0]).__name__})"
+                )
             token_ids = [int(t) for t in prompt]  # plain ints, from numpy's too
             self._check_vocabulary(token_ids, "token ids")
         else:
-            raise ValueError(f"a prompt is a string or a list of token ids, got {prompt!r} ({type(prompt).__name__})")
+            raise ValueError(
+                f"a prompt is a string or a list of token ids, got {prompt!r} "
+                f"({type(prompt).__name__})"
+            )
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} "
-                             "allows at most max_model_len - 1")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} "
+                "allows at most max_model_len - 1"
+            )
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids")
+            raise ValueError(
+                f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids"
+            )
         if params.max_tokens is None:  # vLLM's: as many as max_model_len leaves
             params = replace(params, max_tokens=self.max_model_len - len(token_ids))
         seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
         # Sample 0 takes the seed itself (n=1 samples as before), sample i one drawn from (seed, i):
         # a seeded call repeats exactly, and sample 1 of seed s is not sample 0 of seed s + 1.
-        seeds = [seed] + [random.Random(f"{seed}:{index}").getrandbits(64) for index in range(1, params.n)]
-        return [Request(next(self.request_ids), text, token_ids, params, sample_seed) for sample_seed in seeds]
+        seeds = [seed] + [
+            random.Random(f"{seed}:{index}").getrandbits(64) for index in range(1, params.n)
+        ]
+        return [
+            Request(next(self.request_ids), text, token_ids, params, sample_seed)
+            for sample_seed in seeds
+        ]
 
     def _check_vocabulary(self, token_ids: list[int], what: str) -> None:
         outside = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
         if outside:
-            raise ValueError(f"{what} {outside[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})")
+            raise ValueError(
+                f"{what} {outside[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})"
+            )
 
-    def _run(self, requests: list[Request], stream: bool = False) -> Iterator[tuple[Request, int, bool]]:
-        """Hand the requests to the engine loop and yield what it reports of them: (request, its tokens then, whether
-        it finished), for each new token (stream) or only at the end. They share the running batch with every other
-        caller's. Leaving early (an exception, Ctrl-C, a stream closed) aborts those not finished."""
+    def _run(
+        self, requests: list[Request], stream: bool = False
+    ) -> Iterator[tuple[Request, int, bool]]:
+        """Hand the requests to the engine loop and yield what it reports of them: (request, its
+        tokens then, whether it finished), for each new token (stream) or only at the end. They
+        share the running batch with every other caller's. Leaving early (an exception, Ctrl-C, a
+        stream closed) aborts those not finished."""
         outputs = queue.SimpleQueue()  # this caller's: the engine loop reports its requests here
         for request in requests:
             request.outputs, request.stream = outputs, stream
@@ -916,7 +1399,8 @@ class LLM:
         try:
             while unfinished:
                 report = outputs.get()
-                if isinstance(report, Exception):  # the same failure for every caller: each raises a copy of its own
+                # the same failure for every caller: each raises a copy of its own
+                if isinstance(report, Exception):
                     raise type(report)(*report.args) from None
                 request, num_tokens, finished = report
                 if finished:
@@ -927,19 +1411,27 @@ class LLM:
                 self.commands.put(("abort", list(unfinished)))
 
     def _in_engine(self, function: Callable):
-        """Run `function` in the engine loop's thread, between two steps, and return what it returns: that thread
-        alone drives the executor (once the loop has stopped, here)."""
+        """Run `function` in the engine loop's thread, between two steps, and return what it
+        returns: that thread alone drives the executor (once the loop has stopped, here)."""
         if not self.engine_thread.is_alive():
             return function()
         result = concurrent.futures.Future()
         self.commands.put(("call", (function, result)))
         return result.result()
 
-    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
-                       kwargs: dict | None = None) -> list:
-        """vLLM's public form: args and kwargs as a tuple and a dict, so that no name of the method's own
-        arguments can collide with collective_rpc's (the Executor keeps the PR's `*args, **kwargs`)."""
-        return self._in_engine(lambda: self.executor.collective_rpc(method, timeout, *args, **(kwargs or {})))
+    def collective_rpc(
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> list:
+        """vLLM's public form: args and kwargs as a tuple and a dict, so that no name of the
+        method's own arguments can collide with collective_rpc's (the Executor keeps the PR's
+        `*args, **kwargs`)."""
+        return self._in_engine(
+            lambda: self.executor.collective_rpc(method, timeout, *args, **(kwargs or {}))
+        )
 
     def check_health(self) -> None:
         """Raise RuntimeError if the workers are gone (vLLM's check_health)."""
@@ -950,10 +1442,12 @@ class LLM:
         return dict(self.engine.stats)
 
     def shutdown(self) -> None:
-        """Stop the engine loop (a step it waits for is given up), then the workers; free all shared memory."""
+        """Stop the engine loop (a step it waits for is given up), then the workers; free all shared
+        memory."""
         atexit.unregister(self.shutdown)
         if self.engine_thread.is_alive():
-            if isinstance(self.executor, Executor):  # another kind (bench's in-process) never waits on processes
+            # another kind (bench's in-process) never waits on processes
+            if isinstance(self.executor, Executor):
                 self.executor.closing.set()
             self.commands.put((SHUTDOWN_ENGINE, None))
             self.engine_thread.join()
@@ -972,38 +1466,70 @@ DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "Tensor para
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tinytp.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="number of ranks")
-    parser.add_argument("--model", help="checkpoint directory or hub id (default: a tiny random Llama)")
+    parser.add_argument(
+        "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="number of ranks"
+    )
+    parser.add_argument(
+        "--model", help="checkpoint directory or hub id (default: a tiny random Llama)"
+    )
     parser.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
     parser.add_argument("--max-tokens", type=int, default=128)
-    sampling = parser.add_argument_group("sampling (with none of these: from the model's generation_config.json)")
+    sampling = parser.add_argument_group(
+        "sampling (with none of these: from the model's generation_config.json)"
+    )
     sampling.add_argument("--temperature", type=float, help="0 is greedy")
     sampling.add_argument("--top-p", type=float)
     sampling.add_argument("--top-k", type=int, help="0 or -1: all tokens")
     sampling.add_argument("--min-p", type=float)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", help="end the text before this string; repeat for more")
-    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                        help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)")
+    parser.add_argument(
+        "--stop", action="append", help="end the text before this string; repeat for more"
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens"
+    )
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="the tokens one step may run (default: 4096 a rank on cpu, 8192 on cuda)")
-    parser.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (opt-in)")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="send each step while the one before it runs (two steps in flight)")
-    parser.add_argument("--no-chat-template", action="store_true", help="send the prompt text as it is")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the tokens one step may run (default: 4096 a rank on cpu, 8192 on cuda)",
+    )
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (opt-in)"
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="send each step while the one before it runs (two steps in flight)",
+    )
+    parser.add_argument(
+        "--no-chat-template", action="store_true", help="send the prompt text as it is"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        chosen = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "min_p")
-                  if getattr(args, name) is not None}
-        others = dict(max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+        chosen = {
+            name: getattr(args, name)
+            for name in ("temperature", "top_p", "top_k", "min_p")
+            if getattr(args, name) is not None
+        }
+        others = dict(
+            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos
+        )
         params = SamplingParams(**chosen, **others)  # checked now, before anything loads
         prompts = args.prompt or DEFAULT_PROMPTS
         if not all(prompts):
@@ -1013,16 +1539,31 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{model_dir} has no tokenizer files, so it cannot take text prompts")
         if not chosen:
             params = replace(default_sampling_params(model_dir), **others)
-        with LLM(model_dir, args.tp, args.device, args.dtype, args.max_num_seqs, args.max_model_len,
-                 cuda_graphs=args.cuda_graphs, async_scheduling=args.async_scheduling,
-                 max_num_batched_tokens=args.max_num_batched_tokens) as llm:
+        with LLM(
+            model_dir,
+            args.tp,
+            args.device,
+            args.dtype,
+            args.max_num_seqs,
+            args.max_model_len,
+            cuda_graphs=args.cuda_graphs,
+            async_scheduling=args.async_scheduling,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        ) as llm:
             if args.model is None:
-                print("tinytp: no --model given: running a tiny Llama with RANDOM weights, "
-                      "so its text is gibberish", file=sys.stderr)
+                print(
+                    "tinytp: no --model given: running a tiny Llama with RANDOM weights, "
+                    "so its text is gibberish",
+                    file=sys.stderr,
+                )
             template = llm.tokenizer.chat_template and not args.no_chat_template
-            inputs = [llm.chat_prompt([{"role": "user", "content": p}]) if template else p for p in prompts]
+            inputs = [
+                llm.chat_prompt([{"role": "user", "content": p}]) if template else p
+                for p in prompts
+            ]
             if len(prompts) == 1:  # stream a single completion as it is generated
-                pieces = llm.stream(inputs[0], params)  # checks the prompt before anything is printed
+                # checks the prompt before anything is printed
+                pieces = llm.stream(inputs[0], params)
                 print(f"Prompt: {prompts[0]!r}\nOutput: ", end="", flush=True)
                 for piece in pieces:
                     print(piece, end="", flush=True)
@@ -1034,9 +1575,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `yes | head` does
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else exit's flush fails again
+        # else exit's flush fails again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports it
-    except (RuntimeError, OSError) as e:  # a worker failed or died, /dev/shm is full: not the user's doing
+    # a worker failed or died, /dev/shm is full: not the user's doing
+    except (RuntimeError, OSError) as e:
         print(f"tinytp: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -29,9 +29,24 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import model as model_code  # for model_code.collectives, which init_device may replace
-from model import (Collectives, LlamaForCausalLM, ModelConfig, ModelInputs, TPGroup, check_count,
-                   cpu_has_native_bfloat16, init_dummy_weights, is_integer, is_number, kv_cache_shape, load_checkpoint,
-                   pack_for_cpu, packing_wanted, token_id_list)
+from model import (
+    Collectives,
+    LlamaForCausalLM,
+    ModelConfig,
+    ModelInputs,
+    TPGroup,
+    check_count,
+    cpu_has_native_bfloat16,
+    init_dummy_weights,
+    is_integer,
+    is_number,
+    kv_cache_shape,
+    load_checkpoint,
+    pack_for_cpu,
+    packing_wanted,
+    token_id_list,
+)
+
 
 # Not Python's public API, in one place --------------------------------------------------
 # multiprocessing internals that no public call replaces in Python 3.11, each used once.
@@ -42,7 +57,8 @@ def forget_child_processes(processes: list) -> None:
 
 
 def importing_main_for_spawn() -> bool:
-    """Is this a spawned process still importing its parent's main script? (multiprocessing's own test)"""
+    """Is this a spawned process still importing its parent's main script? (multiprocessing's own
+    test)"""
     return getattr(multiprocessing.current_process(), "_inheriting", False)
 
 
@@ -52,7 +68,10 @@ def unlink_semaphores(semaphores: list) -> None:
     registered where they were made, which then removes itself, else by its cleanup."""
     names = {semaphore._semlock.name for semaphore in semaphores}
     for finalizer in list(multiprocessing.util._finalizer_registry.values()):
-        if finalizer._callback is multiprocessing.synchronize.SemLock._cleanup and finalizer._args[0] in names:
+        if (
+            finalizer._callback is multiprocessing.synchronize.SemLock._cleanup
+            and finalizer._args[0] in names
+        ):
             names.discard(finalizer._args[0])
             finalizer()
     for name in names:  # made by another process (a worker cleaning up for a dead driver)
@@ -77,9 +96,11 @@ MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a lower temperature other than 0 is 
 
 @dataclass(kw_only=True)  # keywords only: vLLM's positional order differs
 class SamplingParams:
-    """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy, sampling_probabilities
-    applies the rest; n samples per prompt, repeatable with a seed. A sequence ends at an end-of-sequence token (unless
-    ignore_eos), one of stop_token_ids, a stop string (the text ends before it) or after max_tokens."""
+    """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy,
+    sampling_probabilities applies the rest; n samples per prompt, repeatable with a seed. A
+    sequence ends at an end-of-sequence token (unless ignore_eos), one of stop_token_ids, a stop
+    string (the text ends before it) or after max_tokens."""
+
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -95,8 +116,10 @@ class SamplingParams:
         # vLLM's other fields (beam search, penalties, logprobs, ...) and typos: a ValueError naming
         # the field, not a TypeError, and never accepted, even at vLLM's default.
         for name in kwargs.keys() - {f.name for f in fields(cls)}:
-            raise ValueError(f"SamplingParams({name}=...): tinytp does not support {name}; it has "
-                             f"{', '.join(f.name for f in fields(cls))}")
+            raise ValueError(
+                f"SamplingParams({name}=...): tinytp does not support {name}; it has "
+                f"{', '.join(f.name for f in fields(cls))}"
+            )
         return super().__new__(cls)
 
     def __post_init__(self):
@@ -104,31 +127,52 @@ class SamplingParams:
         # reached the workers would fail inside a step and take every request with it.
         check_count("n", self.n)
         for name, valid, allowed in [
-                ("temperature", is_number(self.temperature) and 0 <= self.temperature < math.inf, "a number >= 0"),
-                ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-                ("top_k", is_integer(self.top_k) and self.top_k >= -1, "an integer >= 1, or 0 or -1 for all tokens"),
-                ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
-                ("seed", self.seed is None or is_integer(self.seed) and 0 <= self.seed < 2**64,  # what torch takes
-                 "None or an integer in [0, 2**64)"),
-                ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False")]:
+            (
+                "temperature",
+                is_number(self.temperature) and 0 <= self.temperature < math.inf,
+                "a number >= 0",
+            ),
+            ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            (
+                "top_k",
+                is_integer(self.top_k) and self.top_k >= -1,
+                "an integer >= 1, or 0 or -1 for all tokens",
+            ),
+            ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            # what torch takes
+            (
+                "seed",
+                self.seed is None or is_integer(self.seed) and 0 <= self.seed < 2**64,
+                "None or an integer in [0, 2**64)",
+            ),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
+        ]:
             if not valid:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
         stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+            raise ValueError(
+                f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
+            )
         self.stop = list(stop)
         self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")
         if self.max_tokens is not None:
             check_count("max_tokens", self.max_tokens)
-        if 0 < self.temperature < MIN_TEMPERATURE:  # 1 / temperature would overflow the logits into NaN
-            print(f"tinytp: temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}, which gives NaN or inf in "
-                  f"the sampler: raised to {MIN_TEMPERATURE:g}, as vLLM does (0 is greedy)", file=sys.stderr)
+        # 1 / temperature would overflow the logits into NaN
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            print(
+                f"tinytp: temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}, which "
+                "gives NaN or inf in "
+                f"the sampler: raised to {MIN_TEMPERATURE:g}, as vLLM does (0 is greedy)",
+                file=sys.stderr,
+            )
             self.temperature = MIN_TEMPERATURE
 
 
 @dataclass
 class NewRequest:
     """A request the workers have not seen: sent in full once, then referred to by id."""
+
     request_id: int
     prompt_token_ids: list[int]
     slot: int  # its row of the KV cache, chosen by the driver so every rank agrees
@@ -138,25 +182,32 @@ class NewRequest:
 
 @dataclass
 class SchedulerOutput:
-    """One step, as deltas: never the last sampled token, which every worker appended to its own copy of the request."""
+    """One step, as deltas: never the last sampled token, which every worker appended to its own
+    copy of the request."""
+
     new_requests: list[NewRequest]
     scheduled_ids: list[int]  # requests that run this step, in batch order
-    num_scheduled_tokens: list[int]  # each one's tokens this step: 1 when it decodes, else a chunk of its prompt
+    # each one's tokens this step: 1 when it decodes, else a chunk of its prompt
+    num_scheduled_tokens: list[int]
     finished_ids: list[int]  # requests whose slots can be freed
 
 
 @dataclass
 class ModelRunnerOutput:
     """Rank 0's answer to one step."""
-    sampled_token_ids: list[int | None]  # one per scheduled request, in its order; None: a prompt part-way done
+
+    # one per scheduled request, in its order; None: a prompt part-way done
+    sampled_token_ids: list[int | None]
     execute_seconds: float  # time inside the worker, to measure the executor's overhead
 
 
 @dataclass
 class RPCCall:
-    """A method call broadcast to every worker, a step too (execute_model, with the SchedulerOutput as its argument).
-    unique_reply_rank (vLLM's name) is the one rank that answers, or None for every rank: a step is answered by rank 0
-    alone, since every rank sampled the same tokens. Any rank answers with an error."""
+    """A method call broadcast to every worker, a step too (execute_model, with the SchedulerOutput
+    as its argument). unique_reply_rank (vLLM's name) is the one rank that answers, or None for
+    every rank: a step is answered by rank 0 alone, since every rank sampled the same tokens. Any
+    rank answers with an error."""
+
     call_id: int
     method: str | bytes  # a Worker method's name, or a pickled function called with the Worker
     args: tuple = ()
@@ -173,12 +224,14 @@ class RPCResult:
 
 SHUTDOWN = "shutdown"  # the method name that ends the worker loop
 
-# Pickle writes each class's module and name, and looks the class up by them on each side, as costly as the rest of
-# a message's pickling (docs/performance.md): so the two classes every message is go as their number and a tuple of
-# their fields (a step's SchedulerOutput, inside, by name).
+# Pickle writes each class's module and name, and looks the class up by them on each side, as costly
+# as the rest of a message's pickling (docs/performance.md): so the two classes every message is go
+# as their number and a tuple of their fields (a step's SchedulerOutput, inside, by name).
 MESSAGE_CLASSES = (RPCCall, RPCResult)
-MESSAGE_FIELDS = {cls: (number, operator.attrgetter(*(f.name for f in fields(cls))))
-                  for number, cls in enumerate(MESSAGE_CLASSES)}
+MESSAGE_FIELDS = {
+    cls: (number, operator.attrgetter(*(f.name for f in fields(cls))))
+    for number, cls in enumerate(MESSAGE_CLASSES)
+}
 
 
 def encode(message: Any) -> bytes:
@@ -192,27 +245,36 @@ def decode(data: bytes | memoryview) -> Any:
     return payload if number is None else MESSAGE_CLASSES[number](*payload)
 
 
-# Waiting: poll while yielding the core, then sleep until the doorbell rings -----------
-# Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a spinner can hold the very
-# core that the process it waits for needs (docs/performance.md has a pure spin's round trips).
+# Waiting: poll while yielding the core, then sleep until the doorbell rings ----------- Poll with
+# sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a spinner can hold the
+# very core that the process it waits for needs (docs/performance.md has a pure spin's round trips).
 YIELD_SECONDS = 1e-3
 SLEEP_FRACTION = 0.05  # then, with no doorbell, sleep 5% of the time waited so far
 MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
-# With a doorbell, the ring ends the sleep, and its timeout only spaces the liveness checks: long, since each timed
-# wake-up of the driver takes a core from a rank (naps of 5% woke it often each step, slowing every tp).
+# With a doorbell, the ring ends the sleep, and its timeout only spaces the liveness checks: long,
+# since each timed wake-up of the driver takes a core from a rank (naps of 5% woke it often each
+# step, slowing every tp).
 DOORBELL_SLEEP = 50e-3
 
 
-def wait_until(ready: Callable[[], bool], timeout: float | None, what: str | Callable[[], str],
-               check: Callable[[], None] | None = None, doorbell=None) -> None:
-    """Return once ready() is true; after `timeout` seconds, raise TimeoutError naming `what` (or what(), a message
-    worth building only then). Past the polling, call check(), which raises if waiting is pointless (a worker or the
-    driver died), then sleep; a `doorbell` (a semaphore the writer releases after each chunk) ends the sleep."""
+def wait_until(
+    ready: Callable[[], bool],
+    timeout: float | None,
+    what: str | Callable[[], str],
+    check: Callable[[], None] | None = None,
+    doorbell=None,
+) -> None:
+    """Return once ready() is true; after `timeout` seconds, raise TimeoutError naming `what` (or
+    what(), a message worth building only then). Past the polling, call check(), which raises if
+    waiting is pointless (a worker or the driver died), then sleep; a `doorbell` (a semaphore the
+    writer releases after each chunk) ends the sleep."""
     start = time.perf_counter()
     while not ready():
         waited = time.perf_counter() - start
         if timeout is not None and waited > timeout:
-            raise TimeoutError(f"{what if isinstance(what, str) else what()}: nothing after {timeout:g} s")
+            raise TimeoutError(
+                f"{what if isinstance(what, str) else what()}: nothing after {timeout:g} s"
+            )
         if waited < YIELD_SECONDS:
             os.sched_yield()
             continue
@@ -231,25 +293,34 @@ def wait_until(ready: Callable[[], bool], timeout: float | None, what: str | Cal
 def new_shared_memory(size: int) -> shared_memory.SharedMemory:
     """A new block, zero-filled, named after this process so leftovers are easy to trace."""
     try:
-        return shared_memory.SharedMemory(name=f"tinytp_{os.getpid()}_{os.urandom(4).hex()}", create=True, size=size)
+        return shared_memory.SharedMemory(
+            name=f"tinytp_{os.getpid()}_{os.urandom(4).hex()}", create=True, size=size
+        )
     except OSError as e:  # out of files (inodes), most likely: each block is one, however small
-        raise RuntimeError(f"cannot create a shared-memory block in /dev/shm ({e.strerror}): if it is out of "
-                           "files (df -i /dev/shm), remove leftovers of killed programs (ls /dev/shm)") from e
+        raise RuntimeError(
+            f"cannot create a shared-memory block in /dev/shm ({e.strerror}): if it is out of "
+            "files (df -i /dev/shm), remove leftovers of killed programs (ls /dev/shm)"
+        ) from e
 
 
 def check_free_shared_memory(blocks: list[shared_memory.SharedMemory | None]) -> None:
-    """New blocks are sparse: tmpfs hands out a page when it is first touched, and when /dev/shm is full that touch
-    is a SIGBUS ("Bus error") that kills the process. So a creator checks that all its blocks fit before using them."""
+    """New blocks are sparse: tmpfs hands out a page when it is first touched, and when /dev/shm is
+    full that touch is a SIGBUS ("Bus error") that kills the process. So a creator checks that all
+    its blocks fit before using them."""
     needed = sum(block.size for block in blocks if block is not None)
     stat = os.statvfs("/dev/shm")
     if stat.f_bavail * stat.f_frsize < needed:
-        raise RuntimeError(f"/dev/shm has {stat.f_bavail * stat.f_frsize / 2**20:.2f} MiB free; tinytp needs "
-                           f"{needed / 2**20:.1f} MiB: free some, or give a container more (docker run --shm-size=1g)")
+        raise RuntimeError(
+            f"/dev/shm has {stat.f_bavail * stat.f_frsize / 2**20:.2f} MiB free; tinytp needs "
+            f"{needed / 2**20:.1f} MiB: free some, or give a container more (docker run "
+            "--shm-size=1g)"
+        )
 
 
 @dataclass(frozen=True)
 class QueueHandle:
     """What a process needs to attach to a queue that another process created."""
+
     name: str
     num_readers: int
     num_chunks: int
@@ -261,47 +332,73 @@ CHUNK_HEADER = struct.Struct("<IQ")  # payload bytes in this chunk, bytes in the
 
 
 class MessageQueue:
-    """One writer, N readers, a ring of fixed-size chunks in one shared-memory block. A pickled message longer than a
-    chunk continues in the next ones, so any size goes through a small ring; a sleeping reader is woken by its doorbell.
+    """One writer, N readers, a ring of fixed-size chunks in one shared-memory block. A pickled
+    message longer than a chunk continues in the next ones, so any size goes through a small
+    ring; a sleeping reader is woken by its doorbell.
 
-    Why the flag order is safe: the writer clears *written*, resets the read flags, fills the chunk and sets *written*
-    last; a reader is done with the chunk before it sets its *read* flag, so no chunk is overwritten while read. A
-    reader checks its own *read* flag *before* *written*: a reset flag means the writer has already cleared *written*
-    for this round, so *written* then truthfully says the chunk is complete (the other order can read a half-written
-    chunk). This needs each process's stores to become visible in program order, as on x86; ARM would need a fence
-    that Python cannot issue (vLLM's shm_broadcast has the same caveat)."""
+    Why the flag order is safe: the writer clears *written*, resets the read flags, fills the
+    chunk and sets *written* last; a reader is done with the chunk before it sets its *read*
+    flag, so no chunk is overwritten while read. A reader checks its own *read* flag *before*
+    *written*: a reset flag means the writer has already cleared *written* for this round, so
+    *written* then truthfully says the chunk is complete (the other order can read a half-written
+    chunk). This needs each process's stores to become visible in program order, as on x86; ARM
+    would need a fence that Python cannot issue (vLLM's shm_broadcast has the same caveat)."""
 
-    def __init__(self, handle: QueueHandle, shm: shared_memory.SharedMemory, reader: int | None, owner: bool):
+    def __init__(
+        self, handle: QueueHandle, shm: shared_memory.SharedMemory, reader: int | None, owner: bool
+    ):
         self.handle = handle
         self.shm = shm
         self.buf = shm.buf
         self.reader = reader  # None for the writer's side
         self.owner = owner  # the creator unlinks the block
-        # The block (README, "The shared-memory queue"): all chunks' flags, then the chunks. The *_at offsets
-        # are computed once: enqueue and dequeue run a few times a step, and each Python operation in them counts.
+        # The block (README, "The shared-memory queue"): all chunks' flags, then the chunks. The
+        # *_at offsets are computed once: enqueue and dequeue run a few times a step, and each
+        # Python operation in them counts.
         flags_bytes = 1 + handle.num_readers
         self.written_at = [i * flags_bytes for i in range(handle.num_chunks)]
-        self.read_flags_at = [slice(i * flags_bytes + 1, (i + 1) * flags_bytes) for i in range(handle.num_chunks)]
+        self.read_flags_at = [
+            slice(i * flags_bytes + 1, (i + 1) * flags_bytes) for i in range(handle.num_chunks)
+        ]
         if reader is not None:
             self.my_read_at = [i * flags_bytes + 1 + reader for i in range(handle.num_chunks)]
-        self.chunk_at = [handle.num_chunks * flags_bytes + i * handle.chunk_bytes for i in range(handle.num_chunks)]
+        self.chunk_at = [
+            handle.num_chunks * flags_bytes + i * handle.chunk_bytes
+            for i in range(handle.num_chunks)
+        ]
         self.capacity = handle.chunk_bytes - CHUNK_HEADER.size  # payload bytes per chunk
         self.no_reads, self.all_read = bytes(handle.num_readers), bytes([1] * handle.num_readers)
-        self.who_waits = (f"queue {handle.name}: the writer waited for readers to free a chunk" if reader is None
-                          else f"queue {handle.name}: reader {reader} waited for a message")  # built once
+        self.who_waits = (
+            f"queue {handle.name}: the writer waited for readers to free a chunk"
+            if reader is None
+            # built once
+            else f"queue {handle.name}: reader {reader} waited for a message"
+        )
         self.next_chunk = 0  # the writer's or this reader's position in the ring
-        self.cut_off = False  # the writer or this reader gave up part-way through a message (see enqueue, dequeue)
-        self.receive_buffer = bytearray()  # kept between multi-chunk messages: a new 16 MiB one each costs page faults
+        # the writer or this reader gave up part-way through a message (see enqueue, dequeue)
+        self.cut_off = False
+        # kept between multi-chunk messages: a new 16 MiB one each costs page faults
+        self.receive_buffer = bytearray()
 
     # Sizes: vLLM's ring is 10 chunks of up to 16-24 MiB (it carries images). A step here is
     # ~150 bytes, a prefill of 8 prompts of 4096 tokens ~130 KB: 8 chunks of 1 MiB hold a few
     # calls whole, larger ones stream through. Replies, rank 0's tokens, get 4 x 256 KiB.
     @classmethod
-    def create(cls, num_readers: int, num_chunks: int = 8, chunk_bytes: int = 1 << 20,
-               reader: int | None = None, doorbells: list | None = None) -> MessageQueue:
-        """A new queue. Readers may share a doorbell with other queues (the driver has one for all its reply queues)."""
-        doorbells = doorbells or [multiprocessing.get_context("spawn").Semaphore(0) for _ in range(num_readers)]
-        shm = new_shared_memory(num_chunks * (1 + num_readers + chunk_bytes))  # zero-filled: no flags set
+    def create(
+        cls,
+        num_readers: int,
+        num_chunks: int = 8,
+        chunk_bytes: int = 1 << 20,
+        reader: int | None = None,
+        doorbells: list | None = None,
+    ) -> MessageQueue:
+        """A new queue. Readers may share a doorbell with other queues (the driver has one for all
+        its reply queues)."""
+        doorbells = doorbells or [
+            multiprocessing.get_context("spawn").Semaphore(0) for _ in range(num_readers)
+        ]
+        # zero-filled: no flags set
+        shm = new_shared_memory(num_chunks * (1 + num_readers + chunk_bytes))
         handle = QueueHandle(shm.name, num_readers, num_chunks, chunk_bytes, tuple(doorbells))
         return cls(handle, shm, reader, owner=True)
 
@@ -319,7 +416,9 @@ class MessageQueue:
         i = self.next_chunk
         return self.buf[self.my_read_at[i]] == 0 and self.buf[self.written_at[i]] == 1  # this order
 
-    def enqueue(self, obj: Any, timeout: float | None = None, check: Callable[[], None] | None = None) -> int:
+    def enqueue(
+        self, obj: Any, timeout: float | None = None, check: Callable[[], None] | None = None
+    ) -> int:
         """Send obj to every reader; return its size in bytes, encoded. A timeout or Ctrl-C
         after a message's first chunk leaves `cut_off` set: the readers hold part of it and
         would read the next message as its rest, so the queue is of no more use."""
@@ -329,13 +428,13 @@ class MessageQueue:
             if not self._chunk_free():  # checked first: the common case needs no message
                 wait_until(self._chunk_free, timeout, self.who_waits, check)
             i = self.next_chunk
-            part = data[sent: sent + self.capacity]
+            part = data[sent : sent + self.capacity]
             sent += len(part)
             buf[self.written_at[i]] = 0  # not readable while we fill it
             buf[self.read_flags_at[i]] = self.no_reads
             start = self.chunk_at[i] + CHUNK_HEADER.size
             CHUNK_HEADER.pack_into(buf, self.chunk_at[i], len(part), len(data))
-            buf[start: start + len(part)] = part
+            buf[start : start + len(part)] = part
             buf[self.written_at[i]] = 1  # published: set only after the chunk is complete
             self.next_chunk = (i + 1) % self.handle.num_chunks
             self.cut_off = sent < len(data)
@@ -345,22 +444,25 @@ class MessageQueue:
                 return len(data)
 
     def dequeue(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> Any:
-        """The next message. A timeout or Ctrl-C after its first chunk leaves `cut_off` set: the rest of it waits in
-        the ring and would be read as the start of the next message, so the queue is of no more use (as in enqueue)."""
+        """The next message. A timeout or Ctrl-C after its first chunk leaves `cut_off` set: the
+        rest of it waits in the ring and would be read as the start of the next message, so the
+        queue is of no more use (as in enqueue)."""
         received = 0
         while True:
             if not self.ready():
-                wait_until(self.ready, timeout, self.who_waits, check, self.handle.doorbells[self.reader])
+                wait_until(
+                    self.ready, timeout, self.who_waits, check, self.handle.doorbells[self.reader]
+                )
             i = self.next_chunk
             size, total = CHUNK_HEADER.unpack_from(self.buf, self.chunk_at[i])
             start = self.chunk_at[i] + CHUNK_HEADER.size
-            payload = self.buf[start: start + size]
+            payload = self.buf[start : start + size]
             if size == total:  # the common case: one chunk, decoded in place
                 message = decode(payload)
             else:
                 if len(self.receive_buffer) < total:
                     self.receive_buffer = bytearray(total)
-                self.receive_buffer[received: received + size] = payload
+                self.receive_buffer[received : received + size] = payload
             received += size
             del payload  # release the view before the writer may reuse the chunk
             self.buf[self.my_read_at[i]] = 1  # done with this chunk
@@ -370,17 +472,20 @@ class MessageQueue:
                 return message if size == total else decode(memoryview(self.receive_buffer)[:total])
 
     def close(self) -> None:
-        """Detach; the creator also removes the block (and multiprocessing the doorbells, once nothing holds them)."""
+        """Detach; the creator also removes the block (and multiprocessing the doorbells, once
+        nothing holds them)."""
         self.buf = self.handle = None
         self.shm.close()
         if self.owner:
-            with contextlib.suppress(FileNotFoundError):  # a driver that died while shutting down got there first
+            # a driver that died while shutting down got there first
+            with contextlib.suppress(FileNotFoundError):
                 self.shm.unlink()
 
 
 # Collectives through shared memory, for ranks on one CPU machine ----------------------
 COLLECTIVE_BUFFER_BYTES = 1 << 20  # larger tensors (long prefills) take torch.distributed's way
-COLLECTIVE_TIMEOUT = 60.0  # ranks do the same work: a minute's wait in a collective means one is stopped or stuck
+# ranks do the same work: a minute's wait in a collective means one is stopped or stuck
+COLLECTIVE_TIMEOUT = 60.0
 
 
 def collective_block_bytes(world_size: int) -> int:
@@ -388,18 +493,23 @@ def collective_block_bytes(world_size: int) -> int:
 
 
 class SharedMemoryCollectives(Collectives):
-    """All-reduce and all-gather through one shared block, for CPU ranks on one machine (gloo's TCP path costs far
-    more per all-reduce, dozens a step: docs/performance.md). Each rank copies its tensor into its buffer, publishes
-    the step's generation number, waits until every rank has, and reads all buffers; all ranks sum them in one order,
-    so agree. Two sets of buffers alternate: once everyone has published g, everyone has finished reading g-1's set,
-    which g+1 reuses. MessageQueue's store-order caveat holds too."""
+    """All-reduce and all-gather through one shared block, for CPU ranks on one machine (gloo's TCP
+    path costs far more per all-reduce, dozens a step: docs/performance.md). Each rank copies its
+    tensor into its buffer, publishes the step's generation number, waits until every rank has, and
+    reads all buffers; all ranks sum them in one order, so agree. Two sets of buffers alternate:
+    once everyone has published g, everyone has finished reading g-1's set, which g+1 reuses.
+    MessageQueue's store-order caveat holds too."""
 
     def __init__(self, block_name: str, group: TPGroup):
         self.group = group
         self.shm = attach_shared_memory(block_name)
         self.published = torch.frombuffer(self.shm.buf, dtype=torch.int64, count=group.size)
-        self.buffers = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=8 * group.size,
-                                      count=2 * group.size * COLLECTIVE_BUFFER_BYTES).view(2, group.size, -1)
+        self.buffers = torch.frombuffer(
+            self.shm.buf,
+            dtype=torch.uint8,
+            offset=8 * group.size,
+            count=2 * group.size * COLLECTIVE_BUFFER_BYTES,
+        ).view(2, group.size, -1)
         self.generation = 0
 
     def exchange(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -413,9 +523,12 @@ class SharedMemoryCollectives(Collectives):
         def everyone_published() -> bool:
             return min(self.published.tolist()) >= generation
 
+        def late_ranks() -> str:
+            late = [r for r, seen in enumerate(self.published.tolist()) if seen < generation]
+            return f"rank {self.group.rank} waited in a collective for ranks {late}"
+
         if not everyone_published():  # checked first: 17 times a step, skip building the message
-            wait_until(everyone_published, COLLECTIVE_TIMEOUT, lambda: f"rank {self.group.rank} waited in a collective"
-                       f" for ranks {[r for r, seen in enumerate(self.published.tolist()) if seen < generation]}")
+            wait_until(everyone_published, COLLECTIVE_TIMEOUT, late_ranks)
         return buffers[:, : data.numel()].view(tensor.dtype).view(self.group.size, *tensor.shape)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -458,6 +571,7 @@ def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
 @dataclass
 class CachedRequest:
     """A worker's own copy of a running request."""
+
     token_ids: list[int]  # prompt, then every sampled token
     num_computed: int  # tokens whose keys and values are in the KV cache
     slot: int
@@ -466,44 +580,66 @@ class CachedRequest:
 
 
 def choose_cuda_attention_backends() -> None:
-    """cuDNN's attention, PyTorch's first choice on Hopper, builds a plan for each new set of sizes, the key length
-    included: each decode step at a new length would pay for one. Off: flash attention takes the unmasked
-    half-precision calls, memory-efficient attention the masked and float32 ones (both can be captured in a graph)."""
+    """cuDNN's attention, PyTorch's first choice on Hopper, builds a plan for each new set of sizes,
+    the key length included: each decode step at a new length would pay for one. Off: flash
+    attention takes the unmasked half-precision calls, memory-efficient attention the masked and
+    float32 ones (both can be captured in a graph)."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 class Worker:
-    """Everything one rank does: execute_model runs each step, the other methods come through collective_rpc."""
+    """Everything one rank does: execute_model runs each step, the other methods come through
+    collective_rpc."""
 
     def __init__(self, rank: int, world_size: int):
         self.group = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
         self.steps_run = self.steps_with_the_next_waiting = 0  # counted by worker_main
 
-    def init_device(self, device: str, dtype: str, store_port: int, num_threads: int,
-                    collective_block: str | None = None) -> None:
-        """Pick the device and join the process group through the driver's TCP store. "cuda" puts rank r on GPU r,
-        over nccl; "cuda:N" puts every rank on GPU N (tp > 1 on one GPU, for tests) over gloo, which carries CUDA
-        tensors through the host: nccl refuses two ranks on one GPU. A collective block (CPU, tp > 1): shared memory."""
+    def init_device(
+        self,
+        device: str,
+        dtype: str,
+        store_port: int,
+        num_threads: int,
+        collective_block: str | None = None,
+    ) -> None:
+        """Pick the device and join the process group through the driver's TCP store. "cuda" puts
+        rank r on GPU r, over nccl; "cuda:N" puts every rank on GPU N (tp > 1 on one GPU, for
+        tests) over gloo, which carries CUDA tensors through the host: nccl refuses two ranks on
+        one GPU. A collective block (CPU, tp > 1): shared memory."""
         torch.set_num_threads(num_threads)
-        self.device = torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
+        self.device = (
+            torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
+        )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before the process group, which binds to it
             choose_cuda_attention_backends()
         self.dtype = getattr(torch, dtype)
-        # For a driver that died meanwhile (NCCL's first get waits this long too: ranks come together).
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60))
+        # For a driver that died meanwhile (NCCL's first get waits this long too: ranks come
+        # together).
+        store = dist.TCPStore(
+            "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)
+        )
         backend = "nccl" if device == "cuda" else "gloo"
-        # gloo listens on the address the hostname resolves to, a network one on many hosts (Docker, cloud VMs): the
-        # loopback interface instead, as the store's (Linux calls it lo). A worker's environment is its own.
+        # gloo listens on the address the hostname resolves to, a network one on many hosts (Docker,
+        # cloud VMs): the loopback interface instead, as the store's (Linux calls it lo). A worker's
+        # environment is its own.
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        dist.init_process_group(backend, store=store, rank=self.group.rank, world_size=self.group.size,
-                                device_id=self.device if backend == "nccl" else None)  # nccl: connect now, not lazily
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=self.group.rank,
+            world_size=self.group.size,
+            # nccl: connect now, not lazily
+            device_id=self.device if backend == "nccl" else None,
+        )
         if collective_block is not None:
             model_code.collectives = SharedMemoryCollectives(collective_block, self.group)
 
     def load_model(self, model_dir: str, max_model_len: int, load_format: str = "auto") -> None:
-        """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy": random numbers)."""
+        """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy":
+        random numbers)."""
         self.config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
         self.max_model_len = max_model_len
         torch.set_default_dtype(self.dtype)
@@ -514,74 +650,125 @@ class Worker:
             init_dummy_weights(self.model)
         else:
             load_checkpoint(self.model, model_dir, show_progress=self.group.rank == 0)
-        packable = {torch.float32: torch.backends.mkldnn.is_available(), torch.bfloat16: cpu_has_native_bfloat16()}
+        packable = {
+            torch.float32: torch.backends.mkldnn.is_available(),
+            torch.bfloat16: cpu_has_native_bfloat16(),
+        }
         if self.device.type == "cpu" and packable.get(self.dtype) and packing_wanted():
             pack_for_cpu(self.model)
 
     def init_kv_cache(self, max_num_seqs: int, static_decode: bool = False) -> None:
-        """Preallocate keys and values: one slot per running request, max_model_len positions each. Zeros:
-        never-written positions are masked, but a masked NaN would still poison the weighted sum."""
+        """Preallocate keys and values: one slot per running request, max_model_len positions each.
+        Zeros: never-written positions are masked, but a masked NaN would still poison the weighted
+        sum."""
         shape = kv_cache_shape(self.config, self.group.size, max_num_seqs, self.max_model_len)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers
+        ]
         self.max_num_seqs = max_num_seqs
         self.static_decode = static_decode  # LLM(cuda_graphs=True): every decode step at one shape
-        # Its graphs (length: (graph, inputs, logits)) where they can be captured: not gloo's collectives. None runs
-        # the same fixed-shape step eagerly (.ci/gpu compares the two).
+        # Its graphs (length: (graph, inputs, logits)) where they can be captured: not gloo's
+        # collectives. None runs the same fixed-shape step eagerly (.ci/gpu compares the two).
         capturable = self.device.type == "cuda" and dist.get_backend() == "nccl"
         self.cuda_graphs = {} if static_decode and capturable else None
 
-    def prepare_inputs(self, batch: list[tuple[CachedRequest, int]], context_len: int | None = None) -> ModelInputs:
-        """The step's tokens packed, in `batch`'s order: (a request, its tokens this step), the one-token ones first.
-        Those are attended to in one call: a decoding request's token at position p sees 0..p of its slot, and so
-        does a prompt's one-token chunk. Each longer prompt chunk is attended to in a call of its own."""
-        positions = torch.tensor([r.num_computed + i for r, n in batch for i in range(n)], device=self.device)
+    def prepare_inputs(
+        self, batch: list[tuple[CachedRequest, int]], context_len: int | None = None
+    ) -> ModelInputs:
+        """The step's tokens packed, in `batch`'s order: (a request, its tokens this step), the
+        one-token ones first. Those are attended to in one call: a decoding request's token at
+        position p sees 0..p of its slot, and so does a prompt's one-token chunk. Each longer prompt
+        chunk is attended to in a call of its own."""
+        positions = torch.tensor(
+            [r.num_computed + i for r, n in batch for i in range(n)], device=self.device
+        )
         slot_ids = torch.tensor([r.slot for r, n in batch for _ in range(n)], device=self.device)
         decodes = [r for r, n in batch if n == 1]
         slots, contexts = [r.slot for r in decodes], [r.num_computed + 1 for r in decodes]
-        static, context_len = context_len is not None, context_len or max(contexts, default=0)  # static: masked
+        # static: masked
+        static, context_len = context_len is not None, context_len or max(contexts, default=0)
         first = slots[0] if slots else 0
         ends = list(itertools.accumulate(n for _, n in batch))  # where each request's rows end
         return ModelInputs(
-            input_ids=torch.tensor([t for r, n in batch for t in r.token_ids[r.num_computed:r.num_computed + n]],
-                                   device=self.device),
-            positions=positions, cache_rows=slot_ids * self.max_model_len + positions,
+            input_ids=torch.tensor(
+                [t for r, n in batch for t in r.token_ids[r.num_computed : r.num_computed + n]],
+                device=self.device,
+            ),
+            positions=positions,
+            cache_rows=slot_ids * self.max_model_len + positions,
             num_decodes=len(decodes),
-            slot_index=slice(first, first + len(slots)) if slots == list(range(first, first + len(slots))) else
-            torch.tensor(slots, device=self.device),
+            slot_index=slice(first, first + len(slots))
+            if slots == list(range(first, first + len(slots)))
+            else torch.tensor(slots, device=self.device),
             context_len=context_len,
-            attn_mask=None if not static and len(set(contexts)) < 2  # all True where the contexts are one length
-            else torch.arange(context_len, device=self.device) <= positions[:len(decodes), None, None, None],
-            # A chunk from position 0 is plain causal attention; a later one sees the cached positions before it too.
-            chunks=[(r.slot, r.num_computed, n, None if r.num_computed == 0 else
-                     torch.arange(r.num_computed + n, device=self.device) <= positions[end - n:end, None])
-                    for (r, n), end in zip(batch, ends) if n > 1],
-            last_index=torch.tensor([end - 1 for (r, n), end in zip(batch, ends)
-                                     if r.num_computed + n == len(r.token_ids)], dtype=torch.long, device=self.device),
+            # all True where the contexts are one length
+            attn_mask=None
+            if not static and len(set(contexts)) < 2
+            else torch.arange(context_len, device=self.device)
+            <= positions[: len(decodes), None, None, None],
+            # A chunk from position 0 is plain causal attention; a later one sees the cached
+            # positions before it too.
+            chunks=[
+                (
+                    r.slot,
+                    r.num_computed,
+                    n,
+                    None
+                    if r.num_computed == 0
+                    else torch.arange(r.num_computed + n, device=self.device)
+                    <= positions[end - n : end, None],
+                )
+                for (r, n), end in zip(batch, ends)
+                if n > 1
+            ],
+            last_index=torch.tensor(
+                [
+                    end - 1
+                    for (r, n), end in zip(batch, ends)
+                    if r.num_computed + n == len(r.token_ids)
+                ],
+                dtype=torch.long,
+                device=self.device,
+            ),
         )
 
     def static_decode_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
-        """A decode step at the one shape a CUDA graph replays: row i is slot i (a free one feeds token 0 at position 0,
-        which its next prefill rewrites), attention reads a power of two of positions. The scheduled rows' logits."""
+        """A decode step at the one shape a CUDA graph replays: row i is slot i (a free one feeds
+        token 0 at position 0, which its next prefill rewrites), attention reads a power of two
+        of positions. The scheduled rows' logits."""
         by_slot = {request.slot: request for request in scheduled}
-        rows = [by_slot.get(slot) or CachedRequest([0], 0, slot, None, None) for slot in range(self.max_num_seqs)]
-        longest = max(r.num_computed for r in scheduled)  # + 1, this step's token: at most the power of two above
+        rows = [
+            by_slot.get(slot) or CachedRequest([0], 0, slot, None, None)
+            for slot in range(self.max_num_seqs)
+        ]
+        # + 1, this step's token: at most the power of two above
+        longest = max(r.num_computed for r in scheduled)
         context_len = min(self.max_model_len, max(16, 1 << longest.bit_length()))
         inputs = self.prepare_inputs([(row, 1) for row in rows], context_len)
         if self.cuda_graphs is None:  # no graphs (see init_kv_cache): run it as it is
             return self.model(inputs, self.kv_caches)[[r.slot for r in scheduled]]
-        if inputs.context_len not in self.cuda_graphs:  # at a length's first step: every rank at the same step
-            self.model(inputs, self.kv_caches)  # warm-up (this very step): lazy initialization stays out of the graph
-            graph = torch.cuda.CUDAGraph()  # "thread_local": nccl's watchdog thread may query its events meanwhile
+        # at a length's first step: every rank at the same step
+        if inputs.context_len not in self.cuda_graphs:
+            # warm-up (this very step): lazy initialization stays out of the graph
+            self.model(inputs, self.kv_caches)
+            # "thread_local": nccl's watchdog thread may query its events meanwhile
+            graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.cuda_graphs[inputs.context_len] = graph, inputs, self.model(inputs, self.kv_caches)
+                self.cuda_graphs[inputs.context_len] = (
+                    graph,
+                    inputs,
+                    self.model(inputs, self.kv_caches),
+                )
         graph, captured, logits = self.cuda_graphs[inputs.context_len]
-        for name in ("input_ids", "positions", "cache_rows", "attn_mask"):  # the rest is the same every step
+        # the rest is the same every step
+        for name in ("input_ids", "positions", "cache_rows", "attn_mask"):
             getattr(captured, name).copy_(getattr(inputs, name))
         graph.replay()
         return logits[[r.slot for r in scheduled]]
 
     def sample(self, logits: torch.Tensor, scheduled: list[CachedRequest]) -> list[int]:
-        """Every rank has the same logits (all-gathered) and seeded generators: all pick the same tokens, unspoken."""
+        """Every rank has the same logits (all-gathered) and seeded generators: all pick the same
+        tokens, unspoken."""
         logits = logits.float()
         tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
         for i, request in enumerate(scheduled):
@@ -591,29 +778,40 @@ class Worker:
         return tokens
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: update the requests from the deltas, run the model, sample, append the tokens to our copies."""
+        """One step: update the requests from the deltas, run the model, sample, append the tokens
+        to our copies."""
         start = time.perf_counter()
         for request_id in scheduler_output.finished_ids:
             self.requests.pop(request_id, None)  # after an interrupted generate, maybe never sent
         for new in scheduler_output.new_requests:
             generator = torch.Generator(self.device).manual_seed(new.seed)
             self.requests[new.request_id] = CachedRequest(
-                list(new.prompt_token_ids), 0, new.slot, new.params, generator)
+                list(new.prompt_token_ids), 0, new.slot, new.params, generator
+            )
         counts = dict(zip(scheduler_output.scheduled_ids, scheduler_output.num_scheduled_tokens))
-        ids = sorted(counts, key=lambda request_id: counts[request_id] > 1)  # one-token rows first, the rest in order
+        # one-token rows first, the rest in order
+        ids = sorted(counts, key=lambda request_id: counts[request_id] > 1)
         batch = [(self.requests[request_id], counts[request_id]) for request_id in ids]
-        # Those that end their prompt this step, or decode, sample; a prompt part-way done draws nothing.
+        # Those that end their prompt this step, or decode, sample; a prompt part-way done draws
+        # nothing.
         sampling = {i: r for i, (r, n) in zip(ids, batch) if r.num_computed + n == len(r.token_ids)}
-        decode_only = len(sampling) == len(batch) == sum(counts.values())  # every request samples its one token
+        # every request samples its one token
+        decode_only = len(sampling) == len(batch) == sum(counts.values())
         with torch.inference_mode():
-            logits = (self.static_decode_step(list(sampling.values())) if decode_only and self.static_decode
-                      else self.model(self.prepare_inputs(batch), self.kv_caches))
-        tokens = dict(zip(sampling, self.sample(logits, list(sampling.values()))))  # .tolist() waits for the GPU
+            logits = (
+                self.static_decode_step(list(sampling.values()))
+                if decode_only and self.static_decode
+                else self.model(self.prepare_inputs(batch), self.kv_caches)
+            )
+        # .tolist() waits for the GPU
+        tokens = dict(zip(sampling, self.sample(logits, list(sampling.values()))))
         for request, count in batch:
             request.num_computed += count
         for request_id, token in tokens.items():
             self.requests[request_id].token_ids.append(token)
-        return ModelRunnerOutput([tokens.get(i) for i in scheduler_output.scheduled_ids], time.perf_counter() - start)
+        return ModelRunnerOutput(
+            [tokens.get(i) for i in scheduler_output.scheduled_ids], time.perf_counter() - start
+        )
 
     def close(self, unlink_collective_block: bool = False) -> None:
         if isinstance(model_code.collectives, SharedMemoryCollectives):
@@ -627,19 +825,26 @@ class DriverGone(Exception):
     """The driver process exited without shutting us down."""
 
 
-def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, response_handle: QueueHandle,
-                driver_pid: int) -> None:
-    """The loop of one worker process: take the next step or call from the broadcast queue, run it, reply. Nothing
-    else happens here (design discussion: workers "sit in a very tight model execution loop" of model execution and
-    termination). driver_pid is passed in: a driver that died while we imported torch has re-parented us already."""
-    # Ctrl-C, and a SIGTERM sent to the whole process group (timeout, systemd), are the driver's to handle: it stops
-    # us in order. (The driver's force is SIGKILL.)
+def worker_main(
+    rank: int,
+    world_size: int,
+    broadcast_handle: QueueHandle,
+    response_handle: QueueHandle,
+    driver_pid: int,
+) -> None:
+    """The loop of one worker process: take the next step or call from the broadcast queue, run it,
+    reply. Nothing else happens here (design discussion: workers "sit in a very tight model
+    execution loop" of model execution and termination). driver_pid is passed in: a driver that died
+    while we imported torch has re-parented us already."""
+    # Ctrl-C, and a SIGTERM sent to the whole process group (timeout, systemd), are the driver's to
+    # handle: it stops us in order. (The driver's force is SIGKILL.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # tqdm's default lock is a named semaphore, which the resource tracker reports "leaked" when a killed worker
-    # leaves it behind. One thread here draws progress bars: a thread lock does.
+    # tqdm's default lock is a named semaphore, which the resource tracker reports "leaked" when a
+    # killed worker leaves it behind. One thread here draws progress bars: a thread lock does.
     tqdm.set_lock(threading.RLock())
-    broadcast = MessageQueue.attach(broadcast_handle, reader=rank)  # the Executor's broadcast and our response queue
+    # the Executor's broadcast and our response queue
+    broadcast = MessageQueue.attach(broadcast_handle, reader=rank)
     response = MessageQueue.attach(response_handle)
     worker = Worker(rank, world_size)
 
@@ -654,29 +859,35 @@ def worker_main(rank: int, world_size: int, broadcast_handle: QueueHandle, respo
             if call.method == SHUTDOWN:
                 break
             try:
-                method = (getattr(worker, call.method) if isinstance(call.method, str)
-                          else functools.partial(pickle.loads(call.method), worker))
+                method = (
+                    getattr(worker, call.method)
+                    if isinstance(call.method, str)
+                    else functools.partial(pickle.loads(call.method), worker)
+                )
                 reply = RPCResult(call.call_id, method(*call.args, **call.kwargs))
             except Exception:
                 reply = RPCResult(call.call_id, error=traceback.format_exc())
             if call.unique_reply_rank in (None, rank) or reply.error is not None:
                 response.enqueue(reply, check=driver_alive)
-            if call.method == "execute_model":  # with async scheduling, the next step is already here (bench.py)
+            # with async scheduling, the next step is already here (bench.py)
+            if call.method == "execute_model":
                 worker.steps_run += 1
                 worker.steps_with_the_next_waiting += broadcast.ready()
     except DriverGone:
-        # Nobody else will unlink the blocks and doorbells now (which also keeps the dead driver's resource tracker
-        # quiet): rank 0 the shared ones, each rank its reply block.
+        # Nobody else will unlink the blocks and doorbells now (which also keeps the dead driver's
+        # resource tracker quiet): rank 0 the shared ones, each rank its reply block.
         broadcast.owner = rank == 0
         response.owner = True
         if rank == 0:  # what the driver's exit would do
             unlink_semaphores([*broadcast.handle.doorbells, *response.handle.doorbells])
     finally:
-        worker.close(unlink_collective_block=broadcast.owner)  # rank 0 owns the shared blocks once the driver is gone
+        # rank 0 owns the shared blocks once the driver is gone
+        worker.close(unlink_collective_block=broadcast.owner)
         broadcast.close()
         response.close()
-    # Everything is released. The interpreter's own exit would now collect torch's and the model's objects one by
-    # one, for seconds on a busy machine: longer than shutdown's grace, and a dead driver's workers would linger.
+    # Everything is released. The interpreter's own exit would now collect torch's and the model's
+    # objects one by one, for seconds on a busy machine: longer than shutdown's grace, and a dead
+    # driver's workers would linger.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

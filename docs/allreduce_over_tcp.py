@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+# the repository root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import Collectives, TPGroup  # noqa: E402
 from worker import SharedMemoryCollectives, collective_block_bytes, new_shared_memory  # noqa: E402
 
@@ -45,8 +46,12 @@ def rank_main(rank: int, port: int, block_name: str) -> None:
     for batch in (1, 8):
         over_tcp, in_memory = time_steps(Collectives(), batch), time_steps(shared, batch)
         if rank == 0:
-            print(f"batch {batch}: {ALL_REDUCES_PER_STEP} all-reduces of {batch * HIDDEN * 2:,} bytes: gloo over "
-                  f"TCP loopback {over_tcp * 1e3:.2f} ms a step, shared memory {in_memory * 1e3:.2f} ms")
+            print(
+                f"batch {batch}: {ALL_REDUCES_PER_STEP} all-reduces of {batch * HIDDEN * 2:,} "
+                "bytes: gloo over "
+                f"TCP loopback {over_tcp * 1e3:.2f} ms a step, shared memory "
+                f"{in_memory * 1e3:.2f} ms"
+            )
     shared.close(unlink=False)
     dist.destroy_process_group()
 
