@@ -4482,10 +4482,11 @@ def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags()
     )
 
 
-# -------------------------------------------------------------------------------------- Exact or
-# refuse, round 4
-# -------------------------------------------------------------------------------------- Real
-# config.json files, interrupted downloads, gloo's sockets, and vLLM scripts as they are written.
+# --------------------------------------------------------------------------------------
+# Exact or refuse, round 4
+# --------------------------------------------------------------------------------------
+# Real config.json files, interrupted downloads, gloo's sockets, and vLLM scripts as they are
+# written.
 
 
 @contextlib.contextmanager

@@ -245,9 +245,10 @@ def decode(data: bytes | memoryview) -> Any:
     return payload if number is None else MESSAGE_CLASSES[number](*payload)
 
 
-# Waiting: poll while yielding the core, then sleep until the doorbell rings ----------- Poll with
-# sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a spinner can hold the
-# very core that the process it waits for needs (docs/performance.md has a pure spin's round trips).
+# Waiting: poll while yielding the core, then sleep until the doorbell rings -----------
+# Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a spinner can
+# hold the very core that the process it waits for needs (docs/performance.md has a pure spin's
+# round trips).
 YIELD_SECONDS = 1e-3
 SLEEP_FRACTION = 0.05  # then, with no doorbell, sleep 5% of the time waited so far
 MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
