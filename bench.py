@@ -48,12 +48,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-import model
 import tinytp
+from checkpoints import check_tensor_parallel_size, config_from_dict, read_config, resolve_model
 from model import (
     ModelConfig,
     TPGroup,
-    check_tensor_parallel_size,
     checkpoint_shapes,
     init_dummy_weights,
     vocab_rows_per_rank,
@@ -351,13 +350,11 @@ def model_source(args, workdir: str) -> tuple[str, str]:
                 "--load-format auto reads weights: name a checkpoint with --model "
                 "(--config gives shapes only, for --load-format dummy)"
             )
-        return tinytp.resolve_model(args.model), load_format
+        return resolve_model(args.model), load_format
     if args.config:
         shutil.copy(args.config, os.path.join(workdir, "config.json"))
     elif args.model:
-        shutil.copy(
-            os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json"), workdir
-        )
+        shutil.copy(os.path.join(resolve_model(args.model, weights=False), "config.json"), workdir)
     else:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(DEFAULT_CONFIG, f)
@@ -367,12 +364,10 @@ def model_source(args, workdir: str) -> tuple[str, str]:
 def settings_config(args) -> ModelConfig:
     """The config a run of these settings would use: --config, --model's, or the default."""
     if args.config:
-        return ModelConfig.from_file(args.config)
+        return read_config(args.config)
     if args.model:
-        return ModelConfig.from_file(
-            os.path.join(tinytp.resolve_model(args.model, weights=False), "config.json")
-        )
-    return ModelConfig.from_dict(DEFAULT_CONFIG)
+        return read_config(os.path.join(resolve_model(args.model, weights=False), "config.json"))
+    return config_from_dict(DEFAULT_CONFIG)
 
 
 # --------------------------------------------------------------------------------------
@@ -395,6 +390,7 @@ class InProcessExecutor:
 
     def __init__(
         self,
+        config,
         model_dir,
         tp,
         device,
@@ -408,13 +404,13 @@ class InProcessExecutor:
             raise ValueError(f"--backend inprocess runs one rank: use --tp 1, not {tp}")
         self.store = tinytp.loopback_store()
         self.worker = Worker(0, 1)
-        self.collective_rpc("init_device", None, device, dtype, self.store.port, CORES)
-        self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)
-        self.collective_rpc("init_kv_cache", None, max_num_seqs, cuda_graphs)
+        self.collective_rpc("init_device", args=(device, dtype, self.store.port, CORES))
+        self.collective_rpc("load_model", args=(config, model_dir, max_model_len, load_format))
+        self.collective_rpc("init_kv_cache", args=(max_num_seqs, cuda_graphs))
 
-    def collective_rpc(self, method, timeout=None, *args, **kwargs):
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         call = method if callable(method) else getattr(Worker, method)
-        return [call(self.worker, *args, **kwargs)]
+        return [call(self.worker, *args, **(kwargs or {}))]
 
     def execute_model(self, scheduler_output, non_block=False):
         # done when it returns: nothing to overlap
@@ -556,7 +552,7 @@ class HFBackend:
                 model_dir, dtype=torch_dtype, trust_remote_code=False
             ).to(device)
         self.model.eval()
-        eos = ModelConfig.from_file(os.path.join(model_dir, "config.json")).eos_token_ids or None
+        eos = read_config(os.path.join(model_dir, "config.json")).eos_token_ids or None
         input_ids = torch.tensor(prompts, device=device)
         self.inputs = {
             "input_ids": input_ids,
@@ -700,7 +696,7 @@ def bench_inputs(
     """The checkpoint directory and load format, its config, the device and dtype, and `count`
     random token-id prompts of --input-len tokens."""
     model_dir, load_format = model_source(args, workdir)
-    config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
+    config = read_config(os.path.join(model_dir, "config.json"))
     device, dtype = tinytp.choose_device_and_dtype(config, args.tp, args.device, args.dtype)
     prompts = (
         np.random.default_rng(0).integers(config.vocab_size, size=(count, args.input_len)).tolist()
@@ -923,7 +919,7 @@ def run_explain(args) -> dict:
 # --trace: one decode step across the processes, on one clock
 # --------------------------------------------------------------------------------------
 
-TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the Collectives methods timed
+TRACED_COLLECTIVES = ("all_reduce", "all_gather")  # the TPGroup methods timed
 
 
 def start_trace(worker: Worker) -> None:  # run in the workers, through collective_rpc
@@ -952,13 +948,13 @@ def start_trace(worker: Worker) -> None:  # run in the workers, through collecti
 
     worker.execute_model = timed("got the step and ran execute_model", worker.execute_model)
     for name in TRACED_COLLECTIVES:  # instance attributes shadow the methods
-        setattr(model.collectives, name, timed(name, getattr(model.collectives, name)))
+        setattr(worker.group, name, timed(name, getattr(worker.group, name)))
     worker.enqueue, MessageQueue.enqueue = MessageQueue.enqueue, replied
 
 
 def stop_trace(worker: Worker) -> list[tuple]:  # run in the workers, through collective_rpc
     for name in TRACED_COLLECTIVES:
-        delattr(model.collectives, name)
+        delattr(worker.group, name)
     del worker.execute_model
     MessageQueue.enqueue = worker.enqueue
     return worker.trace
@@ -1305,8 +1301,8 @@ def run_serve(args) -> dict:
     """--serve --concurrency N: N streaming HTTP clients at once against the same N requests one
     after another, on one serve.py (greedy, --input-len random token ids, exactly --output-len
     tokens each): run_concurrency's figures, with HTTP, JSON and the server's threads in the way."""
-    model_dir = tinytp.resolve_model(args.model)
-    vocab = ModelConfig.from_file(os.path.join(model_dir, "config.json")).vocab_size
+    model_dir = resolve_model(args.model)
+    vocab = read_config(os.path.join(model_dir, "config.json")).vocab_size
     prompts = (
         np.random.default_rng(0).integers(vocab, size=(args.concurrency, args.input_len)).tolist()
     )

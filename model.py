@@ -1,345 +1,42 @@
 """Llama built from tensor-parallel layers, and shard-on-load weight loading: every rank
-builds the same `LlamaForCausalLM`, but each parallel layer allocates only its own part."""
+builds the same `LlamaForCausalLM`, but each parallel layer allocates only its own part. (Reading
+and checking a checkpoint, before any of this runs, is checkpoints.py's.)"""
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import numbers
 import os
-import re
-import sys
 from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 
-# Not PyTorch's public API, in one place ------------------------------------------------- oneDNN's
-# packed linear, as torch.compile's CPU backend (inductor) calls it: no public API packs a weight
-# once for oneDNN. The public path is F.linear, which TINYTP_PACK_WEIGHTS=0 runs (pack_for_cpu);
-# signatures as in torch 2.x.
-def cpu_has_native_bfloat16() -> bool:
-    """Does oneDNN run bfloat16 natively on this CPU (AVX-512 BF16, AMX)? Nothing public says."""
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+# The tensor-parallel group ------------------------------------------------------------
+class TPGroup:
+    """This rank's place in the tensor-parallel group (`rank` of `size`), and the two collectives
+    the parallel layers run in it, over torch.distributed (gloo on CPU, nccl on CUDA). On one CPU
+    machine a worker runs them through shared memory instead (worker.SharedMemoryGroup, a
+    subclass): a layer calls self.group.all_reduce(y) either way."""
 
-
-def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight)
-
-
-def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    # no bias, no fused op
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
-
-
-# Configuration ------------------------------------------------------------------------
-@dataclass
-class ModelConfig:
-    """The parts of a Hugging Face Llama `config.json` that inference needs."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    # None, {"rope_type": "linear", "factor": 4.0}, Llama 3.1's {"rope_type": "llama3", ...}
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    dtype: str  # the checkpoint's dtype, e.g. "bfloat16"
-    eos_token_ids: list[int] = field(default_factory=list)
-    # keys transformers' Llama does not read either: ignored
-    unread_keys: list[str] = field(default_factory=list)
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> ModelConfig:
-        """Parse a config dict, accepting both the hub's old keys and transformers 5's. Every
-        value is checked here, in the driver: a bad one would otherwise fail in N workers."""
-        if raw.get("model_type") != "llama":
-            raise ValueError(
-                f"tinytp runs Llama checkpoints only; this config has model_type="
-                f"{raw.get('model_type')!r} (architectures={raw.get('architectures')})"
-            )
-        beyond_llama_config = CONFIG_KEYS["read by transformers, not by tinytp"]
-        refused = sorted(raw.keys() & beyond_llama_config.keys())
-        if refused:
-            raise ValueError(
-                f"unsupported key {refused[0]}={raw[refused[0]]!r}: transformers reads it "
-                f"({beyond_llama_config[refused[0]]}), tinytp does not"
-            )
-        for key in sorted(raw.keys() & CONFIG_KEYS["read"].keys() - NULL_MEANS_DEFAULT):
-            if raw[key] is None:
-                raise ValueError(f"{key} is null, which transformers refuses too: give it a value")
-        for key, allowed in [
-            ("hidden_act", ("silu", "swish")),
-            ("attention_bias", (False,)),
-            ("mlp_bias", (False,)),
-        ]:
-            one_of(raw, key, allowed)  # "swish": transformers' other name for SiLU
-        # Old configs: top-level `rope_theta` and `rope_scaling`; transformers 5: one
-        # `rope_parameters` with rope_theta in it. Given both, transformers takes rope_scaling
-        # whole, and so do we.
-        rope = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
-        rope_theta = positive(
-            rope, "rope_theta", positive(raw, "rope_theta", 10000.0, float), float
-        )
-        rope.pop("rope_theta", None)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_SCALING_KEYS:
-            raise ValueError(
-                f"unsupported rope_type {rope_type!r}: tinytp knows "
-                f"{', '.join(map(repr, ROPE_SCALING_KEYS))}"
-            )
-        for key in ROPE_SCALING_KEYS[rope_type]:
-            positive(rope, key, kind=float)
-        unused = sorted(rope.keys() - {"rope_type", "type", *ROPE_SCALING_KEYS[rope_type]})
-        if unused:  # partial_rotary_factor, say: a RoPE that tinytp does not compute
-            raise ValueError(
-                f"unsupported RoPE setting {unused[0]}={rope[unused[0]]!r} (rope_type "
-                f"{rope_type!r})"
-            )
-        hidden, heads = positive(raw, "hidden_size"), positive(raw, "num_attention_heads")
-        kv_heads = positive(raw, "num_key_value_heads", heads)
-        if raw.get("head_dim") is None and hidden % heads:
-            raise ValueError(
-                f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}, "
-                "and there is no head_dim"
-            )
-        if heads % kv_heads:  # each KV head serves a whole group of query heads
-            raise ValueError(
-                f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
-            )
-        scaling = {
-            "rope_type": rope_type,
-            **{key: rope[key] for key in ROPE_SCALING_KEYS[rope_type]},
-        }
-        scaling = scaling if rope_type != "default" else None
-        head_dim = positive(raw, "head_dim", hidden // heads)
-        if head_dim % 2:  # RoPE turns pairs of features
-            raise ValueError(
-                f"head_dim={head_dim} is odd: RoPE needs an even head_dim (transformers refuses "
-                "it too)"
-            )
-        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"dtype {dtype!r} is not supported: tinytp runs float32, bfloat16 or float16"
-            )
-        return cls(
-            vocab_size=positive(raw, "vocab_size"),
-            hidden_size=hidden,
-            num_layers=positive(raw, "num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            intermediate_size=positive(raw, "intermediate_size"),
-            rope_scaling=scaling,
-            rms_norm_eps=positive(raw, "rms_norm_eps", 1e-6, float),
-            rope_theta=rope_theta,
-            max_position_embeddings=positive(raw, "max_position_embeddings", 2048),
-            tie_word_embeddings=one_of(raw, "tie_word_embeddings", (False, True)),
-            dtype=dtype,
-            eos_token_ids=token_id_list(raw.get("eos_token_id"), "eos_token_id"),
-            unread_keys=sorted(
-                raw.keys() - CONFIG_KEYS["read"].keys() - CONFIG_KEYS["change nothing"].keys()
-            ),
-        )
-
-    @classmethod
-    def from_file(cls, path: str) -> ModelConfig:
-        """Read config.json; any problem with it is one ValueError that names the file."""
-        raw = read_json_object(path)
-        try:
-            return cls.from_dict(raw)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-
-
-def read_json_object(path: str) -> dict:
-    """A JSON file that must hold an object (config.json, generation_config.json): else one
-    ValueError naming it."""
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} holds a {type(raw).__name__}, not a JSON object")
-    return raw
-
-
-# Every config.json key tinytp knows: those from_dict reads (refusing values it cannot honour),
-# those that change nothing at inference, and those transformers reads beyond LlamaConfig that
-# tinytp does not compute (refused), each with why. A test walks transformers' LlamaConfig. Any
-# other key is read by neither (SmolLM2's rope_interleaved, say): it changes nothing in
-# transformers, so tinytp ignores it too, and says so (LLM.__init__).
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "config_keys.json")) as f:
-    CONFIG_KEYS: dict[str, dict[str, str]] = json.load(f)
-# The read keys that transformers' LlamaConfig accepts as null, meaning "the default"; a null for
-# any other it refuses.
-NULL_MEANS_DEFAULT = {
-    "num_key_value_heads",
-    "head_dim",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "torch_dtype",
-    "dtype",
-    "eos_token_id",
-}
-# The rope types tinytp computes, and the settings each needs.
-ROPE_SCALING_KEYS = {
-    "default": (),
-    "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-
-
-def one_of(raw: dict, key: str, allowed: tuple):
-    """raw[key] (allowed[0] where missing or null), refused unless one of `allowed`, type too:
-    "false" is not False."""
-    value = allowed[0] if raw.get(key) is None else raw[key]
-    if not any(type(value) is type(a) and value == a for a in allowed):
-        raise ValueError(
-            f"{key}={value!r} is not supported: tinytp runs {' or '.join(map(repr, allowed))}"
-        )
-    return value
-
-
-def is_integer(value) -> bool:
-    """An int (numpy's too), but not a bool, which Python counts as one."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def check_count(name: str, value) -> None:
-    """Refuse a count (n, max_tokens, max_num_seqs) that is not an integer >= 1."""
-    if not is_integer(value) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def positive(raw: dict, key: str, default: float | None = None, kind: type = int):
-    """raw[key] (`default` where missing or null): a positive integer, or with kind=float a finite
-    positive number."""
-    value = raw.get(key)
-    if value is None and default is None:
-        raise ValueError(f"{key} is missing")
-    if value is None:
-        return default
-    valid = is_number(value) if kind is float else is_integer(value)
-    if not valid or not 0 < value < math.inf:
-        raise ValueError(
-            f"{key} must be a positive {'number' if kind is float else 'integer'}, got {value!r}"
-        )
-    return kind(value)
-
-
-def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
-    """Config files give token ids such as eos_token_id as one int or a list."""
-    ids = [] if value is None else [value] if isinstance(value, int) else value
-    if not isinstance(ids, list) or not all(is_integer(i) and i >= 0 for i in ids):
-        raise ValueError(f"{key} must be a token id or a list of them, got {value!r}")
-    return list(ids)
-
-
-def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
-    """Refuse a tp that cannot split this model evenly: it must divide the query heads, the KV heads
-    (or be a multiple of them, which are then replicated) and the MLP's features. (The vocabulary is
-    padded instead.)"""
-
-    def fits(n: int) -> bool:
-        kv_ok = config.num_kv_heads % n == 0 or n % config.num_kv_heads == 0
-        return config.num_heads % n == 0 and kv_ok and config.intermediate_size % n == 0
-
-    if not is_integer(tp) or tp < 1 or not fits(tp):
-        valid = [n for n in range(1, config.num_heads + 1) if fits(n)]
-        raise ValueError(
-            f"tensor parallel size {tp!r} does not fit this model: it must divide "
-            "num_attention_heads="
-            f"{config.num_heads} and intermediate_size={config.intermediate_size}, and divide or "
-            "be a "
-            f"multiple of num_key_value_heads={config.num_kv_heads}; valid sizes: {valid}"
-        )
-
-
-class Collectives:
-    """The two collectives the parallel layers use, over torch.distributed (gloo on CPU, nccl on
-    CUDA), reached through the module variable `collectives`, so a worker can install a faster
-    one (worker.SharedMemoryCollectives)."""
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the ranks, in place."""
         dist.all_reduce(tensor)
 
-    def all_gather(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor`, concatenated along the last dim in rank order."""
-        parts = [torch.empty_like(tensor) for _ in range(world_size)]
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts, dim=-1)
 
 
-collectives = Collectives()
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    """This process's place in the TP group (the default process group): `group` in the layers, of
-    size `tp`."""
-
-    rank: int
-    size: int
-
-
-# Which slice of which checkpoint tensor a parameter holds -----------------------------
-@dataclass(frozen=True)
-class Shard:
-    """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this rank's
-    parameter holds at [offset, offset + size) along the same dim."""
-
-    name: str
-    dim: int
-    start: int
-    size: int
-    offset: int = 0
-
-
-def split(name: str, full_size: int, group: TPGroup, dim: int = 0) -> Shard:
-    """Rank r's r-th equal part of a dimension (the common case)."""
-    part = full_size // group.size
-    return Shard(name, dim, group.rank * part, part)
-
-
-def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
-    """A parameter that knows its checkpoint slices. Zeros, not empty: padded vocab rows, never
-    loaded, stay zero."""
-    param = nn.Parameter(torch.zeros(*shape), requires_grad=False)
-    # the parts one after another
-    offsets = itertools.accumulate([0, *(shard.size for shard in shards)])
-    param.shards = [replace(shard, offset=offset) for shard, offset in zip(shards, offsets)]
-    return param
-
-
 # Parallel layers (Megatron-style) -----------------------------------------------------
-def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """y = x W^T for x of shape [tokens, in], with W in oneDNN's layout where pack_for_cpu put
-    it."""
-    if layer.packed_weight is None:
-        return F.linear(x, layer.weight)
-    return onednn_linear(x, layer.packed_weight)
-
-
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's rows (output features) split across ranks: no communication. The rank's
     weight may stack several checkpoint tensors (q, k and v; gate and up) for one matmul: `shards`
@@ -369,7 +66,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self)
         if self.group.size > 1:
-            collectives.all_reduce(y)
+            self.group.all_reduce(y)
         return y
 
 
@@ -402,7 +99,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.vocab_start
         mine = (local >= 0) & (local < self.rows_per_rank)
         out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight) * mine.unsqueeze(-1)
-        collectives.all_reduce(out)
+        self.group.all_reduce(out)
         return out
 
 
@@ -417,11 +114,72 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self)
         if self.group.size > 1:
-            logits = collectives.all_gather(logits, self.group.size)
+            logits = self.group.all_gather(logits)
         return logits[..., : self.vocab_size]  # drop the padding rows' logits
 
 
+# Which slice of which checkpoint tensor a parameter holds -----------------------------
+@dataclass(frozen=True)
+class Shard:
+    """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this rank's
+    parameter holds at [offset, offset + size) along the same dim."""
+
+    name: str
+    dim: int
+    start: int
+    size: int
+    offset: int = 0
+
+
+def split(name: str, full_size: int, group: TPGroup, dim: int = 0) -> Shard:
+    """Rank r's r-th equal part of a dimension (the common case)."""
+    part = full_size // group.size
+    return Shard(name, dim, group.rank * part, part)
+
+
+def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
+    """A parameter that knows its checkpoint slices. Zeros, not empty: padded vocab rows, never
+    loaded, stay zero."""
+    param = nn.Parameter(torch.zeros(*shape), requires_grad=False)
+    # the parts one after another
+    offsets = itertools.accumulate([0, *(shard.size for shard in shards)])
+    param.shards = [replace(shard, offset=offset) for shard, offset in zip(shards, offsets)]
+    return param
+
+
+def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """y = x W^T for x of shape [tokens, in], with W in oneDNN's layout where pack_for_cpu put
+    it."""
+    if layer.packed_weight is None:
+        return F.linear(x, layer.weight)
+    return onednn_linear(x, layer.packed_weight)
+
+
 # Llama --------------------------------------------------------------------------------
+@dataclass
+class ModelConfig:
+    """The parts of a Hugging Face Llama `config.json` that inference needs (parsed and checked by
+    checkpoints.read_config, in the driver; the workers get it whole)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None, {"rope_type": "linear", "factor": 4.0}, Llama 3.1's {"rope_type": "llama3", ...}
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: str  # the checkpoint's dtype, e.g. "bfloat16"
+    eos_token_ids: list[int] = field(default_factory=list)
+    # keys transformers' Llama does not read either: ignored
+    unread_keys: list[str] = field(default_factory=list)
+
+
 @dataclass
 class ModelInputs:
     """One step's tokens, packed (Worker.prepare_inputs): first one token of each of B requests (a
@@ -674,121 +432,31 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         param.data.uniform_(-1e-3, 1e-3)
 
 
-def open_safetensors(path: str):
-    """safe_open(path), after checking what it leaves to the first read: that the file is as long as
-    its header says. A file cut short (an interrupted download), empty or not safetensors at all is
-    one ValueError naming it."""
-    size = os.path.getsize(path)
-    # the format: 8 bytes giving the header's length, the JSON header, the tensors' data
-    with open(path, "rb") as f:
-        header_bytes = int.from_bytes(f.read(8), "little") if size >= 8 else size
-        header_text = f.read(header_bytes) if header_bytes <= size - 8 else b""
-    try:
-        data_ends = [
-            end
-            for name, info in json.loads(header_text).items()
-            if name != "__metadata__"
-            for end in info["data_offsets"][1:]
+def load_checkpoint(model: nn.Module, files: dict, show_progress: bool) -> None:
+    """Copy into every parameter exactly the slices its `shards` name, from `files` (each tensor's
+    open safetensors file: checkpoints.open_checkpoint): `get_slice` reads only those bytes, so a
+    rank never holds a whole weight it does not need. (checkpoints.check_checkpoint has compared
+    the shapes with config.json.)"""
+    from tqdm import tqdm  # a dependency of transformers and huggingface_hub
+
+    embedding = model.embed_tokens.weight
+    # tied, yet a head of its own: see checkpoints.check_checkpoint
+    if model.lm_head.weight is embedding and "lm_head.weight" in files:
+        model.lm_head.weight = nn.Parameter(torch.zeros_like(embedding), requires_grad=False)
+        model.lm_head.weight.shards = [
+            replace(shard, name="lm_head.weight") for shard in embedding.shards
         ]
-    except Exception:  # not JSON, or JSON of another shape
-        raise ValueError(
-            f"{path} is not a safetensors file ({size:,} bytes, no safetensors header in them): "
-            "download or write it again"
-        ) from None
-    if max(data_ends, default=0) > size - 8 - header_bytes:
-        raise ValueError(
-            f"{path} is cut short: its tensors need {8 + header_bytes + max(data_ends):,} bytes, "
-            "it has "
-            f"{size:,} (an interrupted download?): download it again"
-        )
-    try:  # safetensors checks each tensor's offsets against its dtype and shape
-        return safe_open(path, framework="pt")
-    except SafetensorError as e:
-        raise ValueError(
-            f"{path} is not a valid safetensors file ({e}): download or write it again"
-        ) from None
+    shards = [(param, shard) for param in model.parameters() for shard in param.shards]
+    # if slow
+    bar = tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress, delay=1)
+    for param, shard in bar:
+        tensor_slice = files[shard.name].get_slice(shard.name)
+        index = [slice(None)] * len(tensor_slice.get_shape())
+        index[shard.dim] = slice(shard.start, shard.start + shard.size)
+        param.data.narrow(shard.dim, shard.offset, shard.size).copy_(tensor_slice[tuple(index)])
 
 
-def open_checkpoint(checkpoint_dir: str) -> dict:
-    """Map each tensor name to the open safetensors file that holds it (opening reads only the
-    header), from the files transformers reads: model.safetensors where there is one, else
-    exactly what model.safetensors.index.json lists, else every *.safetensors file, refusing a
-    name two of them hold."""
-    index_path = os.path.join(checkpoint_dir, "model.safetensors.index.json")
-    file_names = sorted(f for f in os.listdir(checkpoint_dir) if f.endswith(".safetensors"))
-    if not file_names:
-        raise FileNotFoundError(
-            f"{checkpoint_dir} has no *.safetensors weights (it has: "
-            f"{', '.join(sorted(os.listdir(checkpoint_dir)))})"
-        )
-    if "model.safetensors" in file_names or not os.path.exists(index_path):
-        weight_map = {}
-        for file_name in ["model.safetensors"] if "model.safetensors" in file_names else file_names:
-            for name in open_safetensors(os.path.join(checkpoint_dir, file_name)).keys():
-                if name in weight_map:
-                    raise ValueError(
-                        f"{checkpoint_dir}: tensor {name} is in both {weight_map[name]} and "
-                        f"{file_name}, "
-                        "and no model.safetensors.index.json says which to use"
-                    )
-                weight_map[name] = file_name
-    else:
-        weight_map = read_json_object(index_path).get("weight_map")
-        # an empty one is fine: check_checkpoint names the tensor it lacks
-        if not isinstance(weight_map, dict):
-            raise ValueError(
-                f"{index_path}: its weight_map must be an object of tensor names to file names, "
-                f"got {weight_map!r:.80}"
-            )
-        not_names = [
-            (name, file_name)
-            for name, file_name in weight_map.items()
-            if not isinstance(file_name, str)
-        ]
-        if not_names:
-            raise ValueError(
-                f"{index_path}: weight_map puts {not_names[0][0]} in {not_names[0][1]!r}, not a "
-                "file name"
-            )
-        for file_name in set(weight_map.values()):
-            if (
-                os.path.isabs(file_name)
-                or os.path.normpath(file_name).split(os.sep)[0] == ".."
-                or not os.path.isfile(
-                    # listed, but missing or outside the directory
-                    os.path.join(checkpoint_dir, file_name)
-                )
-            ):
-                raise ValueError(
-                    f"{index_path} lists {file_name}, which is not a file in {checkpoint_dir}"
-                )
-    files = {f: open_safetensors(os.path.join(checkpoint_dir, f)) for f in set(weight_map.values())}
-    for name, file_name in weight_map.items():
-        if name not in files[file_name].keys():
-            raise ValueError(
-                f"{index_path} puts {name} in {file_name}, which has no tensor of that name"
-            )
-    return {name: files[file_name] for name, file_name in weight_map.items()}
-
-
-# Each tensor's dimensions in config.json's keys, to name the keys when the shapes disagree.
-QUERY_ROWS, KV_ROWS = "num_attention_heads x head_dim", "num_key_value_heads x head_dim"
-SHAPE_FROM_CONFIG = {
-    "q_proj": f"{QUERY_ROWS}, hidden_size",
-    "k_proj": f"{KV_ROWS}, hidden_size",
-    "v_proj": f"{KV_ROWS}, hidden_size",
-    "o_proj": f"hidden_size, {QUERY_ROWS}",
-    "gate_proj": "intermediate_size, hidden_size",
-    "up_proj": "intermediate_size, hidden_size",
-    "down_proj": "hidden_size, intermediate_size",
-    "norm": "hidden_size",
-    "embed_tokens": "vocab_size, hidden_size",
-    "lm_head": "vocab_size, hidden_size",
-}
-# the others: same name
-CONFIG_FIELDS = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads"}
-
-
+# What a rank holds, from the config alone ---------------------------------------------
 def meta_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
     """A rank's model on the "meta" device: its parameters' shapes, and no memory."""
     with torch.device("meta"):
@@ -823,58 +491,19 @@ def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> di
     }
 
 
-def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:
-    """Compare each checkpoint tensor's shape (its safetensors header: no data read) with the one
-    config.json implies, before any worker starts: a config at odds with its weights would load
-    slices that fit, and compute wrong tokens."""
-    found = {
-        name: file.get_slice(name).get_shape()
-        for name, file in open_checkpoint(checkpoint_dir).items()
-    }
-    # untied by load_checkpoint; its shape checked
-    if config.tie_word_embeddings and "lm_head.weight" in found:
-        print(
-            f"tinytp: {checkpoint_dir} has an lm_head.weight of its own although "
-            "tie_word_embeddings is true: "
-            "tinytp uses it, as transformers does where the two differ",
-            file=sys.stderr,
-        )
-        config = replace(config, tie_word_embeddings=False)
-    for name, expected in checkpoint_shapes(config).items():
-        if name not in found:
-            raise ValueError(f"{checkpoint_dir} has no tensor {name!r}")
-        if found[name] != expected:
-            formula = next(f for part, f in SHAPE_FROM_CONFIG.items() if part in name)
-            keys = re.sub(
-                r"\w+_\w+",
-                lambda m: f"{m[0]}={getattr(config, CONFIG_FIELDS.get(m[0], m[0]))}",
-                formula,
-            )
-            raise ValueError(
-                f"{name} has shape {found[name]} in the checkpoint; config.json implies "
-                f"{expected} ({keys})"
-            )
+# Not PyTorch's public API, in one place -------------------------------------------------
+# oneDNN's packed linear, as torch.compile's CPU backend (inductor) calls it: no public API packs a
+# weight once for oneDNN. The public path is F.linear, which TINYTP_PACK_WEIGHTS=0 runs
+# (pack_for_cpu); signatures as in torch 2.x.
+def cpu_has_native_bfloat16() -> bool:
+    """Does oneDNN run bfloat16 natively on this CPU (AVX-512 BF16, AMX)? Nothing public says."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def load_checkpoint(model: nn.Module, checkpoint_dir: str, show_progress: bool) -> None:
-    """Copy into every parameter exactly the slices its `shards` name: `get_slice` reads only those
-    bytes, so a rank never holds a whole weight it does not need. (check_checkpoint has compared the
-    shapes with config.json.)"""
-    from tqdm import tqdm  # a dependency of transformers and huggingface_hub
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
 
-    files = open_checkpoint(checkpoint_dir)
-    embedding = model.embed_tokens.weight
-    # tied, yet a head of its own: check_checkpoint
-    if model.lm_head.weight is embedding and "lm_head.weight" in files:
-        model.lm_head.weight = nn.Parameter(torch.zeros_like(embedding), requires_grad=False)
-        model.lm_head.weight.shards = [
-            replace(shard, name="lm_head.weight") for shard in embedding.shards
-        ]
-    shards = [(param, shard) for param in model.parameters() for shard in param.shards]
-    # if slow
-    bar = tqdm(shards, desc="loading weights", unit="tensor", disable=not show_progress, delay=1)
-    for param, shard in bar:
-        tensor_slice = files[shard.name].get_slice(shard.name)
-        index = [slice(None)] * len(tensor_slice.get_shape())
-        index[shard.dim] = slice(shard.start, shard.start + shard.size)
-        param.data.narrow(shard.dim, shard.offset, shard.size).copy_(tensor_slice[tuple(index)])
+
+def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    # no bias, no fused op
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")

@@ -47,21 +47,21 @@ import tinytp
 from checkpoints import (
     REAL_MODEL_INSTALL,
     byte_level_tokenizer,
+    check_tensor_parallel_size,
+    config_from_dict,
     convert_smollm2,
     llama_31_8b_config,
     missing_for_smollm2,
+    read_config,
     write_random_llama,
     write_tiny_model,
 )
 from model import (
-    Collectives,
     ColumnParallelLinear,
-    ModelConfig,
     ParallelLMHead,
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
-    check_tensor_parallel_size,
     split,
 )
 from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams, WorkerError
@@ -73,7 +73,7 @@ from worker import (
     ModelRunnerOutput,
     NewRequest,
     SchedulerOutput,
-    SharedMemoryCollectives,
+    SharedMemoryGroup,
     Worker,
     collective_block_bytes,
     encode,
@@ -106,7 +106,7 @@ def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
     for name in ("config.json", "tokenizer.json"):
         with (
             open(tmp_path / name) as new,
-            open(os.path.join(tinytp.TINY_MODEL_DIR, name)) as shipped,
+            open(os.path.join(checkpoints.TINY_MODEL_DIR, name)) as shipped,
         ):
             assert {**json.load(new), "transformers_version": ""} == {
                 **json.load(shipped),
@@ -114,12 +114,12 @@ def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
             }
     new, shipped = (
         safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
-        for folder in (tmp_path, tinytp.TINY_MODEL_DIR)
+        for folder in (tmp_path, checkpoints.TINY_MODEL_DIR)
     )
     assert {k: (t.shape, t.dtype) for k, t in new.items()} == {
         k: (t.shape, t.dtype) for k, t in shipped.items()
     }
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tinytp.TINY_MODEL_DIR)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoints.TINY_MODEL_DIR)
     assert tokenizer("hé!").input_ids == [256, *"hé!".encode()] and tokenizer.eos_token_id == 257
 
 
@@ -302,7 +302,7 @@ with open(os.path.join(HERE, "llama-3.1-8b-instruct.json")) as f:
 
 @pytest.mark.quick
 def test_config_reads_old_and_new_rope_keys():
-    old = ModelConfig.from_dict(LLAMA_31_8B)
+    old = config_from_dict(LLAMA_31_8B)
     assert (old.rope_theta, old.head_dim, old.dtype) == (500000.0, 128, "bfloat16")
     assert old.rope_scaling["rope_type"] == "llama3" and old.eos_token_ids == [
         128001,
@@ -314,7 +314,7 @@ def test_config_reads_old_and_new_rope_keys():
         for k, v in LLAMA_31_8B.items()
         if k not in ("rope_theta", "rope_scaling", "torch_dtype")
     }
-    new = ModelConfig.from_dict(
+    new = config_from_dict(
         {
             **new_keys,
             "dtype": "bfloat16",
@@ -323,13 +323,13 @@ def test_config_reads_old_and_new_rope_keys():
     )
     assert new == old
     with pytest.raises(ValueError, match="model_type='mistral'"):
-        ModelConfig.from_dict({**LLAMA_31_8B, "model_type": "mistral"})
+        config_from_dict({**LLAMA_31_8B, "model_type": "mistral"})
 
 
 @pytest.mark.quick
 @pytest.mark.parametrize("checkpoint_dtype", ["float32", "bfloat16", "float16"])
 def test_dtype_auto_is_the_checkpoints_except_on_a_cpu_without_native_bfloat16(checkpoint_dtype):
-    config = ModelConfig.from_dict(
+    config = config_from_dict(
         {
             "model_type": "llama",
             "vocab_size": 258,
@@ -351,7 +351,7 @@ def test_dtype_auto_is_the_checkpoints_except_on_a_cpu_without_native_bfloat16(c
 
 @pytest.mark.quick
 def test_bad_tensor_parallel_size_names_the_numbers():
-    config = ModelConfig.from_dict(LLAMA_31_8B)
+    config = config_from_dict(LLAMA_31_8B)
     for tp in (1, 2, 4, 8, 16, 32):
         check_tensor_parallel_size(config, tp)
     with pytest.raises(
@@ -409,24 +409,22 @@ def run_layer_checks(rank: int, world_size: int, store_path: str, block_name: st
     assert torch.allclose(logits, F.linear(x, full["emb"]), atol=1e-5)
 
     # The same through shared memory, and a tensor too big for a buffer (back to gloo).
-    model_code.collectives = SharedMemoryCollectives(block_name, group)
+    shared = SharedMemoryGroup(rank, world_size, block_name)
+    row.group = head.group = shared
     try:
         assert torch.allclose(row(column(x)), F.linear(expected, full["row"]), atol=1e-5)
         assert torch.equal(head(x), logits)
         for size in (3, COLLECTIVE_BUFFER_BYTES // 4 + 1):
             mine = torch.full((size,), float(rank + 1))
-            model_code.collectives.all_reduce(mine)
+            shared.all_reduce(mine)
             assert torch.equal(mine, torch.full((size,), 3.0))
-            gathered = model_code.collectives.all_gather(
-                torch.full((2, size), float(rank)), world_size
-            )
+            gathered = shared.all_gather(torch.full((2, size), float(rank)))
             assert (
                 torch.equal(gathered[:, size:], torch.ones(2, size))
                 and not gathered[:, :size].any()
             )
     finally:
-        model_code.collectives.close(unlink=False)
-        model_code.collectives = Collectives()
+        shared.close(unlink=False)
     dist.destroy_process_group()
 
 
@@ -450,7 +448,8 @@ def worker_in_process(prompts: list[list[int]], decode_steps: int) -> Worker:
     of `prompts`, one slot each, then `decode_steps` decode steps."""
     worker = Worker(0, world_size=1)
     worker.device, worker.dtype = torch.device("cpu"), torch.float32
-    worker.load_model(tinytp.TINY_MODEL_DIR, max_model_len=64)
+    tiny = checkpoints.TINY_MODEL_DIR
+    worker.load_model(read_config(f"{tiny}/config.json"), tiny, max_model_len=64)
     worker.init_kv_cache(max_num_seqs=len(prompts))
     slots = list(range(len(prompts)))
     worker.execute_model(
@@ -543,7 +542,7 @@ def test_tinytp_pack_weights_0_keeps_the_loaded_layout_and_the_tokens(monkeypatc
         assert matmul_layouts(worker) == layouts  # 4 per layer, then the LM head
         tokens[pack] = worker.requests[0].token_ids[len(PROMPTS[3]) :]
     assert tokens["0"] == tokens["1"]
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(tinytp.TINY_MODEL_DIR).eval()
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
     assert_tokens_match_hf(hf_model, PROMPTS[3], tokens["0"])
     monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "no")
     with pytest.raises(ValueError, match="TINYTP_PACK_WEIGHTS must be 0 or 1, not 'no'"):
@@ -1069,7 +1068,7 @@ def step_shapes(worker):
 
 
 class TestStaticDecode:
-    """The fixed-shape decode step that CUDA graphs replay (Worker.static_decode_step), run eagerly
+    """The fixed-shape decode step that CUDA graphs replay (Worker.cuda_graph_step), run eagerly
     on CPU at tp=2: 5 prompts of 2 to 31 tokens on 3 slots, each with its own max_tokens, so
     slots empty and refill (the free ones are pad rows) and contexts cross from 16 attended
     positions to 32 and 64."""
@@ -1245,16 +1244,17 @@ class TestTp2GqaOddVocab:
         )
 
 
-class ThreadCollectives(Collectives):
+class ThreadGroup(TPGroup):
     """The ranks as threads of one process, for stepping through tensor parallelism in a
-    debugger: each collective waits at a barrier until every rank has put in its tensor."""
+    debugger: each collective waits at a barrier until every rank has put in its tensor. The
+    ranks' groups share the barrier and the list of parts."""
 
-    def __init__(self, world_size: int):
-        self.barrier = threading.Barrier(world_size)
-        self.parts = [None] * world_size
+    def __init__(self, rank: int, size: int, barrier: threading.Barrier, parts: list):
+        super().__init__(rank, size)
+        self.barrier, self.parts = barrier, parts
 
     def exchange(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.parts[int(threading.current_thread().name)] = tensor.clone()
+        self.parts[self.rank] = tensor.clone()
         self.barrier.wait()  # everyone's part is in
         stacked = torch.stack(self.parts)
         self.barrier.wait()  # everyone has read them: the next collective may overwrite
@@ -1263,25 +1263,25 @@ class ThreadCollectives(Collectives):
     def all_reduce(self, tensor: torch.Tensor) -> None:
         tensor.copy_(self.exchange(tensor).sum(0))
 
-    def all_gather(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.cat(self.exchange(tensor).unbind(0), dim=-1)
 
 
-def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
+def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint):
     """The workers' own code (Worker.load_model, execute_model: prepare_inputs, forward,
     sample) for 2 ranks in 2 threads of this process: no processes, no queues, and a
     breakpoint() anywhere in model.py stops in a rank (README, exercise 6)."""
     path, hf_model = mha_checkpoint
-    collectives = ThreadCollectives(world_size=2)
-    monkeypatch.setattr(model_code, "collectives", collectives)
+    barrier, parts = threading.Barrier(2), [None, None]
     prompt, tokens = [256, 72, 101, 108, 108, 111], {}
 
     def run_rank(rank: int) -> None:
         try:
             worker = Worker(rank, world_size=2)
+            worker.group = ThreadGroup(rank, 2, barrier, parts)  # before the model is built
             # what init_device sets
             worker.device, worker.dtype = torch.device("cpu"), torch.float32
-            worker.load_model(path, max_model_len=64)
+            worker.load_model(read_config(f"{path}/config.json"), path, max_model_len=64)
             worker.init_kv_cache(max_num_seqs=1)
             new = [NewRequest(0, prompt, 0, SamplingParams(temperature=0), seed=0)]
             step = SchedulerOutput(new, [0], [len(prompt)], [])
@@ -1290,7 +1290,7 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint, monkeypatch):
                 step = SchedulerOutput([], [0], [1], [])
             tokens[rank] = worker.requests[0].token_ids[len(prompt) :]
         except BaseException:
-            collectives.barrier.abort()  # else the other rank waits at the barrier for ever
+            barrier.abort()  # else the other rank waits at the barrier for ever
             raise
 
     ranks = [threading.Thread(target=run_rank, args=(rank,), name=str(rank)) for rank in range(2)]
@@ -1354,6 +1354,13 @@ def spawned_workers_of(pid: int) -> list[int]:
     return found
 
 
+def hang_bound(seconds: float) -> float:
+    """A time bound in a test detects a hang; it is no speed test. `seconds` is the bound on a quiet
+    machine, scaled with the load: by how many times more runnable processes there are than cores
+    (a student's full run at load 9-14 on 2 cores took the CLI's Ctrl-C 6.1-6.3 s)."""
+    return seconds * max(1.0, os.getloadavg()[0] / os.cpu_count())
+
+
 def wait_for(condition, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while not condition():
@@ -1375,7 +1382,8 @@ def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoin
             TimeoutError, match="sleep_in_worker on the workers: nothing after 0.5 s"
         ):
             llm.collective_rpc(sleep_in_worker, 0.5, args=(2.0,))
-        assert time.monotonic() - start < 2.0  # it gave up after about 0.5 s, not after the sleep
+        # it gave up after about 0.5 s, not after the sleep
+        assert time.monotonic() - start < hang_bound(2.0)
         # The late replies to the timed-out call are recognised and dropped.
         assert llm.collective_rpc(sleep_in_worker, args=(0.0,)) == [0.0, 0.0]
         # A function the workers cannot import (its module is on the driver's path only,
@@ -1418,8 +1426,10 @@ def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint
     # bytes: broken UTF-8 too
     params = SamplingParams(temperature=1.5, seed=7, max_tokens=60, ignore_eos=True)
     with LLM(path, device="cpu", max_model_len=128) as llm:
-        detokenize, decoded = llm.detokenize, []
-        llm.detokenize = lambda token_ids: decoded.append(len(token_ids)) or detokenize(token_ids)
+        detokenize, decoded = llm.output_processor.detokenize, []
+        llm.output_processor.detokenize = lambda token_ids: (
+            decoded.append(len(token_ids)) or detokenize(token_ids)
+        )
         pieces = list(llm.stream("héllo wörld", params))
         assert "".join(pieces) == llm.generate(["héllo wörld"], params)[0].outputs[0].text
     assert "\ufffd" in "".join(pieces) and len(pieces) > 10
@@ -1443,7 +1453,7 @@ def test_killed_worker_fails_fast_and_leaves_nothing(mha_checkpoint):
                 killed_at = time.monotonic()
     # Reported at once: the survivor, stuck in a collective with the dead rank, is not given
     # shutdown's 2 s to exit on its own first.
-    assert time.monotonic() - killed_at < 1.5
+    assert time.monotonic() - killed_at < hang_bound(1.5)
     assert all(process_gone(pid) for pid in pids)
     assert not shm_entries()
     # The semaphores too, although the exception's traceback (kept here) holds a doorbell.
@@ -1494,7 +1504,9 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
     with pytest.raises(
         FileNotFoundError, match=r"has no \*.safetensors weights \(it has: config.json\)"
     ):
-        LLM(str(tmp_path))
+        # bfloat16 and a short max_model_len: 8B's weights fit this machine's memory check even
+        # where the CPU lacks native bfloat16 (float32, the default there, would not)
+        LLM(str(tmp_path), dtype="bfloat16", max_model_len=64)
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_31_8B, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="Llama checkpoints only; .*model_type='gpt2'"):
         LLM(str(tmp_path))
@@ -1609,7 +1621,7 @@ class TestBadPrompts:
 
 @pytest.mark.quick
 def test_tp_must_divide_every_dimension_it_splits():
-    tiny = ModelConfig.from_dict(
+    tiny = config_from_dict(
         {
             **LLAMA_31_8B,
             "hidden_size": 64,
@@ -1622,7 +1634,7 @@ def test_tp_must_divide_every_dimension_it_splits():
         ValueError, match=r"tensor parallel size 4 .*intermediate_size=90.*valid sizes: \[1, 2\]"
     ):
         check_tensor_parallel_size(tiny, 4)
-    smollm2 = ModelConfig.from_dict(
+    smollm2 = config_from_dict(
         {
             **LLAMA_31_8B,
             "hidden_size": 576,
@@ -1784,7 +1796,7 @@ def test_an_executor_class_given_to_llm_runs_in_place_of_the_worker_processes(mh
 def test_a_model_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
     make_checkpoint(tmp_path / "models" / "x")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert tinytp.resolve_model("~/models/x") == str(tmp_path / "models" / "x")
+    assert checkpoints.resolve_model("~/models/x") == str(tmp_path / "models" / "x")
 
 
 # --------------------------------------------------------------------------------------
@@ -1822,7 +1834,7 @@ def test_every_llama_config_field_is_read_or_known_to_change_nothing():
     """A field that a new transformers release adds to LlamaConfig fails here until someone
     decides whether it changes the model (and either reads it or lists why not)."""
     classified = (
-        model_code.CONFIG_KEYS["read"].keys() | model_code.CONFIG_KEYS["change nothing"].keys()
+        checkpoints.CONFIG_KEYS["read"].keys() | checkpoints.CONFIG_KEYS["change nothing"].keys()
     )
     fields = (
         set(transformers.LlamaConfig().to_dict())
@@ -1834,7 +1846,7 @@ def test_every_llama_config_field_is_read_or_known_to_change_nothing():
     assert not fields - classified, f"unclassified config.json keys: {sorted(fields - classified)}"
     assert all(
         isinstance(why, str) and len(why) > 10
-        for why in model_code.CONFIG_KEYS["change nothing"].values()
+        for why in checkpoints.CONFIG_KEYS["change nothing"].values()
     )
     # from_dict reads exactly the keys it is said to read (and refuses any other key).
     read = set()
@@ -1848,12 +1860,12 @@ def test_every_llama_config_field_is_read_or_known_to_change_nothing():
             read.add(key)
             return super().__getitem__(key)
 
-    ModelConfig.from_dict(
+    config_from_dict(
         RecordingDict(
             {**transformers.LlamaConfig().to_dict(), "rope_scaling": None, "torch_dtype": None}
         )
     )
-    assert read == model_code.CONFIG_KEYS["read"].keys()
+    assert read == checkpoints.CONFIG_KEYS["read"].keys()
 
 
 @pytest.mark.quick
@@ -1862,8 +1874,8 @@ def test_the_real_smollm2_config_is_classified(smollm2):
         keys = set(json.load(f))
     assert (
         not keys
-        - model_code.CONFIG_KEYS["read"].keys()
-        - model_code.CONFIG_KEYS["change nothing"].keys()
+        - checkpoints.CONFIG_KEYS["read"].keys()
+        - checkpoints.CONFIG_KEYS["change nothing"].keys()
     )
 
 
@@ -1953,7 +1965,7 @@ def test_rope_keys_resolve_to_what_transformers_resolves_them_to(tmp_path, rope_
     make_checkpoint(tmp_path)
     edit_config(tmp_path, **rope_keys)
     theirs = dict(AutoConfig.from_pretrained(tmp_path, trust_remote_code=False).rope_parameters)
-    ours = ModelConfig.from_file(os.path.join(tmp_path, "config.json"))
+    ours = read_config(os.path.join(tmp_path, "config.json"))
     assert ours.rope_theta == theirs.pop("rope_theta")
     theirs.pop("type", None)  # the old name of rope_type
     assert (ours.rope_scaling or {"rope_type": "default"}) == theirs
@@ -2247,7 +2259,7 @@ def test_the_kv_cache_check_counts_the_bytes_the_workers_allocate(mha_checkpoint
 
 @pytest.mark.quick
 def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
-    config = ModelConfig.from_dict(LLAMA_31_8B)
+    config = config_from_dict(LLAMA_31_8B)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(
         ValueError, match=r"^tp=2 needs 2 GPUs and 1 are visible; --device cpu runs it on the CPU$"
@@ -2609,7 +2621,8 @@ class TestVllmAPI:
             tp1.stream("Hi", SamplingParams(n=2))
 
     def test_stop_strings_end_the_text_mid_token_and_in_a_stream(self, tp1, monkeypatch):
-        monkeypatch.setattr(tp1, "tokenizer", TwoLetterTokenizer())
+        for side in (tp1.processor, tp1.output_processor):  # each holds the tokenizer, as vLLM's
+            monkeypatch.setattr(side, "tokenizer", TwoLetterTokenizer())
         words = TwoLetterTokenizer()
         prompt, greedy = PROMPTS[0], dict(temperature=0, max_tokens=30, ignore_eos=True)
         full = tp1.generate([prompt], SamplingParams(**greedy))[0].outputs[0]
@@ -2865,10 +2878,10 @@ class EveryRankOnGPU0(tinytp.Executor):
     """The Executor, with init_device told "cuda:0" instead of "cuda": every rank on GPU 0,
     and so over gloo, since nccl refuses two ranks on one GPU (see Worker.init_device)."""
 
-    def collective_rpc(self, method, timeout=None, *args, **kwargs):
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         if method == "init_device":
             args = ("cuda:0", *args[1:])
-        return super().collective_rpc(method, timeout, *args, **kwargs)
+        return super().collective_rpc(method, timeout, args, kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -3186,7 +3199,7 @@ def test_fifty_short_callers_on_four_slots_all_finish_and_nothing_is_left(mha_ch
         and sorted(llm.scheduler.free_slots) == [0, 1, 2, 3]
     )
     llm.shutdown()
-    assert not llm.engine_thread.is_alive() and threading.active_count() == threads_before
+    assert not llm.engine_client.thread.is_alive() and threading.active_count() == threads_before
     assert all(process_gone(pid) for pid in workers) and not shm_entries()
 
 
@@ -3663,7 +3676,7 @@ def test_a_stopped_worker_at_tp1_is_named(mha_checkpoint, monkeypatch):
         thread.join(timeout=10)
         assert not thread.is_alive(), "generate is still waiting for the stopped worker"
         # the grace, shutdown's 2 s of politeness before SIGKILL, slack
-        assert time.monotonic() - start < 1.0 + 2 + 2
+        assert time.monotonic() - start < hang_bound(1.0 + 2 + 2)
         assert re.fullmatch(
             rf"tinytp worker rank 0 \(pid {pid}\) is stopped \(SIGSTOP\?\).*", errors[0]
         ), errors
@@ -4083,8 +4096,8 @@ def test_cli_ctrl_c_exits_130_quietly(cli_env, when, flags):
     workers = spawned_workers_of(program.pid)
     os.killpg(program.pid, signal.SIGINT)
     start = time.monotonic()
-    out, err = program.communicate(timeout=10)
-    assert time.monotonic() - start < 5
+    out, err = program.communicate(timeout=hang_bound(20))
+    assert time.monotonic() - start < hang_bound(5)
     assert program.returncode == 130
     assert err.strip().splitlines()[-1] == "tinytp: interrupted" and "Traceback" not in err
     assert all(process_gone(pid) for pid in workers)
@@ -4232,7 +4245,7 @@ def test_bench_concurrency_and_the_share_of_steps_found_waiting(tmp_path):
     out = tmp_path / "result.json"
     common = [
         "--model",
-        tinytp.TINY_MODEL_DIR,
+        checkpoints.TINY_MODEL_DIR,
         "--input-len",
         "4",
         "--output-len",
@@ -4363,7 +4376,7 @@ def test_workers_exit_at_a_shutdown_within_its_grace_not_killed(mha_checkpoint):
     start = time.monotonic()
     llm.shutdown()
     assert [worker.exitcode for worker in workers] == [0, 0]
-    assert time.monotonic() - start < 1.5
+    assert time.monotonic() - start < hang_bound(1.5)
 
 
 @pytest.mark.quick
@@ -4577,7 +4590,7 @@ def test_the_keys_tinytp_ignores_in_the_real_configs_change_nothing_in_transform
     for config_name in [name for name in HUB_CONFIGS if not name.startswith("mistralai--")]:
         with open(os.path.join(HERE, "hub_configs", config_name)) as f:
             raw = json.load(f)
-        for key in ModelConfig.from_dict(raw).unread_keys:
+        for key in config_from_dict(raw).unread_keys:
             unread.setdefault(key, (config_name, raw))
     assert sorted(unread) == [
         "is_llama_config",
@@ -4618,9 +4631,7 @@ def test_linear_rope_scaling_is_transformers_inverse_frequencies(tmp_path, rope_
     make_checkpoint(tmp_path)
     edit_config(tmp_path, **rope_keys)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    ours = model_code.rope_inverse_frequencies(
-        ModelConfig.from_file(os.path.join(tmp_path, "config.json"))
-    )
+    ours = model_code.rope_inverse_frequencies(read_config(os.path.join(tmp_path, "config.json")))
     assert torch.equal(ours, hf_model.model.rotary_emb.inv_freq)
 
 
@@ -4772,7 +4783,7 @@ def test_a_null_that_transformers_reads_as_its_default_is_its_default(tmp_path):
     edit_config(
         tmp_path, num_key_value_heads=None, head_dim=None, eos_token_id=None, rope_scaling=None
     )
-    config = ModelConfig.from_file(os.path.join(tmp_path, "config.json"))
+    config = read_config(os.path.join(tmp_path, "config.json"))
     theirs = transformers.AutoConfig.from_pretrained(tmp_path)
     assert (
         (config.num_kv_heads, config.head_dim)
@@ -4792,7 +4803,7 @@ def test_a_text_prompt_whose_ids_are_outside_the_vocabulary_is_refused_like_toke
             r"\(0..199\)",
         ):
             # what generate() checks every prompt with, before any runs
-            llm._make_requests("A", None)
+            llm.processor.make_requests("A", None)
 
 
 @pytest.mark.quick
@@ -4934,8 +4945,10 @@ def test_generate_and_chat_without_params_sample_with_the_models_defaults(mha_ch
         generation_config_with(path, temperature=0.6, top_p=0.9, max_new_tokens=5),
     ):
         for make in (
-            lambda: llm._make_requests("Hi", None),
-            lambda: llm._make_requests(llm.chat_prompt([{"role": "user", "content": "Hi"}]), None),
+            lambda: llm.processor.make_requests("Hi", None),
+            lambda: llm.processor.make_requests(
+                llm.chat_prompt([{"role": "user", "content": "Hi"}]), None
+            ),
         ):
             assert make()[0].params == SamplingParams(temperature=0.6, top_p=0.9, max_tokens=5)
 
@@ -5015,13 +5028,15 @@ def test_llm_takes_vllms_arguments_that_mean_something_here_and_refuses_the_rest
         generation_config="auto",
         tokenizer=path,
     ) as llm:
-        seeds = [request.seed for request in llm._make_requests([1, 2], SamplingParams(n=2))]
+        seeds = [
+            request.seed for request in llm.processor.make_requests([1, 2], SamplingParams(n=2))
+        ]
     with llm_without_workers(path, seed=0) as again, llm_without_workers(path, seed=1) as other:
         assert [
-            request.seed for request in again._make_requests([1, 2], SamplingParams(n=2))
+            request.seed for request in again.processor.make_requests([1, 2], SamplingParams(n=2))
         ] == seeds
         assert [
-            request.seed for request in other._make_requests([1, 2], SamplingParams(n=2))
+            request.seed for request in other.processor.make_requests([1, 2], SamplingParams(n=2))
         ] != seeds
     (tmp_path / "generation_config.json").write_text(
         json.dumps({"temperature": 0.3, "eos_token_id": 65})
@@ -5099,7 +5114,7 @@ def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp
     names the figures and the fix (bfloat16 halves both), as the mission's 8B model in float32 on
     a 24 GiB machine needs."""
     make_checkpoint(tmp_path)
-    config = ModelConfig.from_file(os.path.join(tmp_path, "config.json"))
+    config = read_config(os.path.join(tmp_path, "config.json"))
 
     def needed(dtype: str) -> int:  # 2 ranks' weights, and 2 ranks x 2 layers of KV cache
         return 2 * (

@@ -35,19 +35,24 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from model import (
-    ModelConfig,
-    TPGroup,
+from checkpoints import (
     check_checkpoint,
     check_count,
     check_tensor_parallel_size,
-    cpu_has_native_bfloat16,
+    has_tokenizer,
     is_integer,
     is_number,
+    read_config,
+    read_json_object,
+    resolve_model,
+    token_id_list,
+)
+from model import (
+    ModelConfig,
+    TPGroup,
+    cpu_has_native_bfloat16,
     kv_cache_shape,
     packing_wanted,
-    read_json_object,
-    token_id_list,
     weight_bytes,
 )
 from worker import (
@@ -134,105 +139,6 @@ class Request:
     stream: bool = False
 
 
-class IncrementalText:
-    """One sample's text as its tokens come (vLLM's IncrementalDetokenizer). A window is decoded,
-    not the whole output at every step: the tokens not shown yet, after those shown last time (a
-    tokenizer may spell a token by its neighbour). The last characters wait while a stop string
-    could begin there."""
-
-    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str]):
-        self.detokenize = detokenize
-        self.hold = max(map(len, stop), default=1) - 1
-        self.start = self.shown = 0  # the window, and where its shown part ends
-        self.decoded, self.text = "", ""  # the text so far, and how much of it may be shown
-
-    def update(self, token_ids: list[int], finished: bool, text_end: int | None) -> str | None:
-        """The text to show for these tokens; None while the last one ends in half of a multi-byte
-        character."""
-        window = self.detokenize(token_ids[self.start :])
-        if window.endswith("\ufffd") and not finished:
-            return None
-        self.decoded += window[len(self.detokenize(token_ids[self.start : self.shown])) :]
-        self.start, self.shown = self.shown, len(token_ids)
-        # At the end, all of it up to the stop that ended it, if one did (text_end None: to the
-        # end).
-        end = text_end if finished else max(len(self.text), len(self.decoded) - self.hold)
-        self.text = self.decoded[:end]
-        return self.text
-
-
-def request_output(group: list[Request], completions: list[CompletionOutput]) -> RequestOutput:
-    """A prompt's output: named by its first sample's request, with its n completions so far."""
-    return RequestOutput(
-        str(group[0].request_id),
-        group[0].prompt,
-        group[0].prompt_token_ids,
-        completions,
-        finished=all(completion.finish_reason for completion in completions),
-    )
-
-
-# Finding the checkpoint ---------------------------------------------------------------
-# The default model: a tiny Llama with random weights and a byte-level tokenizer, in the same
-# Hugging Face layout as a real checkpoint (`python checkpoints.py tiny DIR` writes it).
-TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny-llama")
-
-
-def resolve_model(model: str | None, weights: bool = True) -> str:
-    """A local checkpoint directory for `model`: the tiny default, a directory (~ expanded here, as
-    a shell does on the command line but not in LLM("~/...")) or a hub id (weights=False: only
-    its json and tokenizer files are fetched)."""
-    model = os.path.expanduser(model or TINY_MODEL_DIR)
-    if os.path.isdir(model):
-        if not os.path.exists(os.path.join(model, "config.json")):
-            raise FileNotFoundError(
-                f"{model} has no config.json: is it a Hugging Face checkpoint directory?"
-            )
-        return model
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise FileNotFoundError(
-            f"model path {model} does not exist (nor is it a hub id like org/name)"
-        )
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "tokenizer.model"] + (["*.safetensors"] if weights else [])
-    try:  # only what inference needs: configs, safetensors weights, tokenizer files
-        return snapshot_download(model, allow_patterns=patterns)
-    except Exception as e:  # the hub's messages span lines; ours is one
-        raise FileNotFoundError(
-            f"could not get {model} from the Hugging Face Hub or its cache "
-            f"({type(e).__name__}: {' '.join(str(e).split())})"
-        ) from None
-
-
-def has_tokenizer(model_dir: str) -> bool:
-    return any(f.startswith("tokenizer") for f in os.listdir(model_dir))
-
-
-def default_sampling_params(model_dir: str) -> SamplingParams:
-    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens
-    from the checkpoint's generation_config.json, vLLM's defaults for the rest (do_sample is not
-    read, as in vLLM)."""
-    path = os.path.join(model_dir, "generation_config.json")
-    config = read_json_object(path) if os.path.exists(path) else {}
-    try:
-        if config.get("repetition_penalty", 1.0) != 1.0:
-            raise ValueError(
-                f"repetition_penalty={config['repetition_penalty']}: tinytp does not support "
-                "penalties"
-            )
-        config["max_tokens"] = config.get("max_new_tokens")  # transformers' name for it
-        return SamplingParams(
-            **{
-                key: config[key]
-                for key in ("temperature", "top_p", "top_k", "min_p", "max_tokens")
-                if config.get(key) is not None
-            }
-        )
-    except ValueError as e:  # a value SamplingParams refuses
-        raise ValueError(f"{path}: {e}") from None
-
-
 # The executor: N worker processes and the queues between them and us ------------------
 def choose_device_and_dtype(
     config: ModelConfig, tp: int, device: str | None, dtype: str
@@ -311,6 +217,7 @@ class Executor:
 
     def __init__(
         self,
+        config: ModelConfig,
         model_dir: str,
         tp: int,
         device: str,
@@ -338,80 +245,82 @@ class Executor:
         self.broadcast = MessageQueue.create(num_readers=tp)
         atexit.register(self.shutdown)
         try:
-            context = mp.get_context("spawn")
-            # one for all the reply queues: we wait on all of them at once
-            self.doorbell = context.Semaphore(0)
-            for _ in range(tp):
-                self.responses.append(
-                    MessageQueue.create(
-                        num_readers=1,
-                        num_chunks=4,
-                        chunk_bytes=1 << 18,
-                        reader=0,
-                        doorbells=[self.doorbell],
-                    )
-                )
-            self.collective_block = (
-                new_shared_memory(collective_block_bytes(tp))
-                if device == "cpu" and tp > 1
-                else None
-            )
-            check_free_shared_memory(
-                [self.collective_block, *(q.shm for q in [self.broadcast, *self.responses])]
-            )
-            self.store = loopback_store()
-            self.workers = [
-                context.Process(
-                    target=worker_main,
-                    name=f"tinytp-rank{rank}",
-                    daemon=True,
-                    args=(
-                        rank,
-                        tp,
-                        self.broadcast.handle,
-                        self.responses[rank].handle,
-                        self.creator,
-                    ),
-                )
-                for rank in range(tp)
-            ]
-            # Ctrl-C and SIGTERM blocked while they start: they inherit the mask, so a signal sent
-            # to the process group reaches the driver (when we unblock it) and never N workers
-            # mid-import; worker_main then ignores both.
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-            try:
-                for process in self.workers:
-                    process.start()
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-            forget_child_processes(self.workers)
+            self._start_workers(device)
             # Initialization goes through collective_rpc too, as in the design discussion.
+            block = self.collective_block and self.collective_block.name
+            threads = threads_per_rank(tp)
             self.collective_rpc(
-                "init_device",
-                None,
-                device,
-                dtype,
-                self.store.port,
-                threads_per_rank(tp),
-                self.collective_block and self.collective_block.name,
+                "init_device", args=(device, dtype, self.store.port, threads, block)
             )
-            self.collective_rpc("load_model", None, model_dir, max_model_len, load_format)
-            self.collective_rpc("init_kv_cache", None, max_num_seqs, cuda_graphs)
+            self.collective_rpc("load_model", args=(config, model_dir, max_model_len, load_format))
+            self.collective_rpc("init_kv_cache", args=(max_num_seqs, cuda_graphs))
         except BaseException:
             self.shutdown()
             raise
 
+    def _start_workers(self, device: str) -> None:
+        """The reply queues, the collective block (CPU, tp > 1), the store, and the processes."""
+        context = mp.get_context("spawn")
+        # one for all the reply queues: we wait on all of them at once
+        self.doorbell = context.Semaphore(0)
+        for _ in range(self.tp):
+            self.responses.append(
+                MessageQueue.create(
+                    num_readers=1,
+                    num_chunks=4,
+                    chunk_bytes=1 << 18,
+                    reader=0,
+                    doorbells=[self.doorbell],
+                )
+            )
+        if device == "cpu" and self.tp > 1:
+            self.collective_block = new_shared_memory(collective_block_bytes(self.tp))
+        check_free_shared_memory(
+            [self.collective_block, *(q.shm for q in [self.broadcast, *self.responses])]
+        )
+        self.store = loopback_store()
+        self.workers = [
+            context.Process(
+                target=worker_main,
+                name=f"tinytp-rank{rank}",
+                daemon=True,
+                args=(
+                    rank,
+                    self.tp,
+                    self.broadcast.handle,
+                    self.responses[rank].handle,
+                    self.creator,
+                ),
+            )
+            for rank in range(self.tp)
+        ]
+        # Ctrl-C and SIGTERM blocked while they start: they inherit the mask, so a signal sent
+        # to the process group reaches the driver (when we unblock it) and never N workers
+        # mid-import; worker_main then ignores both.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for process in self.workers:
+                process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        forget_child_processes(self.workers)
+
     def collective_rpc(
-        self, method: str | Callable, timeout: float | None = None, *args, **kwargs
+        self,
+        method: str | Callable,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
     ) -> list:
         """Run `method` on every worker; return each rank's result, in rank order. A callable
         (picklable: defined at module level) is called with the Worker first, pickled on its own: a
         worker that cannot import it says so. It runs after the steps in flight, and their answers
-        come first: they are kept for those who wait on them."""
+        come first: they are kept for those who wait on them. args and kwargs as a tuple and a dict
+        (vLLM's form, not the design discussion's `*args, **kwargs`): no name can collide."""
         name, payload = (
             (method, method) if isinstance(method, str) else (method.__name__, pickle.dumps(method))
         )
-        call_id = self._send(RPCCall(0, payload, args, kwargs), timeout, name)
+        call_id = self._send(RPCCall(0, payload, tuple(args), kwargs or {}), timeout, name)
         return self._wait_for(call_id, timeout)
 
     def execute_model(
@@ -429,8 +338,7 @@ class Executor:
         return step if non_block else step.result()
 
     def _wait_for_step(self, call_id: int) -> ModelRunnerOutput:
-        """A step's answer. A failure shuts the workers down: the ranks may now disagree about the
-        requests."""
+        """A step's answer; a failure shuts the workers down (the ranks may disagree now)."""
         try:
             return self._wait_for(call_id, None)[0]
         except WorkerError as e:
@@ -441,12 +349,9 @@ class Executor:
         """Number the call, broadcast it, and expect its answers; return its number."""
         with self.sending:
             if self.failure is None and any(q.cut_off for q in [self.broadcast, *self.responses]):
-                self._fail(
-                    "a message between us was cut off part-way, and its reader would misread what "
-                    "follows"
-                )
-            if self.failure is not None:
-                raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
+                cut_off = "a message between us was cut off part-way, and its reader would misread"
+                self._fail(f"{cut_off} what follows")
+            self._raise_if_failed()
             call.call_id = next(self.call_ids)
             ranks = range(self.tp) if call.unique_reply_rank is None else [call.unique_reply_rank]
             self.awaited[call.call_id] = (name, {}, len(ranks))
@@ -476,8 +381,7 @@ class Executor:
         return [answers[rank] for rank in sorted(answers)]
 
     def _take_replies(self) -> None:
-        """Every reply that has come, from every rank's queue (not only those that owe one: a failed
-        rank sends its error unasked), filed under the call it answers."""
+        """Every reply come from any rank (a failed one sends its error unasked), filed by call."""
         for rank, replies in enumerate(self.responses):
             while replies.ready():
                 reply: RPCResult = replies.dequeue(check=self._check_workers)  # may span chunks
@@ -491,9 +395,12 @@ class Executor:
 
     def check_health(self) -> None:
         """Raise if the workers are gone (shut down, failed, dead or stopped)."""
+        self._raise_if_failed()
+        self._check_workers()
+
+    def _raise_if_failed(self) -> None:
         if self.failure is not None:
             raise RuntimeError(f"tinytp's workers are gone ({self.failure}); create a new LLM")
-        self._check_workers()
 
     def _check_workers(self) -> None:
         """Called while we wait: a worker dead, or stopped past STOPPED_GRACE, will never answer."""
@@ -507,12 +414,10 @@ class Executor:
                     f"tinytp worker rank {rank} died (exit code {process.exitcode}); "
                     "the other workers were stopped"
                 )
+            since = self.stopped_since.setdefault(rank, time.monotonic())
             if not is_stopped(process.pid):
-                self.stopped_since.pop(rank, None)
-            elif (
-                time.monotonic() - self.stopped_since.setdefault(rank, time.monotonic())
-                > STOPPED_GRACE
-            ):
+                del self.stopped_since[rank]
+            elif time.monotonic() - since > STOPPED_GRACE:
                 self._fail(f"worker rank {rank} was stopped")
                 raise RuntimeError(
                     f"tinytp worker rank {rank} (pid {process.pid}) is stopped (SIGSTOP?), for "
@@ -546,9 +451,8 @@ class Executor:
                 if process.is_alive():  # stuck in a long step, a collective or loading
                     process.kill()
                     process.join()
-            unlink_semaphores(
-                [*self.broadcast.handle.doorbells, *filter(None, [getattr(self, "doorbell", None)])]
-            )
+            ours = [getattr(self, "doorbell", None)]  # None if the start failed before it
+            unlink_semaphores([*self.broadcast.handle.doorbells, *filter(None, ours)])
             for message_queue in [self.broadcast, *self.responses]:
                 message_queue.close()
             if self.collective_block is not None:
@@ -811,14 +715,34 @@ class EngineCore:
         self.batch_queue.clear()
 
 
-# The front end ------------------------------------------------------------------------
-def in_units(size: float) -> str:
-    return f"{size / 2**30:,.1f} GiB" if size >= 2**30 else f"{size / 2**20:,.1f} MiB"
+# The front end: the callers' side, in vLLM's pieces ---------------------------------
+# Input processing (vLLM's Processor) turns a prompt and its SamplingParams into the engine's
+# requests; the engine client hands them to the engine loop's thread and reads back its reports;
+# output processing (vLLM's OutputProcessor) makes the reports into RequestOutputs. LLM is the
+# thin layer over the three that a vLLM script calls.
+def default_sampling_params(model_dir: str) -> SamplingParams:
+    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens
+    from the checkpoint's generation_config.json, vLLM's defaults for the rest (do_sample is not
+    read, as in vLLM)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    config = read_json_object(path) if os.path.exists(path) else {}
+    try:
+        if config.get("repetition_penalty", 1.0) != 1.0:
+            raise ValueError(
+                f"repetition_penalty={config['repetition_penalty']}: "
+                "tinytp does not support penalties"
+            )
+        config["max_tokens"] = config.get("max_new_tokens")  # transformers' name for it
+        keys = ("temperature", "top_p", "top_k", "min_p", "max_tokens")
+        return SamplingParams(**{key: config[key] for key in keys if config.get(key) is not None})
+    except ValueError as e:  # a value SamplingParams refuses
+        raise ValueError(f"{path}: {e}") from None
 
 
 def message_text(parts: list) -> str:
-    """A chat message's content given as OpenAI's content parts: the text parts joined by newlines,
-    as vLLM's chat does; any other part (an image, audio) refused: a text model cannot take it."""
+    """A chat message's content given as OpenAI's content parts: the text parts joined by
+    newlines, as vLLM's chat does; any other part (an image, audio) refused: a text model cannot
+    take it."""
     for part in parts:
         if not (
             isinstance(part, dict)
@@ -826,10 +750,544 @@ def message_text(parts: list) -> str:
             and isinstance(part.get("text"), str)
         ):
             raise ValueError(
-                f'a content part must be {{"type": "text", "text": ...}}: tinytp runs text models; '
+                'a content part must be {"type": "text", "text": ...}: tinytp runs text models; '
                 f"got {part!r:.80}"
             )
     return "\n".join(part["text"] for part in parts)
+
+
+class Processor:
+    """vLLM's Processor: a caller's prompt and SamplingParams checked, tokenized and made into the
+    engine's requests, one per sample, before any of them runs."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        model_dir: str,
+        tokenizer,
+        max_model_len: int,
+        generation_config: str | None,
+        seed: int | None,
+    ):
+        self.config, self.model_dir, self.tokenizer = config, model_dir, tokenizer
+        self.max_model_len = max_model_len
+        # Where the sampling defaults come from (None: SamplingParams()'s), and the
+        # end-of-sequence ids besides.
+        self.generation_config = generation_config
+        self.get_default_sampling_params()  # a bad generation_config.json refused now
+        self.seeds = random.Random(seed)  # seed None: from the OS
+        self.request_ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        if self.generation_config is None:
+            return SamplingParams()
+        return default_sampling_params(self.generation_config)
+
+    def end_of_sequence_ids(self) -> set[int]:
+        """Tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3),
+        the tokenizer's."""
+        ids = set(self.config.eos_token_ids)
+        path = os.path.join(self.generation_config or self.model_dir, "generation_config.json")
+        if os.path.exists(path):
+            eos = read_json_object(path).get("eos_token_id")
+            ids.update(token_id_list(eos, f"{path}: eos_token_id"))
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def make_groups(self, prompts: str | dict | list, sampling_params) -> list[list[Request]]:
+        """Each prompt's requests (its n samples), every prompt checked before any runs."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if isinstance(sampling_params, list):
+            params = sampling_params
+        else:
+            params = [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"{len(params)} SamplingParams for {len(prompts)} prompts: "
+                "give one, or one per prompt"
+            )
+        return [self.make_requests(prompt, p) for prompt, p in zip(prompts, params)]
+
+    def make_requests(
+        self, prompt: str | dict | list[int], params: SamplingParams | None
+    ) -> list[Request]:
+        """A prompt's requests, one per sample (params.n), checked."""
+        params = self.get_default_sampling_params() if params is None else params  # as vLLM's
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling_params must be SamplingParams or a list of them, got {params!r}"
+            )
+        text, token_ids = self.tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} "
+                "allows at most max_model_len - 1"
+            )
+        self.check_vocabulary(params.stop_token_ids, "stop_token_ids")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids"
+            )
+        if params.max_tokens is None:  # vLLM's: as many as max_model_len leaves
+            params = replace(params, max_tokens=self.max_model_len - len(token_ids))
+        seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
+        # Sample 0 takes the seed itself (n=1 samples as before), sample i one drawn from (seed, i):
+        # a seeded call repeats exactly, and sample 1 of seed s is not sample 0 of seed s + 1.
+        seeds = [seed] + [
+            random.Random(f"{seed}:{index}").getrandbits(64) for index in range(1, params.n)
+        ]
+        return [
+            Request(next(self.request_ids), text, token_ids, params, sample_seed)
+            for sample_seed in seeds
+        ]
+
+    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
+        """A prompt's text (None if given as ids) and its token ids, checked."""
+        text = prompt if isinstance(prompt, str) else None
+        # vLLM's {"prompt": text}, {"prompt_token_ids": ids}, or both (from chat)
+        if isinstance(prompt, dict):
+            text = prompt.get("prompt")
+            if (
+                not prompt
+                or prompt.keys() - {"prompt", "prompt_token_ids"}
+                or not isinstance(text, (str, type(None)))
+            ):
+                raise ValueError(
+                    'a dict prompt is {"prompt": text} or {"prompt_token_ids": ids}, '
+                    f"got {prompt!r}"
+                )
+            prompt = prompt.get("prompt_token_ids", text)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: give at least one character")
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer: give prompts as token ids")
+            token_ids = self.tokenizer(prompt).input_ids
+            self.check_vocabulary(token_ids, f"the tokenizer's ids for {prompt[:40]!r}:")
+        elif isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("empty prompt: give at least one token id")
+            wrong_type = [t for t in prompt if not is_integer(t)]
+            if wrong_type:
+                raise ValueError(
+                    f"token ids must be integers, got {wrong_type[0]!r} "
+                    f"({type(wrong_type[0]).__name__})"
+                )
+            token_ids = [int(t) for t in prompt]  # plain ints, from numpy's too
+            self.check_vocabulary(token_ids, "token ids")
+        else:
+            raise ValueError(
+                f"a prompt is a string or a list of token ids, got {prompt!r} "
+                f"({type(prompt).__name__})"
+            )
+        return text, token_ids
+
+    def check_vocabulary(self, token_ids: list[int], what: str) -> None:
+        outside = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
+        if outside:
+            raise ValueError(
+                f"{what} {outside[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})"
+            )
+
+    def chat_prompt(
+        self,
+        conversation: list[dict],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> dict:
+        """A conversation as a prompt: its text, and its token ids (the template writes the special
+        tokens). A content given as OpenAI's parts ([{"type": "text", "text": ...}, ...]) is their
+        texts joined by newlines, as in vLLM. continue_final_message: the text ends in the last
+        message, for the model to go on with it. chat_template_kwargs: more variables for the
+        template (enable_thinking=False, say)."""
+        if not (self.tokenizer and (chat_template or self.tokenizer.chat_template)):
+            raise ValueError(
+                f"{self.model_dir} has no tokenizer with a chat template: give chat_template=..."
+            )
+        # as vLLM: a new message, or more of the last one
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "continue_final_message=True goes on with the last message: "
+                "give add_generation_prompt=False"
+            )
+        template_kwargs = dict(chat_template_kwargs or {})
+        chat_arguments = {"conversation", "chat_template", "tokenize", "add_generation_prompt"}
+        taken = template_kwargs.keys() & {*chat_arguments, "continue_final_message"}
+        if taken:
+            raise ValueError(
+                f"chat_template_kwargs cannot set {sorted(taken)[0]}: chat() has an argument for it"
+            )
+        conversation = [
+            dict(message, content=message_text(message["content"]))
+            if isinstance(message, dict) and isinstance(message.get("content"), list)
+            else message
+            for message in conversation
+        ]
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **template_kwargs,
+        )
+        token_ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+
+class EngineClient:
+    """The callers' side of the engine loop (vLLM's EngineCoreClient): it starts the thread that
+    runs EngineCore.run_busy_loop, puts commands on that thread's queue, and reads each caller's
+    reports from the caller's own queue. Any number of threads may call it at once."""
+
+    def __init__(self, engine: EngineCore):
+        self.engine = engine
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=engine.run_busy_loop, args=(self.commands,), name="tinytp-engine", daemon=True
+        )
+        self.thread.start()
+
+    def run(
+        self, requests: list[Request], stream: bool = False
+    ) -> Iterator[tuple[Request, int, bool]]:
+        """Hand the requests to the engine loop and yield what it reports of them: (request, its
+        tokens then, whether it finished), for each new token (stream) or only at the end. They
+        share the running batch with every other caller's. Leaving early (an exception, Ctrl-C, a
+        stream closed) aborts those not finished."""
+        outputs = queue.SimpleQueue()  # this caller's: the engine loop reports its requests here
+        for request in requests:
+            request.outputs, request.stream = outputs, stream
+        unfinished = {request.request_id for request in requests}
+        self.commands.put(("add", requests))
+        try:
+            while unfinished:
+                report = outputs.get()
+                # the same failure for every caller: each raises a copy of its own
+                if isinstance(report, Exception):
+                    raise type(report)(*report.args) from None
+                request, num_tokens, finished = report
+                if finished:
+                    unfinished.discard(request.request_id)
+                yield request, num_tokens, finished
+        finally:
+            if unfinished:
+                self.commands.put(("abort", list(unfinished)))
+
+    def call(self, function: Callable):
+        """Run `function` in the engine loop's thread, between two steps, and return what it
+        returns: that thread alone drives the executor (once the loop has stopped, here)."""
+        if not self.thread.is_alive():
+            return function()
+        result = concurrent.futures.Future()
+        self.commands.put(("call", (function, result)))
+        return result.result()
+
+    def shutdown(self) -> None:
+        """Stop the engine loop; a step it waits for is given up at its next check."""
+        if self.thread.is_alive():
+            # another kind (bench's in-process) never waits on processes
+            if isinstance(self.engine.executor, Executor):
+                self.engine.executor.closing.set()
+            self.commands.put((SHUTDOWN_ENGINE, None))
+            self.thread.join()
+
+
+class IncrementalText:
+    """One sample's text as its tokens come (vLLM's IncrementalDetokenizer). A window is decoded,
+    not the whole output at every step: the tokens not shown yet, after those shown last time (a
+    tokenizer may spell a token by its neighbour). The last characters wait while a stop string
+    could begin there."""
+
+    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str]):
+        self.detokenize = detokenize
+        self.hold = max(map(len, stop), default=1) - 1
+        self.start = self.shown = 0  # the window, and where its shown part ends
+        self.decoded, self.text = "", ""  # the text so far, and how much of it may be shown
+
+    def update(self, token_ids: list[int], finished: bool, text_end: int | None) -> str | None:
+        """The text to show for these tokens; None while the last one ends in half of a multi-byte
+        character."""
+        window = self.detokenize(token_ids[self.start :])
+        if window.endswith("\ufffd") and not finished:
+            return None
+        self.decoded += window[len(self.detokenize(token_ids[self.start : self.shown])) :]
+        self.start, self.shown = self.shown, len(token_ids)
+        # At the end, all of it up to the stop that ended it, if one did (text_end None: to the
+        # end of the text).
+        end = text_end if finished else max(len(self.text), len(self.decoded) - self.hold)
+        self.text = self.decoded[:end]
+        return self.text
+
+
+def request_output(group: list[Request], completions: list[CompletionOutput]) -> RequestOutput:
+    """A prompt's output: named by its first sample's request, with its n completions so far."""
+    first = group[0]
+    finished = all(completion.finish_reason for completion in completions)
+    return RequestOutput(
+        str(first.request_id), first.prompt, first.prompt_token_ids, completions, finished
+    )
+
+
+class OutputProcessor:
+    """vLLM's OutputProcessor: the engine's reports of requests made into RequestOutputs, text
+    from token ids (the tokenizer's), in the callers' threads, not the engine's."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def final_outputs(self, groups: list[list[Request]]) -> list[RequestOutput]:
+        """generate's: each prompt's output once all its samples have finished."""
+        return [
+            request_output(group, [self.completion(index, r) for index, r in enumerate(group)])
+            for group in groups
+        ]
+
+    def completion(self, index: int, request: Request) -> CompletionOutput:
+        """A finished sample: its text ends before a stop string, or an end-of-sequence token."""
+        text = self.detokenize(request.output_token_ids)[: request.text_end]
+        return CompletionOutput(
+            index, text, request.output_token_ids, request.finish_reason, request.stop_reason
+        )
+
+    def stream(
+        self, groups: list[list[Request]], reports: Iterator[tuple[Request, int, bool]]
+    ) -> Iterator[list[RequestOutput]]:
+        """After each report that gave a sample new text, every prompt's RequestOutput so far."""
+        requests = [request for group in groups for request in group]
+        texts = {r.request_id: IncrementalText(self.detokenize, r.params.stop) for r in requests}
+        place = {
+            r.request_id: (number, index)
+            for number, group in enumerate(groups)
+            for index, r in enumerate(group)
+        }
+        completions = [
+            [CompletionOutput(index, "", [], None) for index in range(len(group))]
+            for group in groups
+        ]
+        for request, num_tokens, finished in reports:
+            token_ids = request.output_token_ids[:num_tokens]  # the engine may have appended more
+            text = texts[request.request_id].update(token_ids, finished, request.text_end)
+            if text is None:
+                continue  # half of a multi-byte character: wait for the rest
+            number, index = place[request.request_id]
+            completions[number][index] = (
+                CompletionOutput(index, text, token_ids, request.finish_reason, request.stop_reason)
+                if finished
+                else CompletionOutput(index, text, token_ids, None)
+            )
+            yield [
+                request_output(group, list(samples)) for group, samples in zip(groups, completions)
+            ]
+
+
+# The LLM: its arguments checked, the pieces made and put together -----------------------
+def in_units(size: float) -> str:
+    return f"{size / 2**30:,.1f} GiB" if size >= 2**30 else f"{size / 2**20:,.1f} MiB"
+
+
+def check_process_can_start_workers() -> None:
+    """Spawned workers re-import the main script, from its file, as children of this process."""
+    if importing_main_for_spawn():
+        sys.exit(
+            "tinytp: a worker process, importing your script as spawn does, ran its LLM(...) "
+            'too: put the code that creates the LLM under if __name__ == "__main__":'
+        )
+    # spawn re-imports the script from it
+    main_file = getattr(sys.modules["__main__"], "__file__", None)
+    if main_file is not None and not os.path.exists(main_file):
+        raise RuntimeError(
+            f"tinytp cannot start workers from a script read from {main_file}: save it to a file"
+        )
+    # whose children multiprocessing forbids (asserts, which -O skips)
+    if mp.current_process().daemon:
+        raise RuntimeError(
+            "tinytp cannot start workers from a daemonic process (a multiprocessing.Pool worker)"
+        )
+
+
+def check_vllm_arguments(
+    others: dict,
+    seed,
+    enforce_eager,
+    cuda_graphs,
+    trust_remote_code,
+    gpu_memory_utilization,
+    generation_config,
+) -> None:
+    """vLLM's arguments that tinytp takes, each with the values it honours (one table: the rule
+    and its words); any other (enable_prefix_caching, quantization, ..., and typos) refused."""
+    for name in others:
+        raise ValueError(
+            f"LLM({name}=...): tinytp does not support {name}; it takes "
+            f"{', '.join(list(inspect.signature(LLM).parameters)[:-1])}"
+        )
+    is_directory = isinstance(generation_config, str) and os.path.isdir(generation_config)
+    for name, value, valid, allowed in [
+        ("seed", seed, seed is None or is_integer(seed) and 0 <= seed, "None or an integer >= 0"),
+        (
+            "enforce_eager",
+            enforce_eager,
+            enforce_eager is False or enforce_eager is True and not cuda_graphs,
+            "False or True, and True only without cuda_graphs",
+        ),
+        (
+            "trust_remote_code",
+            trust_remote_code,
+            trust_remote_code is False,
+            "False: tinytp never runs a checkpoint's own code",
+        ),
+        (
+            "gpu_memory_utilization",
+            gpu_memory_utilization,
+            is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1,
+            "a number in (0, 1]",
+        ),
+        (
+            "generation_config",
+            generation_config,
+            generation_config in ("auto", "vllm") or is_directory,
+            "'auto' (the model's generation_config.json), 'vllm' (SamplingParams()'s defaults) "
+            "or a directory holding a generation_config.json",
+        ),
+    ]:
+        if not valid:
+            raise ValueError(f"{name}={value!r} is not supported: it must be {allowed}")
+
+
+def executor_class_for(distributed_executor_backend: str | type) -> type:
+    """vLLM's "mp" is ours; a class of one's own needs the three methods the engine calls."""
+    if distributed_executor_backend == "mp":
+        return Executor
+    needed = ("collective_rpc", "execute_model", "shutdown")
+    backend = distributed_executor_backend
+    if not (isinstance(backend, type) and all(hasattr(backend, m) for m in needed)):
+        raise ValueError(
+            f"distributed_executor_backend must be 'mp' or an Executor class, got {backend!r}"
+        )
+    return backend
+
+
+def read_model_config(model_dir: str) -> ModelConfig:
+    """config.json, checked; the keys that transformers' Llama does not read either, named."""
+    config = read_config(os.path.join(model_dir, "config.json"))
+    if config.unread_keys:
+        print(
+            f"tinytp: {model_dir}/config.json: ignoring {', '.join(config.unread_keys)}: "
+            "not read by transformers' Llama either",
+            file=sys.stderr,
+        )
+    return config
+
+
+def check_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
+    limit = config.max_position_embeddings
+    max_model_len = max_model_len or min(limit, 4096)
+    if not is_integer(max_model_len) or not 1 < max_model_len <= limit:
+        raise ValueError(
+            f"max_model_len must be an integer in 2..{limit} (the model's "
+            f"max_position_embeddings), got {max_model_len}"
+        )
+    return max_model_len
+
+
+def check_max_num_batched_tokens(value: int | None, max_num_seqs: int, tp: int, device: str) -> int:
+    """vLLM V1's offline defaults: 4096 tokens a rank on CPU, 8192 on a GPU (16384 on one of 70
+    GiB or more); a default is never below max_num_seqs, the bound a given value must meet."""
+    check_count("max_num_seqs", max_num_seqs)
+    if value is None:
+        value = max(max_num_seqs, 4096 * tp if device == "cpu" else 8192)
+    if not is_integer(value) or value < max_num_seqs:  # vLLM's bound too
+        raise ValueError(
+            f"max_num_batched_tokens must be an integer >= max_num_seqs ({max_num_seqs}), so "
+            f"that every slot's token fits a step; got {value!r}"
+        )
+    return value
+
+
+def check_memory(
+    config: ModelConfig,
+    tp: int,
+    device: str,
+    dtype: str,
+    max_num_seqs: int,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+) -> None:
+    """What the workers will hold, each rank's weights and KV cache (one GPU's share, or on cpu
+    every rank's), against the memory it goes in: one line now, not a worker killed by the
+    kernel while it loads (exit code -9)."""
+    memory = gpu_memory_utilization * (
+        torch.cuda.get_device_properties(0).total_memory
+        if device == "cuda"
+        else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    )
+
+    def needed(dtype: str) -> tuple[int, int]:  # bytes of weights, of KV cache
+        ranks = 1 if device == "cuda" else tp
+        layer_cache = math.prod(kv_cache_shape(config, tp, max_num_seqs, max_model_len))
+        return (
+            ranks * weight_bytes(config, TPGroup(0, tp), dtype),
+            ranks * config.num_layers * layer_cache * getattr(torch, dtype).itemsize,
+        )
+
+    weights, kv_cache = needed(dtype)
+    if weights + kv_cache <= memory:
+        return
+    where = f"{in_units(memory)} of {'a GPU' if device == 'cuda' else 'this machine'}"
+    # on a CPU without native bfloat16, say
+    if dtype == "float32" and sum(needed("bfloat16")) <= memory:
+        fix = f"dtype='bfloat16' (--dtype bfloat16) needs {in_units(sum(needed('bfloat16')))}"
+    elif weights < memory:
+        fix = "lower max_num_seqs or max_model_len"
+    elif device == "cuda":
+        fix = "more GPUs (a larger tensor_parallel_size)"
+    else:
+        fix = "a machine with more memory"
+    raise ValueError(
+        f"{in_units(weights)} of weights and {in_units(kv_cache)} of KV cache (max_num_seqs="
+        f"{max_num_seqs}, max_model_len={max_model_len}) in {dtype} need more than the "
+        f"{where}: {fix}"
+    )
+
+
+def check_engine_choices(device: str, cuda_graphs, load_format: str, async_scheduling) -> None:
+    # graphs capture CUDA kernels
+    if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":
+        raise ValueError(
+            f"cuda_graphs must be False, or True on device 'cuda'; got {cuda_graphs!r} on {device}"
+        )
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(
+            f"load_format must be 'auto' (safetensors) or 'dummy', got {load_format!r}"
+        )
+    if type(async_scheduling) is not bool:
+        raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
+    packing_wanted()  # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
+
+
+def load_tokenizer(tokenizer: str | None, model_dir: str):
+    """The tokenizer (default: the model's); None for a bare config.json run with dummy weights,
+    whose prompts are token ids. Never the checkpoint's own code (auto_map): transformers would
+    ask on stdin, then run it."""
+    from transformers import AutoTokenizer
+
+    if not (tokenizer or has_tokenizer(model_dir)):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer or model_dir, trust_remote_code=False)
+    except (ValueError, OSError) as e:
+        raise ValueError(
+            f"{tokenizer or model_dir}: its tokenizer: {' '.join(str(e).split())}"
+        ) from None
 
 
 class LLM:
@@ -864,165 +1322,53 @@ class LLM:
         cuda_graphs. trust_remote_code: False only (a checkpoint's code never runs).
         gpu_memory_utilization: the share of the memory (a GPU's; on cpu the machine's) that
         weights and KV cache may take. max_num_batched_tokens: the tokens one step may run
-        (below). Any other argument is refused by name."""
-        from transformers import AutoTokenizer
-
-        if importing_main_for_spawn():
-            sys.exit(
-                "tinytp: a worker process, importing your script as spawn does, ran its LLM(...) "
-                "too: "
-                'put the code that creates the LLM under if __name__ == "__main__":'
-            )
-        # vLLM's other arguments (enable_prefix_caching, quantization, ...) and typos
-        for name in others:
-            raise ValueError(
-                f"LLM({name}=...): tinytp does not support {name}; it takes "
-                f"{', '.join(list(inspect.signature(LLM).parameters)[:-1])}"
-            )
-        is_directory = isinstance(generation_config, str) and os.path.isdir(generation_config)
-        for name, value, valid, allowed in [
-            (
-                "seed",
-                seed,
-                seed is None or is_integer(seed) and 0 <= seed,
-                "None or an integer >= 0",
-            ),
-            (
-                "enforce_eager",
-                enforce_eager,
-                enforce_eager is False or enforce_eager is True and not cuda_graphs,
-                "False or True, and True only without cuda_graphs",
-            ),
-            (
-                "trust_remote_code",
-                trust_remote_code,
-                trust_remote_code is False,
-                "False: tinytp never runs a checkpoint's own code",
-            ),
-            (
-                "gpu_memory_utilization",
-                gpu_memory_utilization,
-                is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1,
-                "a number in (0, 1]",
-            ),
-            (
-                "generation_config",
-                generation_config,
-                generation_config in ("auto", "vllm") or is_directory,
-                "'auto' (the model's generation_config.json), 'vllm' (SamplingParams()'s "
-                "defaults) or a directory "
-                "holding a generation_config.json",
-            ),
-        ]:
-            if not valid:
-                raise ValueError(f"{name}={value!r} is not supported: it must be {allowed}")
-        # spawn re-imports the script from it
-        main_file = getattr(sys.modules["__main__"], "__file__", None)
-        if main_file is not None and not os.path.exists(main_file):
-            raise RuntimeError(
-                f"tinytp cannot start workers from a script read from {main_file}: save it to a "
-                "file"
-            )
-        # whose children multiprocessing forbids (asserts, which -O skips)
-        if mp.current_process().daemon:
-            raise RuntimeError(
-                "tinytp cannot start workers from a daemonic process (a multiprocessing.Pool "
-                "worker)"
-            )
-        executor_class = (
-            Executor if distributed_executor_backend == "mp" else distributed_executor_backend
+        (Scheduler). Any other argument is refused by name. Everything is checked before any
+        worker starts."""
+        check_process_can_start_workers()
+        check_vllm_arguments(
+            others,
+            seed,
+            enforce_eager,
+            cuda_graphs,
+            trust_remote_code,
+            gpu_memory_utilization,
+            generation_config,
         )
-        if executor_class is not Executor and not (
-            isinstance(executor_class, type)
-            and all(
-                hasattr(executor_class, m) for m in ("collective_rpc", "execute_model", "shutdown")
-            )
-        ):
-            raise ValueError(
-                "distributed_executor_backend must be 'mp' or an Executor class, got "
-                f"{executor_class!r}"
-            )
+        executor_class = executor_class_for(distributed_executor_backend)
         self.model_dir = resolve_model(model)
-        self.config = ModelConfig.from_file(os.path.join(self.model_dir, "config.json"))
-        if self.config.unread_keys:
-            print(
-                f"tinytp: {self.model_dir}/config.json: ignoring "
-                f"{', '.join(self.config.unread_keys)}: not read by "
-                "transformers' Llama either",
-                file=sys.stderr,
-            )
-        # Where the sampling defaults come from (None: SamplingParams()'s), and the end-of-sequence
-        # ids besides.
-        self.generation_config = {"auto": self.model_dir, "vllm": None}.get(
-            generation_config, generation_config
-        )
-        self.get_default_sampling_params()  # a bad generation_config.json refused now
-        self.seeds = random.Random(seed)  # seed None: from the OS
+        self.config = read_model_config(self.model_dir)
         tp = tensor_parallel_size
         check_tensor_parallel_size(self.config, tp)
         device, dtype = choose_device_and_dtype(self.config, tp, device, dtype)
-        limit = self.config.max_position_embeddings
-        self.max_model_len = max_model_len or min(limit, 4096)
-        if not is_integer(self.max_model_len) or not 1 < self.max_model_len <= limit:
-            raise ValueError(
-                f"max_model_len must be an integer in 2..{limit} (the model's "
-                "max_position_embeddings), "
-                f"got {self.max_model_len}"
-            )
-        check_count("max_num_seqs", max_num_seqs)
-        # vLLM V1's offline defaults: 4096 tokens a rank on CPU, 8192 on a GPU (16384 on one of 70
-        # GiB or more); a default is never below max_num_seqs, the bound a given value must meet.
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(max_num_seqs, 4096 * tp if device == "cpu" else 8192)
-        # vLLM's bound too
-        if not is_integer(max_num_batched_tokens) or max_num_batched_tokens < max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens must be an integer >= max_num_seqs ({max_num_seqs}), so "
-                "that "
-                f"every slot's token fits a step; got {max_num_batched_tokens!r}"
-            )
-        memory = gpu_memory_utilization * (
-            torch.cuda.get_device_properties(0).total_memory
-            if device == "cuda"
-            else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        self.max_model_len = check_max_model_len(self.config, max_model_len)
+        budget = check_max_num_batched_tokens(max_num_batched_tokens, max_num_seqs, tp, device)
+        check_memory(
+            self.config,
+            tp,
+            device,
+            dtype,
+            max_num_seqs,
+            self.max_model_len,
+            gpu_memory_utilization,
         )
-        self.check_memory(tp, device, dtype, max_num_seqs, memory)
-        # graphs capture CUDA kernels
-        if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":
-            raise ValueError(
-                f"cuda_graphs must be False, or True on device 'cuda'; got {cuda_graphs!r} on "
-                f"{device}"
-            )
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(
-                f"load_format must be 'auto' (safetensors) or 'dummy', got {load_format!r}"
-            )
-        packing_wanted()  # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
+        check_engine_choices(device, cuda_graphs, load_format, async_scheduling)
         if load_format == "auto":
             check_checkpoint(self.config, self.model_dir)
-        # A dummy-weight run of a bare config.json needs no tokenizer: its prompts are token ids.
-        # never the checkpoint's own code (auto_map): transformers would ask on stdin, then run it
-        try:
-            self.tokenizer = (
-                AutoTokenizer.from_pretrained(tokenizer or self.model_dir, trust_remote_code=False)
-                if tokenizer or has_tokenizer(self.model_dir)
-                else None
-            )
-        except (ValueError, OSError) as e:
-            raise ValueError(
-                f"{tokenizer or self.model_dir}: its tokenizer: {' '.join(str(e).split())}"
-            ) from None
-        if type(async_scheduling) is not bool:
-            raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
+        self.tokenizer = load_tokenizer(tokenizer, self.model_dir)
+        defaults = {"auto": self.model_dir, "vllm": None}.get(generation_config, generation_config)
+        self.processor = Processor(
+            self.config, self.model_dir, self.tokenizer, self.max_model_len, defaults, seed
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.scheduler = Scheduler(
             max_num_seqs,
             self.max_model_len,
-            max_num_batched_tokens,
-            self.end_of_sequence_ids(),
-            self.detokenize,
+            budget,
+            self.processor.end_of_sequence_ids(),
+            self.output_processor.detokenize,
         )
-        self.request_ids = itertools.count()
         self.executor = executor_class(
+            self.config,
             self.model_dir,
             tp,
             device,
@@ -1035,67 +1381,8 @@ class LLM:
         # The engine loop: one thread drives the scheduler and the executor; every caller talks to
         # it through queues.
         self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.engine_thread = threading.Thread(
-            target=self.engine.run_busy_loop,
-            args=(self.commands,),
-            name="tinytp-engine",
-            daemon=True,
-        )
-        self.engine_thread.start()
+        self.engine_client = EngineClient(self.engine)
         atexit.register(self.shutdown)  # registered after the executor's, so run before it
-
-    def check_memory(
-        self, tp: int, device: str, dtype: str, max_num_seqs: int, memory: float
-    ) -> None:
-        """What the workers will hold, each rank's weights and KV cache (one GPU's share, or on cpu
-        every rank's), against the memory it goes in: one line now, not a worker killed by the
-        kernel while it loads (exit code -9)."""
-
-        def needed(dtype: str) -> tuple[int, int]:  # bytes of weights, of KV cache
-            ranks = 1 if device == "cuda" else tp
-            layer_cache = math.prod(
-                kv_cache_shape(self.config, tp, max_num_seqs, self.max_model_len)
-            )
-            return (
-                ranks * weight_bytes(self.config, TPGroup(0, tp), dtype),
-                ranks * self.config.num_layers * layer_cache * getattr(torch, dtype).itemsize,
-            )
-
-        weights, kv_cache = needed(dtype)
-        if weights + kv_cache <= memory:
-            return
-        where = f"{in_units(memory)} of {'a GPU' if device == 'cuda' else 'this machine'}"
-        # on a CPU without native bfloat16, say
-        if dtype == "float32" and sum(needed("bfloat16")) <= memory:
-            fix = f"dtype='bfloat16' (--dtype bfloat16) needs {in_units(sum(needed('bfloat16')))}"
-        elif weights < memory:
-            fix = "lower max_num_seqs or max_model_len"
-        else:
-            fix = (
-                "more GPUs (a larger tensor_parallel_size)"
-                if device == "cuda"
-                else "a machine with more memory"
-            )
-        raise ValueError(
-            f"{in_units(weights)} of weights and {in_units(kv_cache)} of KV cache (max_num_seqs="
-            f"{max_num_seqs}, max_model_len={self.max_model_len}) in {dtype} need more than the "
-            f"{where}: "
-            f"{fix}"
-        )
-
-    def end_of_sequence_ids(self) -> set[int]:
-        """Tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3),
-        the tokenizer's."""
-        ids = set(self.config.eos_token_ids)
-        path = os.path.join(self.generation_config or self.model_dir, "generation_config.json")
-        if os.path.exists(path):
-            ids.update(
-                token_id_list(read_json_object(path).get("eos_token_id"), f"{path}: eos_token_id")
-            )
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     def generate(
         self,
@@ -1109,7 +1396,7 @@ class LLM:
         checked before any runs: one bad prompt rejects the call."""
         from tqdm import tqdm
 
-        groups = self._make_groups(prompts, sampling_params)
+        groups = self.processor.make_groups(prompts, sampling_params)
         requests = [request for group in groups for request in group]
         with tqdm(
             total=len(requests),
@@ -1117,41 +1404,9 @@ class LLM:
             unit="sequence",
             disable=not use_tqdm or len(requests) < 2,
         ) as bar:
-            for _ in self._run(requests):  # each request is reported once, when it finishes
+            for _ in self.engine_client.run(requests):  # each is reported once, when it finishes
                 bar.update(1)
-        return [
-            request_output(
-                group,
-                [
-                    CompletionOutput(
-                        index,
-                        self.detokenize(r.output_token_ids)[: r.text_end],
-                        r.output_token_ids,
-                        r.finish_reason,
-                        r.stop_reason,
-                    )
-                    for index, r in enumerate(group)
-                ],
-            )
-            for group in groups
-        ]
-
-    def _make_groups(
-        self, prompts: str | dict | list, sampling_params: SamplingParams | list | None
-    ) -> list:
-        """Each prompt's requests (its n samples), every prompt checked before any runs."""
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = (
-            sampling_params
-            if isinstance(sampling_params, list)
-            else [sampling_params] * len(prompts)
-        )
-        if len(params) != len(prompts):
-            raise ValueError(
-                f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per "
-                "prompt"
-            )
-        return [self._make_requests(prompt, p) for prompt, p in zip(prompts, params)]
+        return self.output_processor.final_outputs(groups)
 
     def chat(
         self,
@@ -1166,94 +1421,29 @@ class LLM:
         """The next message of a conversation (a list of {"role", "content"} dicts), or of each in a
         list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate(
-            [
-                self.chat_prompt(
-                    conversation,
-                    chat_template,
-                    add_generation_prompt,
-                    continue_final_message,
-                    chat_template_kwargs,
-                )
-                for conversation in conversations
-            ],
-            sampling_params,
-            use_tqdm,
-        )
-
-    def chat_prompt(
-        self,
-        conversation: list[dict],
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict | None = None,
-    ) -> dict:
-        """A conversation as a prompt: its text, and its token ids (the template writes the special
-        tokens). A content given as OpenAI's parts ([{"type": "text", "text": ...}, ...]) is their
-        texts joined by newlines, as in vLLM. continue_final_message: the text ends in the last
-        message, for the model to go on with it. chat_template_kwargs: more variables for the
-        template (enable_thinking=False, say)."""
-        if not (self.tokenizer and (chat_template or self.tokenizer.chat_template)):
-            raise ValueError(
-                f"{self.model_dir} has no tokenizer with a chat template: give chat_template=..."
-            )
-        # as vLLM: a new message, or more of the last one
-        if add_generation_prompt and continue_final_message:
-            raise ValueError(
-                "continue_final_message=True goes on with the last message: "
-                "give add_generation_prompt=False"
-            )
-        template_kwargs = dict(chat_template_kwargs or {})
-        taken = template_kwargs.keys() & {
-            "conversation",
-            "chat_template",
-            "tokenize",
-            "add_generation_prompt",
-            "continue_final_message",
-        }
-        if taken:
-            raise ValueError(
-                f"chat_template_kwargs cannot set {sorted(taken)[0]}: chat() has an argument for it"
-            )
-        conversation = [
-            dict(message, content=message_text(message["content"]))
-            if isinstance(message, dict) and isinstance(message.get("content"), list)
-            else message
-            for message in conversation
+        template = (chat_template, add_generation_prompt, continue_final_message)
+        prompts = [
+            self.chat_prompt(conversation, *template, chat_template_kwargs)
+            for conversation in conversations
         ]
-        text = self.tokenizer.apply_chat_template(
-            conversation,
-            chat_template=chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **template_kwargs,
-        )
-        return {
-            "prompt": text,
-            "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids,
-        }
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt(self, conversation: list[dict], *args, **kwargs) -> dict:
+        """A conversation as a prompt: Processor.chat_prompt (its arguments are chat's)."""
+        return self.processor.chat_prompt(conversation, *args, **kwargs)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() sample with when given no SamplingParams, as vLLM's (see
         generation_config)."""
-        return (
-            default_sampling_params(self.generation_config)
-            if self.generation_config
-            else SamplingParams()
-        )
-
-    def detokenize(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return self.processor.get_default_sampling_params()
 
     def stream(
         self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None
     ) -> Iterator[str]:
         """Yield one prompt's completion text as it is generated; the prompt is checked now, not at
-        the first piece. Closing it early (break, .close(), garbage collection) aborts the
-        request: its slot is free within a step."""
-        requests = self._make_requests(prompt, sampling_params)
+        the first piece. Closing it early (break, .close(), garbage collection) aborts the request:
+        its slot is free within a step."""
+        requests = self.processor.make_requests(prompt, sampling_params)
         if len(requests) > 1:
             raise ValueError(f"stream yields one completion: n must be 1, got {len(requests)}")
         return self._stream(requests)
@@ -1270,154 +1460,14 @@ class LLM:
     ) -> Iterator[list[RequestOutput]]:
         """generate's outputs as they grow (vLLM's AsyncLLM.generate streams one prompt, with
         asyncio): after each step that gave a sample of the prompts new text, every prompt's
-        RequestOutput so far, in prompt order; a completion's finish_reason is None until it
-        ends, an output `finished` once all its samples are. Checked now, not at the first
-        output; closing it early aborts the requests, as stream's does."""
-        return self._stream_outputs(self._make_groups(prompts, sampling_params))
+        RequestOutput so far, in prompt order; a completion's finish_reason is None until it ends,
+        an output `finished` once all its samples are. Checked now, not at the first output;
+        closing it early aborts the requests, as stream's does."""
+        return self._stream_outputs(self.processor.make_groups(prompts, sampling_params))
 
     def _stream_outputs(self, groups: list[list[Request]]) -> Iterator[list[RequestOutput]]:
-        texts = {
-            r.request_id: IncrementalText(self.detokenize, r.params.stop)
-            for group in groups
-            for r in group
-        }
-        place = {
-            r.request_id: (number, index)
-            for number, group in enumerate(groups)
-            for index, r in enumerate(group)
-        }
-        completions = [
-            [CompletionOutput(index, "", [], None) for index in range(len(group))]
-            for group in groups
-        ]
-        for request, num_tokens, finished in self._run(
-            [r for group in groups for r in group], stream=True
-        ):
-            # the engine may have appended more since
-            token_ids = request.output_token_ids[:num_tokens]
-            text = texts[request.request_id].update(token_ids, finished, request.text_end)
-            if text is None:
-                continue  # half of a multi-byte character: wait for the rest
-            number, index = place[request.request_id]
-            completions[number][index] = (
-                CompletionOutput(index, text, token_ids, request.finish_reason, request.stop_reason)
-                if finished
-                else CompletionOutput(index, text, token_ids, None)
-            )
-            yield [
-                request_output(group, list(samples)) for group, samples in zip(groups, completions)
-            ]
-
-    def _make_requests(
-        self, prompt: str | dict | list[int], params: SamplingParams | None
-    ) -> list[Request]:
-        """A prompt's requests, one per sample (params.n), checked."""
-        params = self.get_default_sampling_params() if params is None else params  # as vLLM's
-        if not isinstance(params, SamplingParams):
-            raise ValueError(
-                f"sampling_params must be SamplingParams or a list of them, got {params!r}"
-            )
-        text = prompt if isinstance(prompt, str) else None
-        # vLLM's {"prompt": text}, {"prompt_token_ids": ids}, or both (from chat)
-        if isinstance(prompt, dict):
-            text = prompt.get("prompt")
-            if (
-                not prompt
-                or prompt.keys() - {"prompt", "prompt_token_ids"}
-                or not isinstance(text, (str, type(None)))
-            ):
-                raise ValueError(
-                    f'a dict prompt is {{"prompt": text}} or {{"prompt_token_ids": ids}}, got '
-                    f"{prompt!r}"
-                )
-            prompt = prompt.get("prompt_token_ids", text)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("empty prompt: give at least one character")
-            if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir} has no tokenizer: give prompts as token ids")
-            token_ids = self.tokenizer(prompt).input_ids
-            self._check_vocabulary(token_ids, f"the tokenizer's ids for {prompt[:40]!r}:")
-        elif isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError("empty prompt: give at least one token id")
-            wrong_type = [t for t in prompt if not is_integer(t)]
-            if wrong_type:
-                raise ValueError(
-                    f"token ids must be integers, got {wrong_type[0]!r} "
-                    f"({type(wrong_type[0]).__name__})"
-                )
-            token_ids = [int(t) for t in prompt]  # plain ints, from numpy's too
-            self._check_vocabulary(token_ids, "token ids")
-        else:
-            raise ValueError(
-                f"a prompt is a string or a list of token ids, got {prompt!r} "
-                f"({type(prompt).__name__})"
-            )
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} "
-                "allows at most max_model_len - 1"
-            )
-        self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids"
-            )
-        if params.max_tokens is None:  # vLLM's: as many as max_model_len leaves
-            params = replace(params, max_tokens=self.max_model_len - len(token_ids))
-        seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
-        # Sample 0 takes the seed itself (n=1 samples as before), sample i one drawn from (seed, i):
-        # a seeded call repeats exactly, and sample 1 of seed s is not sample 0 of seed s + 1.
-        seeds = [seed] + [
-            random.Random(f"{seed}:{index}").getrandbits(64) for index in range(1, params.n)
-        ]
-        return [
-            Request(next(self.request_ids), text, token_ids, params, sample_seed)
-            for sample_seed in seeds
-        ]
-
-    def _check_vocabulary(self, token_ids: list[int], what: str) -> None:
-        outside = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
-        if outside:
-            raise ValueError(
-                f"{what} {outside[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})"
-            )
-
-    def _run(
-        self, requests: list[Request], stream: bool = False
-    ) -> Iterator[tuple[Request, int, bool]]:
-        """Hand the requests to the engine loop and yield what it reports of them: (request, its
-        tokens then, whether it finished), for each new token (stream) or only at the end. They
-        share the running batch with every other caller's. Leaving early (an exception, Ctrl-C, a
-        stream closed) aborts those not finished."""
-        outputs = queue.SimpleQueue()  # this caller's: the engine loop reports its requests here
-        for request in requests:
-            request.outputs, request.stream = outputs, stream
-        unfinished = {request.request_id for request in requests}
-        self.commands.put(("add", requests))
-        try:
-            while unfinished:
-                report = outputs.get()
-                # the same failure for every caller: each raises a copy of its own
-                if isinstance(report, Exception):
-                    raise type(report)(*report.args) from None
-                request, num_tokens, finished = report
-                if finished:
-                    unfinished.discard(request.request_id)
-                yield request, num_tokens, finished
-        finally:
-            if unfinished:
-                self.commands.put(("abort", list(unfinished)))
-
-    def _in_engine(self, function: Callable):
-        """Run `function` in the engine loop's thread, between two steps, and return what it
-        returns: that thread alone drives the executor (once the loop has stopped, here)."""
-        if not self.engine_thread.is_alive():
-            return function()
-        result = concurrent.futures.Future()
-        self.commands.put(("call", (function, result)))
-        return result.result()
+        reports = self.engine_client.run([r for group in groups for r in group], stream=True)
+        yield from self.output_processor.stream(groups, reports)
 
     def collective_rpc(
         self,
@@ -1426,31 +1476,24 @@ class LLM:
         args: tuple = (),
         kwargs: dict | None = None,
     ) -> list:
-        """vLLM's public form: args and kwargs as a tuple and a dict, so that no name of the
-        method's own arguments can collide with collective_rpc's (the Executor keeps the PR's
-        `*args, **kwargs`)."""
-        return self._in_engine(
-            lambda: self.executor.collective_rpc(method, timeout, *args, **(kwargs or {}))
+        """Run `method` on every worker (Executor.collective_rpc), from the engine loop's thread."""
+        return self.engine_client.call(
+            lambda: self.executor.collective_rpc(method, timeout, args, kwargs)
         )
 
     def check_health(self) -> None:
         """Raise RuntimeError if the workers are gone (vLLM's check_health)."""
-        self._in_engine(self.executor.check_health)
+        self.engine_client.call(self.executor.check_health)
 
     def stats(self) -> dict:
         """The engine's counts so far: steps run, and the most requests one step has run."""
         return dict(self.engine.stats)
 
     def shutdown(self) -> None:
-        """Stop the engine loop (a step it waits for is given up), then the workers; free all shared
-        memory."""
+        """Stop the engine loop (a step it waits for is given up), then the workers; free all
+        shared memory."""
         atexit.unregister(self.shutdown)
-        if self.engine_thread.is_alive():
-            # another kind (bench's in-process) never waits on processes
-            if isinstance(self.executor, Executor):
-                self.executor.closing.set()
-            self.commands.put((SHUTDOWN_ENGINE, None))
-            self.engine_thread.join()
+        self.engine_client.shutdown()
         self.executor.shutdown()
 
     def __enter__(self) -> LLM:
@@ -1467,7 +1510,13 @@ DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "Tensor para
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tinytp.py", description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="number of ranks"
+        "--tp",
+        "-tp",  # vLLM's short form
+        "--tensor-parallel-size",
+        dest="tp",
+        type=int,
+        default=1,
+        help="number of ranks",
     )
     parser.add_argument(
         "--model", help="checkpoint directory or hub id (default: a tiny random Llama)"
@@ -1519,58 +1568,62 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def run(args: argparse.Namespace) -> None:
+    """The command line's run: every argument checked before anything loads."""
+    chosen = {
+        name: getattr(args, name)
+        for name in ("temperature", "top_p", "top_k", "min_p")
+        if getattr(args, name) is not None
+    }
+    others = dict(
+        max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos
+    )
+    params = SamplingParams(**chosen, **others)  # checked now, before anything loads
+    prompts = args.prompt or DEFAULT_PROMPTS
+    if not all(prompts):
+        raise ValueError("empty --prompt: give at least one character")
+    model_dir = resolve_model(args.model)
+    if not has_tokenizer(model_dir):  # said now, not after minutes of loading
+        raise ValueError(f"{model_dir} has no tokenizer files, so it cannot take text prompts")
+    if not chosen:
+        params = replace(default_sampling_params(model_dir), **others)
+    with LLM(
+        model_dir,
+        args.tp,
+        args.device,
+        args.dtype,
+        args.max_num_seqs,
+        args.max_model_len,
+        cuda_graphs=args.cuda_graphs,
+        async_scheduling=args.async_scheduling,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    ) as llm:
+        if args.model is None:
+            print(
+                "tinytp: no --model given: running a tiny Llama with RANDOM weights, "
+                "so its text is gibberish",
+                file=sys.stderr,
+            )
+        template = llm.tokenizer.chat_template and not args.no_chat_template
+        inputs = [
+            llm.chat_prompt([{"role": "user", "content": p}]) if template else p for p in prompts
+        ]
+        if len(prompts) == 1:  # stream a single completion as it is generated
+            # checks the prompt before anything is printed
+            pieces = llm.stream(inputs[0], params)
+            print(f"Prompt: {prompts[0]!r}\nOutput: ", end="", flush=True)
+            for piece in pieces:
+                print(piece, end="", flush=True)
+            print()
+        else:
+            for prompt, output in zip(prompts, llm.generate(inputs, params)):
+                print(f"Prompt: {prompt!r}\nOutput: {output.outputs[0].text!r}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """Run the command line; the exit code says how it ended (2: the user's mistake)."""
     try:
-        chosen = {
-            name: getattr(args, name)
-            for name in ("temperature", "top_p", "top_k", "min_p")
-            if getattr(args, name) is not None
-        }
-        others = dict(
-            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos
-        )
-        params = SamplingParams(**chosen, **others)  # checked now, before anything loads
-        prompts = args.prompt or DEFAULT_PROMPTS
-        if not all(prompts):
-            raise ValueError("empty --prompt: give at least one character")
-        model_dir = resolve_model(args.model)
-        if not has_tokenizer(model_dir):  # said now, not after minutes of loading
-            raise ValueError(f"{model_dir} has no tokenizer files, so it cannot take text prompts")
-        if not chosen:
-            params = replace(default_sampling_params(model_dir), **others)
-        with LLM(
-            model_dir,
-            args.tp,
-            args.device,
-            args.dtype,
-            args.max_num_seqs,
-            args.max_model_len,
-            cuda_graphs=args.cuda_graphs,
-            async_scheduling=args.async_scheduling,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-        ) as llm:
-            if args.model is None:
-                print(
-                    "tinytp: no --model given: running a tiny Llama with RANDOM weights, "
-                    "so its text is gibberish",
-                    file=sys.stderr,
-                )
-            template = llm.tokenizer.chat_template and not args.no_chat_template
-            inputs = [
-                llm.chat_prompt([{"role": "user", "content": p}]) if template else p
-                for p in prompts
-            ]
-            if len(prompts) == 1:  # stream a single completion as it is generated
-                # checks the prompt before anything is printed
-                pieces = llm.stream(inputs[0], params)
-                print(f"Prompt: {prompts[0]!r}\nOutput: ", end="", flush=True)
-                for piece in pieces:
-                    print(piece, end="", flush=True)
-                print()
-            else:
-                for prompt, output in zip(prompts, llm.generate(inputs, params)):
-                    print(f"Prompt: {prompt!r}\nOutput: {output.outputs[0].text!r}\n")
+        run(parse_args(argv))
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2

@@ -28,23 +28,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import model as model_code  # for model_code.collectives, which init_device may replace
+from checkpoints import check_count, is_integer, is_number, open_checkpoint, token_id_list
 from model import (
-    Collectives,
     LlamaForCausalLM,
     ModelConfig,
     ModelInputs,
     TPGroup,
-    check_count,
     cpu_has_native_bfloat16,
     init_dummy_weights,
-    is_integer,
-    is_number,
     kv_cache_shape,
     load_checkpoint,
     pack_for_cpu,
     packing_wanted,
-    token_id_list,
 )
 
 
@@ -313,8 +308,8 @@ def check_free_shared_memory(blocks: list[shared_memory.SharedMemory | None]) ->
     if stat.f_bavail * stat.f_frsize < needed:
         raise RuntimeError(
             f"/dev/shm has {stat.f_bavail * stat.f_frsize / 2**20:.2f} MiB free; tinytp needs "
-            f"{needed / 2**20:.1f} MiB: free some, or give a container more (docker run "
-            "--shm-size=1g)"
+            f"{needed / 2**20:.1f} MiB: free some, or give a container more "
+            "(docker run --shm-size=1g)"
         )
 
 
@@ -493,24 +488,25 @@ def collective_block_bytes(world_size: int) -> int:
     return 8 * world_size + 2 * world_size * COLLECTIVE_BUFFER_BYTES
 
 
-class SharedMemoryCollectives(Collectives):
-    """All-reduce and all-gather through one shared block, for CPU ranks on one machine (gloo's TCP
+class SharedMemoryGroup(TPGroup):
+    """The group's all-reduce and all-gather through one shared block, for CPU ranks on one
+    machine (gloo's TCP
     path costs far more per all-reduce, dozens a step: docs/performance.md). Each rank copies its
     tensor into its buffer, publishes the step's generation number, waits until every rank has, and
     reads all buffers; all ranks sum them in one order, so agree. Two sets of buffers alternate:
     once everyone has published g, everyone has finished reading g-1's set, which g+1 reuses.
     MessageQueue's store-order caveat holds too."""
 
-    def __init__(self, block_name: str, group: TPGroup):
-        self.group = group
+    def __init__(self, rank: int, size: int, block_name: str):
+        super().__init__(rank, size)
         self.shm = attach_shared_memory(block_name)
-        self.published = torch.frombuffer(self.shm.buf, dtype=torch.int64, count=group.size)
+        self.published = torch.frombuffer(self.shm.buf, dtype=torch.int64, count=size)
         self.buffers = torch.frombuffer(
             self.shm.buf,
             dtype=torch.uint8,
-            offset=8 * group.size,
-            count=2 * group.size * COLLECTIVE_BUFFER_BYTES,
-        ).view(2, group.size, -1)
+            offset=8 * size,
+            count=2 * size * COLLECTIVE_BUFFER_BYTES,
+        ).view(2, size, -1)
         self.generation = 0
 
     def exchange(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -518,28 +514,28 @@ class SharedMemoryCollectives(Collectives):
         data = tensor.contiguous().view(-1).view(torch.uint8)
         self.generation += 1
         generation, buffers = self.generation, self.buffers[self.generation % 2]
-        buffers[self.group.rank, : data.numel()].copy_(data)
-        self.published[self.group.rank] = generation  # after the data: the same store order
+        buffers[self.rank, : data.numel()].copy_(data)
+        self.published[self.rank] = generation  # after the data: the same store order
 
         def everyone_published() -> bool:
             return min(self.published.tolist()) >= generation
 
         def late_ranks() -> str:
             late = [r for r, seen in enumerate(self.published.tolist()) if seen < generation]
-            return f"rank {self.group.rank} waited in a collective for ranks {late}"
+            return f"rank {self.rank} waited in a collective for ranks {late}"
 
         if not everyone_published():  # checked first: 17 times a step, skip building the message
             wait_until(everyone_published, COLLECTIVE_TIMEOUT, late_ranks)
-        return buffers[:, : data.numel()].view(tensor.dtype).view(self.group.size, *tensor.shape)
+        return buffers[:, : data.numel()].view(tensor.dtype).view(self.size, *tensor.shape)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         if tensor.nbytes > COLLECTIVE_BUFFER_BYTES:
             return super().all_reduce(tensor)
         torch.sum(self.exchange(tensor), dim=0, out=tensor)
 
-    def all_gather(self, tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.nbytes > COLLECTIVE_BUFFER_BYTES:
-            return super().all_gather(tensor, world_size)
+            return super().all_gather(tensor)
         return torch.cat(self.exchange(tensor).unbind(0), dim=-1)
 
     def close(self, unlink: bool) -> None:
@@ -635,13 +631,15 @@ class Worker:
             # nccl: connect now, not lazily
             device_id=self.device if backend == "nccl" else None,
         )
-        if collective_block is not None:
-            model_code.collectives = SharedMemoryCollectives(collective_block, self.group)
+        if collective_block is not None:  # the layers get this group, with its collectives
+            self.group = SharedMemoryGroup(self.group.rank, self.group.size, collective_block)
 
-    def load_model(self, model_dir: str, max_model_len: int, load_format: str = "auto") -> None:
+    def load_model(
+        self, config: ModelConfig, model_dir: str, max_model_len: int, load_format: str = "auto"
+    ) -> None:
         """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy":
-        random numbers)."""
-        self.config = ModelConfig.from_file(os.path.join(model_dir, "config.json"))
+        random numbers). The config comes parsed and checked by the driver (checkpoints.py)."""
+        self.config = config
         self.max_model_len = max_model_len
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
@@ -650,7 +648,8 @@ class Worker:
         if load_format == "dummy":
             init_dummy_weights(self.model)
         else:
-            load_checkpoint(self.model, model_dir, show_progress=self.group.rank == 0)
+            files = open_checkpoint(model_dir)
+            load_checkpoint(self.model, files, show_progress=self.group.rank == 0)
         packable = {
             torch.float32: torch.backends.mkldnn.is_available(),
             torch.bfloat16: cpu_has_native_bfloat16(),
@@ -658,7 +657,7 @@ class Worker:
         if self.device.type == "cpu" and packable.get(self.dtype) and packing_wanted():
             pack_for_cpu(self.model)
 
-    def init_kv_cache(self, max_num_seqs: int, static_decode: bool = False) -> None:
+    def init_kv_cache(self, max_num_seqs: int, cuda_graphs: bool = False) -> None:
         """Preallocate keys and values: one slot per running request, max_model_len positions each.
         Zeros: never-written positions are masked, but a masked NaN would still poison the weighted
         sum."""
@@ -667,11 +666,12 @@ class Worker:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers
         ]
         self.max_num_seqs = max_num_seqs
-        self.static_decode = static_decode  # LLM(cuda_graphs=True): every decode step at one shape
-        # Its graphs (length: (graph, inputs, logits)) where they can be captured: not gloo's
-        # collectives. None runs the same fixed-shape step eagerly (.ci/gpu compares the two).
-        capturable = self.device.type == "cuda" and dist.get_backend() == "nccl"
-        self.cuda_graphs = {} if static_decode and capturable else None
+        # LLM(cuda_graphs=True): every decode-only step at one shape (cuda_graph_step), replayed
+        # from a graph where one can be captured (not through gloo's collectives); else, and with
+        # capture_graphs set False (.ci/gpu compares the two), the same step runs eagerly.
+        self.cuda_graphs = cuda_graphs
+        self.capture_graphs = self.device.type == "cuda" and dist.get_backend() == "nccl"
+        self.graphs: dict[int, tuple] = {}  # context length: (graph, its inputs, its logits)
 
     def prepare_inputs(
         self, batch: list[tuple[CachedRequest, int]], context_len: int | None = None
@@ -686,8 +686,8 @@ class Worker:
         slot_ids = torch.tensor([r.slot for r, n in batch for _ in range(n)], device=self.device)
         decodes = [r for r, n in batch if n == 1]
         slots, contexts = [r.slot for r in decodes], [r.num_computed + 1 for r in decodes]
-        # static: masked
-        static, context_len = context_len is not None, context_len or max(contexts, default=0)
+        # A given context_len: cuda_graph_step's fixed shape, always masked.
+        fixed_shape, context_len = context_len is not None, context_len or max(contexts, default=0)
         first = slots[0] if slots else 0
         ends = list(itertools.accumulate(n for _, n in batch))  # where each request's rows end
         return ModelInputs(
@@ -704,7 +704,7 @@ class Worker:
             context_len=context_len,
             # all True where the contexts are one length
             attn_mask=None
-            if not static and len(set(contexts)) < 2
+            if not fixed_shape and len(set(contexts)) < 2
             else torch.arange(context_len, device=self.device)
             <= positions[: len(decodes), None, None, None],
             # A chunk from position 0 is plain causal attention; a later one sees the cached
@@ -733,7 +733,7 @@ class Worker:
             ),
         )
 
-    def static_decode_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
+    def cuda_graph_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
         """A decode step at the one shape a CUDA graph replays: row i is slot i (a free one feeds
         token 0 at position 0, which its next prefill rewrites), attention reads a power of two
         of positions. The scheduled rows' logits."""
@@ -746,21 +746,21 @@ class Worker:
         longest = max(r.num_computed for r in scheduled)
         context_len = min(self.max_model_len, max(16, 1 << longest.bit_length()))
         inputs = self.prepare_inputs([(row, 1) for row in rows], context_len)
-        if self.cuda_graphs is None:  # no graphs (see init_kv_cache): run it as it is
+        if not self.capture_graphs:  # see init_kv_cache: run it as it is
             return self.model(inputs, self.kv_caches)[[r.slot for r in scheduled]]
         # at a length's first step: every rank at the same step
-        if inputs.context_len not in self.cuda_graphs:
+        if inputs.context_len not in self.graphs:
             # warm-up (this very step): lazy initialization stays out of the graph
             self.model(inputs, self.kv_caches)
             # "thread_local": nccl's watchdog thread may query its events meanwhile
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.cuda_graphs[inputs.context_len] = (
+                self.graphs[inputs.context_len] = (
                     graph,
                     inputs,
                     self.model(inputs, self.kv_caches),
                 )
-        graph, captured, logits = self.cuda_graphs[inputs.context_len]
+        graph, captured, logits = self.graphs[inputs.context_len]
         # the rest is the same every step
         for name in ("input_ids", "positions", "cache_rows", "attn_mask"):
             getattr(captured, name).copy_(getattr(inputs, name))
@@ -800,8 +800,8 @@ class Worker:
         decode_only = len(sampling) == len(batch) == sum(counts.values())
         with torch.inference_mode():
             logits = (
-                self.static_decode_step(list(sampling.values()))
-                if decode_only and self.static_decode
+                self.cuda_graph_step(list(sampling.values()))
+                if decode_only and self.cuda_graphs
                 else self.model(self.prepare_inputs(batch), self.kv_caches)
             )
         # .tolist() waits for the GPU
@@ -815,8 +815,8 @@ class Worker:
         )
 
     def close(self, unlink_collective_block: bool = False) -> None:
-        if isinstance(model_code.collectives, SharedMemoryCollectives):
-            model_code.collectives.close(unlink_collective_block)
+        if isinstance(self.group, SharedMemoryGroup):
+            self.group.close(unlink_collective_block)
         if dist.is_initialized():
             dist.destroy_process_group()
 
