@@ -11,6 +11,7 @@
     python bench.py --explain --tp 4 --model tiny-llama   # how a checkpoint is cut: nothing runs
     python bench.py --write-gguf bench.gguf       # the same model for llama.cpp (needs gguf)
     python bench.py --arrival-prompt-len 1024 --max-num-batched-tokens 256  # a long prompt arrives
+    python bench.py --output-path 6000 --beside-prompts 1500  # text made per new token
     python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B, random weights
 
 The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: the same options and
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -49,7 +50,13 @@ import torch.multiprocessing as mp
 from tqdm import tqdm
 
 import tinytp
-from checkpoints import check_tensor_parallel_size, config_from_dict, read_config, resolve_model
+from checkpoints import (
+    TINY_MODEL_DIR,
+    check_tensor_parallel_size,
+    config_from_dict,
+    read_config,
+    resolve_model,
+)
 from model import (
     ModelConfig,
     TPGroup,
@@ -1149,6 +1156,127 @@ def run_arrival(args) -> dict:
     return {"budgets": budgets, "rounds": rounds, "medians": medians}
 
 
+def long_checkpoint(workdir: str, max_position_embeddings: int) -> str:
+    """tiny-llama with room for a long stream: its files, with max_position_embeddings raised
+    (RoPE's table is computed for max_model_len: the weights are the same)."""
+    path = os.path.join(workdir, "tiny-long")
+    shutil.copytree(TINY_MODEL_DIR, path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**config, "max_position_embeddings": max_position_embeddings}, f)
+    return path
+
+
+# Stop strings that the tiny model's bytes do not spell: looked for at every token, never found.
+NEVER_STOPS = ["\x00never\x00", "no such text"]
+
+
+def mean_interval_ms(times: list[float], first: int, last: int) -> float:
+    """The mean interval between a stream's tokens `first` and `last` (times: its start, then a
+    time per token), in ms: a span, since tokens that end in half a character come together."""
+    return (times[1 + last] - times[1 + first]) / (last - first) * 1e3
+
+
+def gaps_ms(times: list[float]) -> np.ndarray:
+    """The intervals between a stream's outputs, in ms (tokens that end in half a character come
+    with the next: one output)."""
+    return np.diff(np.unique(times[1:])) * 1e3
+
+
+def stream_beside(llm, prompt: str, params, prompts: list[str], their_params) -> list:
+    """The stream's token times while, from its 8th token on, a request of many prompts runs
+    beside it (sent from another thread: tokenized, made into requests, admitted)."""
+    times = []
+
+    def submit() -> None:
+        while len(times) <= 8:
+            time.sleep(1e-3)
+        llm.generate(prompts, their_params, use_tqdm=False)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        calls = [pool.submit(stream_token_times, llm, prompt, params, times), pool.submit(submit)]
+        for call in calls:
+            call.result()
+    return times
+
+
+def long_stream_figures(length: int, rounds: int) -> list[dict]:
+    """One stream of `length` tokens on the tiny model (max_position_embeddings raised), with two
+    stop strings that never match: the mean interval over tokens 5,500-5,900 against 200-600
+    (the same shares of a shorter stream)."""
+    early, late = (length // 30, length // 10), (length * 11 // 12, length * 59 // 60)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=length, stop=NEVER_STOPS)
+    figures = []
+    with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
+        path = long_checkpoint(workdir, length + 64)
+        with tinytp.LLM(path, device="cpu", max_num_seqs=2, max_model_len=length + 16) as llm:
+            stream_token_times(llm, [256, 72, 105], replace(params, max_tokens=50))  # warm-up
+            for _ in range(rounds):
+                times = stream_token_times(llm, [256, 72, 105], params)
+                figures.append(
+                    {
+                        "tokens": [early, late],
+                        "early_ms": mean_interval_ms(times, *early),
+                        "late_ms": mean_interval_ms(times, *late),
+                    }
+                )
+                figures[-1]["late_over_early"] = figures[-1]["late_ms"] / figures[-1]["early_ms"]
+    return figures
+
+
+def beside_figures(args, rounds: int) -> list[dict]:
+    """A 200-token stream alone, then with a request of --beside-prompts text prompts sent beside
+    it, on --model (default: tiny-llama): its longest interval beside them against its median
+    alone."""
+    prompt = "Tensor parallelism splits each weight matrix across devices, so that"
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=200)
+    beside = [f"Prompt number {i} of many, a short one." for i in range(args.beside_prompts)]
+    their_params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=4)
+    figures = []
+    with tinytp.LLM(
+        resolve_model(args.model), args.tp, args.device, args.dtype, max_num_seqs=16,
+        max_model_len=512, max_num_batched_tokens=args.max_num_batched_tokens,
+    ) as llm:  # fmt: skip
+        stream_token_times(llm, prompt, replace(params, max_tokens=20))  # warm-up
+        for _ in range(rounds):
+            alone = gaps_ms(stream_token_times(llm, prompt, params))
+            crowded = gaps_ms(stream_beside(llm, prompt, params, beside, their_params))
+            figures.append(
+                {
+                    "alone_median_ms": float(np.median(alone)),
+                    "alone_max_ms": float(alone.max()),
+                    "beside_median_ms": float(np.median(crowded)),
+                    "beside_max_ms": float(crowded.max()),
+                }
+            )
+            figures[-1]["ratio"] = figures[-1]["beside_max_ms"] / figures[-1]["alone_median_ms"]
+    return figures
+
+
+def run_output_path(args) -> dict:
+    """The output path's cost per token, which grows neither with a request's length nor with the
+    requests beside it: long_stream_figures, then beside_figures, --rounds rounds of each."""
+    torch.set_num_threads(CORES)
+    long = long_stream_figures(args.output_path, args.rounds)
+    for r in long:
+        (e0, e1), (l0, l1) = r["tokens"]
+        print(
+            f"a stream of {args.output_path} tokens, two stop strings: tokens {e0}-{e1} "
+            f"{r['early_ms']:.2f} ms apart, {l0}-{l1} {r['late_ms']:.2f} ms "
+            f"({r['late_over_early']:.2f}x)"
+        )
+    beside = beside_figures(args, args.rounds)
+    for r in beside:
+        print(
+            f"a 200-token stream: median {r['alone_median_ms']:.1f} ms alone (longest "
+            f"{r['alone_max_ms']:.1f}); beside {args.beside_prompts} prompts median "
+            f"{r['beside_median_ms']:.1f}, longest {r['beside_max_ms']:.1f} ms ({r['ratio']:.2f}x "
+            "the median alone)"
+        )
+    return {"long_stream": long, "beside": beside, "beside_prompts": args.beside_prompts}
+
+
 # --------------------------------------------------------------------------------------
 # The peer: the same shapes for llama.cpp
 # --------------------------------------------------------------------------------------
@@ -1492,6 +1620,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="with --compare or --arrival-prompt-len: how many times to run them all in turn",
     )
     parser.add_argument(
+        "--output-path",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="the output path: a stream this long, and a stream beside --beside-prompts prompts",
+    )
+    parser.add_argument("--beside-prompts", type=int, default=1500)
+    parser.add_argument(
         "--arrival-prompt-len",
         type=int,
         default=None,
@@ -1625,6 +1761,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_concurrency(args)
         elif args.arrival_prompt_len:
             result = run_arrival(args)
+        elif args.output_path:
+            result = run_output_path(args)
         else:
             result = run_latency(args)
     except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as e:

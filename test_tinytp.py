@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import runpy
 import shlex
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from multiprocessing import shared_memory
 from unittest import mock
 
@@ -763,7 +765,7 @@ def test_queue_flag_order_never_reads_a_half_written_chunk():
 # --------------------------------------------------------------------------------------
 
 
-# a detokenizer for the scheduler's stop strings: 0 is "a"
+# a detokenizer for the front end's stop strings: 0 is "a"
 def letters(token_ids: list[int]) -> str:
     return "".join(chr(ord("a") + t) for t in token_ids)
 
@@ -778,7 +780,7 @@ def scheduler_with(
 ) -> tinytp.Scheduler:
     """A Scheduler with one waiting request (ids 0, 1, ...) per prompt length, all with `params`."""
     scheduler = tinytp.Scheduler(
-        max_num_seqs, max_model_len, max_num_batched_tokens, set(eos_token_ids), letters
+        max_num_seqs, max_model_len, max_num_batched_tokens, set(eos_token_ids)
     )
     for i, length in enumerate(prompt_lengths):
         scheduler.waiting.append(
@@ -851,19 +853,16 @@ def test_each_sampled_token_goes_to_its_request_in_batch_order():
     "params, tokens, ended",
     [
         # 7 is the end-of-sequence token: text "d", as vLLM's, without it
-        ({}, [3, 7, 3], (2, "stop", None, 1)),
-        ({"ignore_eos": True}, [3, 7, 3], (3, "length", None, None)),
-        (
-            {"stop_token_ids": [4]},
-            [3, 4, 3],
-            (2, "stop", 4, 1),
-        ),  # the stop token's text left out too
+        ({}, [3, 7, 3], (2, "stop", None, "d")),
+        ({"ignore_eos": True}, [3, 7, 3], (3, "length", None, "dhd")),
+        # the stop token's text left out too
+        ({"stop_token_ids": [4]}, [3, 4, 3], (2, "stop", 4, "d")),
         # "cdb": the text ends before "db", which spans tokens
-        ({"stop": ["db"]}, [2, 3, 1, 3], (3, "stop", "db", 1)),
-        ({"stop": ["x", "b"]}, [1, 3, 3], (1, "stop", "b", 0)),
-        ({"max_tokens": 2}, [3, 3, 3], (2, "length", None, None)),
+        ({"stop": ["db"]}, [2, 3, 1, 3], (3, "stop", "db", "c")),
+        ({"stop": ["x", "b"]}, [1, 3, 3], (1, "stop", "b", "")),
+        ({"max_tokens": 2}, [3, 3, 3], (2, "length", None, "dd")),
         # prompt 3 + 5 tokens = max_model_len 8
-        ({"max_tokens": 16}, [3] * 16, (5, "length", None, None)),
+        ({"max_tokens": 16}, [3] * 16, (5, "length", None, "ddddd")),
     ],
     ids=[
         "eos",
@@ -876,14 +875,24 @@ def test_each_sampled_token_goes_to_its_request_in_batch_order():
     ],
 )
 def test_a_request_ends_at_its_stop_condition(params, tokens, ended):
+    """The engine ends a request at an end-of-sequence or stop token, max_tokens or max_model_len;
+    the front end at a stop string, found in the new text of each token (RequestState), and then
+    aborts it in the engine."""
     scheduler = scheduler_with(
         [3], max_model_len=8, eos_token_ids=[7], **{"max_tokens": 3, **params}
     )
     request = scheduler.waiting[0]
+    state = tinytp.RequestState(request, 0, letters)
     for count, token in enumerate(tokens, start=1):
-        if run_step(scheduler, [token])[1]:
+        finished = bool(run_step(scheduler, [token])[1])
+        state.update(len(request.output_token_ids), finished)
+        if state.finished:
             break
-    assert (count, request.finish_reason, request.stop_reason, request.text_end) == ended
+    if not finished:  # a stop string, found in the front end
+        scheduler.abort_requests({request.request_id})
+    completion = state.completion
+    assert (count, completion.finish_reason, completion.stop_reason, completion.text) == ended
+    assert completion.token_ids == tokens[:count]
     assert scheduler.running == [] and scheduler.free_slots == [0, 1]
 
 
@@ -933,7 +942,6 @@ def test_slot_timeline_of_5_prompts_on_2_slots():
         max_model_len=64,
         max_num_batched_tokens=4,
         eos_token_ids=set(),
-        detokenize=str,
     )
     names = "ABCDE"
     for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
@@ -5582,3 +5590,145 @@ def test_server_smollm2_chat_and_completion_equal_transformers(
         assert done.choices[0].text == expected and done.usage.completion_tokens == 16
     finally:
         assert served.stop() == 0
+
+
+# --------------------------------------------------------------------------------------
+# The output path: text made in the front end, from each step's new tokens
+# --------------------------------------------------------------------------------------
+
+MULTI_BYTE = "héllo wörld: 東京, naïve café ✓ 🙂 the end"
+
+
+def incremental_text(detokenize, token_ids: list[int], stop: list[str] = ()) -> str:
+    """IncrementalText fed a token at a time, as a stream's reports come: the text it ends with."""
+    text = tinytp.IncrementalText(detokenize, list(stop))
+    for end in range(1, len(token_ids) + 1):
+        text.add(token_ids, end, final=end == len(token_ids))
+        if text.found is not None:
+            break
+    return text.text(finished=True)
+
+
+def check_incremental_text(tokenizer, text: str) -> None:
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+    assert incremental_text(decode, ids) == decode(ids) == text
+    # after every token, the text so far is whole decoding's, or it waits for half a character
+    state = tinytp.IncrementalText(decode, [])
+    waited = 0
+    for end in range(1, len(ids) + 1):
+        state.add(ids, end, final=False)
+        waited += state.pending
+        assert state.pending or state.text(finished=False) == decode(ids[:end])
+    assert waited > 0, "no character was split across tokens: the test checks nothing"
+
+
+@pytest.mark.quick
+def test_incremental_text_equals_whole_decoding_with_characters_split_across_tokens():
+    check_incremental_text(byte_level_tokenizer(), MULTI_BYTE)  # é is 2 tokens, 東 3, 🙂 4
+
+
+def test_incremental_text_equals_whole_decoding_for_smollm2(smollm2):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2[0])
+    check_incremental_text(tokenizer, MULTI_BYTE + " " + LONG_TEXT[:400])
+
+
+def stop_by_whole_text(detokenize, token_ids: list[int], stop: list[str]):
+    """The reference: the whole text decoded at every token, as the engine once did: (tokens up
+    to the one that completed a stop string, the text before it, the stop string), or None."""
+    for end in range(1, len(token_ids) + 1):
+        text = detokenize(token_ids[:end])
+        found = [(text.find(s), s) for s in stop if s in text]
+        if found:
+            begin, which = min(found)
+            return end, text[:begin], which
+    return None
+
+
+@pytest.mark.quick
+def test_stop_strings_found_in_new_text_match_a_search_of_the_whole_text():
+    """Stop strings that are prefixes of each other, that span tokens and begin or end inside one
+    (two letters a token), that sit at the very start: RequestState ends where a search of the
+    whole text at every token would, with the same tokens and text."""
+    decode = TwoLetterTokenizer().decode
+    rng = random.Random(0)
+    cases = 0
+    for _ in range(300):
+        tokens = [rng.randrange(26 * 3) for _ in range(rng.randrange(1, 12))]  # letters a-c
+        text = decode(tokens)
+        begin = rng.randrange(len(text))
+        some = text[begin : begin + rng.randrange(1, 5)]
+        stops = rng.choice([[some], [some, some[:1]], [some[:2], some], [text[:2]], ["zz"]])
+        expected = stop_by_whole_text(decode, tokens, stops)
+        request = tinytp.Request(0, None, [1], SamplingParams(stop=stops, max_tokens=99), 0)
+        state = tinytp.RequestState(request, 0, decode)
+        for end, token in enumerate(tokens, start=1):
+            request.output_token_ids.append(token)
+            if state.update(end, finished=end == len(tokens)) and state.finished:
+                break
+        completion = state.completion
+        if expected is None:
+            assert completion.finish_reason is None or completion.stop_reason is None
+            assert completion.text == text
+            continue
+        cases += 1
+        end, before, which = expected
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", which)
+        assert completion.text == before and completion.token_ids == tokens[:end]
+    assert cases > 200
+
+
+def test_streams_add_up_to_generates_text_for_30_seeds_sync_and_async(mha_checkpoint):
+    path, _ = mha_checkpoint
+    prompt = [256, 72, 101, 108, 108, 111]
+    free = [SamplingParams(temperature=1.0, seed=seed, max_tokens=24) for seed in range(30)]
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        texts = [o.outputs[0].text for o in llm.generate([prompt] * 30, free, use_tqdm=False)]
+    # a stop string from each text's middle, so that most of them end there
+    stopped = [replace(p, stop=[t[8:10]] if len(t) >= 10 else None) for p, t in zip(free, texts)]
+    assert sum(bool(p.stop) for p in stopped) >= 20
+    results = []
+    for async_scheduling in (False, True):
+        with LLM(path, device="cpu", max_model_len=64, async_scheduling=async_scheduling) as llm:
+            outputs = llm.generate([prompt] * 30, stopped, use_tqdm=False)
+            for params, output in zip(stopped, outputs):
+                assert "".join(llm.stream(prompt, params)) == output.outputs[0].text
+            results.append([(o.outputs[0].text, o.outputs[0].stop_reason) for o in outputs])
+    assert results[0] == results[1]
+    assert sum(stop is not None for _, stop in results[0]) >= 20
+
+
+def test_every_call_after_shutdown_raises_at_once(mha_checkpoint):
+    """The engine loop marks itself stopped and fails what is queued: no call waits for it."""
+    llm = LLM(mha_checkpoint[0], device="cpu", max_model_len=64)
+    running = [True]
+
+    def caller() -> None:  # callers that are sending requests while the LLM shuts down
+        with contextlib.suppress(RuntimeError):
+            while running[0]:
+                llm.generate([[256, 1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+    callers = [threading.Thread(target=caller) for _ in range(4)]
+    for thread in callers:
+        thread.start()
+    time.sleep(0.5)
+    llm.shutdown()
+    for thread in callers:
+        thread.join(timeout=hang_bound(5))
+    running[0] = False
+    assert not any(thread.is_alive() for thread in callers)
+    calls = {
+        "generate": lambda: llm.generate([[256, 1]]),
+        "stream": lambda: list(llm.stream([256, 1])),
+        "stream_outputs": lambda: next(llm.stream_outputs([[256, 1]])),
+        "chat": lambda: llm.chat([{"role": "user", "content": "Hi"}]),
+        "collective_rpc": lambda: llm.collective_rpc("check_health"),
+        "check_health": llm.check_health,
+    }
+    for name, call in calls.items():
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as error:
+            call()
+        assert time.monotonic() - start < hang_bound(1.0), name
+        assert "shut down" in str(error.value) and "\n" not in str(error.value), name
+    assert not shm_entries()

@@ -128,7 +128,6 @@ class Request:
     slot: int = -1
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text_end: int | None = None  # where a stop string cuts the text of output_token_ids
     # its tokens that the steps sent so far compute (their keys and values)
     num_computed_tokens: int = 0
     # tokens of steps sent and not yet answered (vLLM's placeholders: async scheduling)
@@ -477,12 +476,10 @@ class Scheduler:
         max_model_len: int,
         max_num_batched_tokens: int,
         eos_token_ids: set[int],
-        detokenize: Callable[[list[int]], str],
     ):
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
-        self.detokenize = detokenize  # for stop strings
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs))  # a heap: lowest first keeps slots contiguous
@@ -566,12 +563,12 @@ class Scheduler:
             request.num_in_flight -= 1
             request.output_token_ids.append(token)
             updated.append(request)
+            # An end-of-sequence or stop token ends it here; a stop string, a matter of text, is
+            # found by the front end (OutputProcessor), which then aborts the request.
             if token in self.eos_token_ids and not request.params.ignore_eos:
-                self.stop_at_token(request, stop_reason=None)
-            elif token in request.params.stop_token_ids:
-                self.stop_at_token(request, stop_reason=token)
-            elif request.params.stop and self.found_stop_string(request):
                 request.finish_reason = "stop"
+            elif token in request.params.stop_token_ids:
+                request.finish_reason, request.stop_reason = "stop", token
             elif (
                 len(request.output_token_ids) >= request.params.max_tokens
                 or len(request.prompt_token_ids) + len(request.output_token_ids)
@@ -581,27 +578,12 @@ class Scheduler:
         self.release([request for request in updated if request.finish_reason is not None])
         return updated
 
-    def stop_at_token(self, request: Request, stop_reason: int | None) -> None:
-        """An end-of-sequence or stop token ends it: kept in token_ids, left out of the text, as
-        vLLM does."""
-        request.finish_reason, request.stop_reason = "stop", stop_reason
-        request.text_end = len(self.detokenize(request.output_token_ids[:-1]))
-
     def release(self, requests: list[Request]) -> None:
         """Free the requests' slots at once; the workers free theirs with the next step."""
         for request in requests:
             self.running.remove(request)
             heapq.heappush(self.free_slots, request.slot)
             self.finished_ids.append(request.request_id)
-
-    def found_stop_string(self, request: Request) -> bool:
-        """Does the text (decoded whole: a stop string may span tokens) hold a stop string? It ends
-        before the first."""
-        text = self.detokenize(request.output_token_ids)
-        found = [(text.find(stop), stop) for stop in request.params.stop if stop in text]
-        if found:
-            request.text_end, request.stop_reason = min(found)
-        return bool(found)
 
     def abort_requests(self, request_ids: set[int]) -> None:
         """Forget these requests: waiting ones are dropped, running ones free their slots (their
@@ -940,50 +922,67 @@ class Processor:
 
 class EngineClient:
     """The callers' side of the engine loop (vLLM's EngineCoreClient): it starts the thread that
-    runs EngineCore.run_busy_loop, puts commands on that thread's queue, and reads each caller's
-    reports from the caller's own queue. Any number of threads may call it at once."""
+    runs EngineCore.run_busy_loop, puts commands on that thread's queue (add, abort, call), and
+    hands each caller the queue its requests are reported on. Any number of threads may call it at
+    once. Once the loop has stopped, every command is refused at once: none waits for a loop that
+    will never read it."""
 
     def __init__(self, engine: EngineCore):
         self.engine = engine
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(
-            target=engine.run_busy_loop, args=(self.commands,), name="tinytp-engine", daemon=True
-        )
+        # `stopped` and the queue change together: a command put before the loop stopped is
+        # drained and failed by it, one after is refused here.
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run_engine, name="tinytp-engine", daemon=True)
         self.thread.start()
 
-    def run(
-        self, requests: list[Request], stream: bool = False
-    ) -> Iterator[tuple[Request, int, bool]]:
-        """Hand the requests to the engine loop and yield what it reports of them: (request, its
-        tokens then, whether it finished), for each new token (stream) or only at the end. They
-        share the running batch with every other caller's. Leaving early (an exception, Ctrl-C, a
-        stream closed) aborts those not finished."""
-        outputs = queue.SimpleQueue()  # this caller's: the engine loop reports its requests here
-        for request in requests:
-            request.outputs, request.stream = outputs, stream
-        unfinished = {request.request_id for request in requests}
-        self.commands.put(("add", requests))
+    def _run_engine(self) -> None:
         try:
-            while unfinished:
-                report = outputs.get()
-                # the same failure for every caller: each raises a copy of its own
-                if isinstance(report, Exception):
-                    raise type(report)(*report.args) from None
-                request, num_tokens, finished = report
-                if finished:
-                    unfinished.discard(request.request_id)
-                yield request, num_tokens, finished
+            self.engine.run_busy_loop(self.commands)
         finally:
-            if unfinished:
-                self.commands.put(("abort", list(unfinished)))
+            with self.lock:
+                self.stopped = True
+            stopped = RuntimeError("this LLM was shut down")
+            while not self.commands.empty():  # what came while the loop was stopping
+                verb, argument = self.commands.get()
+                if verb == "add":
+                    for request in argument:
+                        request.outputs.put(stopped)
+                elif verb == "call":
+                    argument[1].set_exception(stopped)
+
+    def _put(self, command: tuple) -> None:
+        with self.lock:
+            if self.stopped:
+                raise RuntimeError("this LLM was shut down")
+            self.commands.put(command)
+
+    def add(self, requests: list[Request], stream: bool) -> queue.SimpleQueue:
+        """Hand the requests to the engine loop; return the queue it reports them on: (a request,
+        its tokens then, whether it finished) for each new token, or (stream False) only at the
+        end. A request with stop strings is reported at every token all the same: the front end
+        looks for them in its text. A failure comes on the queue as an exception."""
+        outputs = queue.SimpleQueue()
+        for request in requests:
+            request.outputs, request.stream = outputs, stream or bool(request.params.stop)
+        self._put(("add", requests))
+        return outputs
+
+    def abort(self, request_ids: list[int]) -> None:
+        """Forget these requests (a caller gone, a stop string found); nothing to do once the loop
+        has stopped, which forgets them all."""
+        with contextlib.suppress(RuntimeError):
+            self._put(("abort", request_ids))
 
     def call(self, function: Callable):
         """Run `function` in the engine loop's thread, between two steps, and return what it
         returns: that thread alone drives the executor (once the loop has stopped, here)."""
-        if not self.thread.is_alive():
-            return function()
         result = concurrent.futures.Future()
-        self.commands.put(("call", (function, result)))
+        try:
+            self._put(("call", (function, result)))
+        except RuntimeError:  # stopped: nothing else drives the executor now
+            return function()
         return result.result()
 
     def shutdown(self) -> None:
@@ -992,49 +991,108 @@ class EngineClient:
             # another kind (bench's in-process) never waits on processes
             if isinstance(self.engine.executor, Executor):
                 self.engine.executor.closing.set()
-            self.commands.put((SHUTDOWN_ENGINE, None))
+            with contextlib.suppress(RuntimeError):
+                self._put((SHUTDOWN_ENGINE, None))
             self.thread.join()
 
 
 class IncrementalText:
-    """One sample's text as its tokens come (vLLM's IncrementalDetokenizer). A window is decoded,
-    not the whole output at every step: the tokens not shown yet, after those shown last time (a
-    tokenizer may spell a token by its neighbour). The last characters wait while a stop string
-    could begin there."""
+    """One sample's text as its tokens come (vLLM's IncrementalDetokenizer), and its stop strings
+    looked for as it grows, so that a token costs the same at position 10 and 10,000. A token's
+    text is decoded from a window of the few tokens before it (a tokenizer may spell a token by its
+    neighbours), never from the whole output; a stop string is looked for in the new text and the
+    characters before it that a stop string could begin in (the longest one's length, less one);
+    and the text shown holds back as many, while a stop string could still begin there."""
 
     def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str]):
-        self.detokenize = detokenize
+        self.detokenize, self.stop = detokenize, stop
         self.hold = max(map(len, stop), default=1) - 1
-        self.start = self.shown = 0  # the window, and where its shown part ends
-        self.decoded, self.text = "", ""  # the text so far, and how much of it may be shown
+        self.start = self.shown = 0  # the window, and where its decoded part ends
+        self.decoded = ""  # the text of the tokens before `shown`
+        self.pending = False  # the tokens after `shown` end in half of a multi-byte character
+        self.found: tuple[int, str] | None = None  # where a stop string begins, and which
+        self.num_tokens_at_stop = 0  # the tokens up to the one that completed it
 
-    def update(self, token_ids: list[int], finished: bool, text_end: int | None) -> str | None:
-        """The text to show for these tokens; None while the last one ends in half of a multi-byte
-        character."""
-        window = self.detokenize(token_ids[self.start :])
-        if window.endswith("\ufffd") and not finished:
-            return None
-        self.decoded += window[len(self.detokenize(token_ids[self.start : self.shown])) :]
-        self.start, self.shown = self.shown, len(token_ids)
-        # At the end, all of it up to the stop that ended it, if one did (text_end None: to the
-        # end of the text).
-        end = text_end if finished else max(len(self.text), len(self.decoded) - self.hold)
-        self.text = self.decoded[:end]
-        return self.text
+    def add(self, token_ids: list[int], end: int, final: bool) -> None:
+        """Decode the tokens up to `end`, looking for the stop strings in the text they add (with
+        stop strings, one token at a time: the one that completes a stop string ends the
+        sample). `final`: the last call, whose half of a character stays as it is."""
+        window = self.detokenize(token_ids[self.start : end])
+        before = (
+            self.detokenize(token_ids[self.start : self.shown]) if self.shown > self.start else ""
+        )
+        new = window[len(before) :]
+        if self.stop:
+            text = self.decoded + new
+            begin = max(0, len(self.decoded) - self.hold)
+            found = [(i, stop) for stop in self.stop if (i := text.find(stop, begin)) >= 0]
+            if found:  # the one that begins first, as a search of the whole text finds it
+                self.found, self.num_tokens_at_stop, self.decoded = min(found), end, text
+                return
+        self.pending = window.endswith("\ufffd") and not final
+        if not self.pending:
+            self.decoded += new
+            self.start, self.shown = self.shown, end
+
+    def text(self, finished: bool) -> str:
+        """The text to show: before the stop string found; all of it at the end; else all but
+        the characters held back."""
+        if self.found is not None:
+            return self.decoded[: self.found[0]]
+        return self.decoded if finished else self.decoded[: max(0, len(self.decoded) - self.hold)]
 
 
-def request_output(group: list[Request], completions: list[CompletionOutput]) -> RequestOutput:
-    """A prompt's output: named by its first sample's request, with its n completions so far."""
-    first = group[0]
-    finished = all(completion.finish_reason for completion in completions)
-    return RequestOutput(
-        str(first.request_id), first.prompt, first.prompt_token_ids, completions, finished
-    )
+class RequestState:
+    """One sample as the front end follows it (vLLM's RequestState): its text as its tokens come,
+    and its CompletionOutput so far. A stop string found in the text ends it here."""
+
+    def __init__(self, request: Request, index: int, detokenize: Callable[[list[int]], str]):
+        self.request, self.index = request, index
+        self.text = IncrementalText(detokenize, request.params.stop)
+        self.num_tokens = 0  # the tokens taken in so far
+        self.completion = CompletionOutput(index, "", [], None)
+        self.finished = False
+
+    def update(self, num_tokens: int, finished: bool) -> bool:
+        """Take in the engine's report: the request had `num_tokens` tokens then (the engine may
+        have appended more since), and maybe finished. False while its text ends in half of a
+        multi-byte character: nothing new to show yet."""
+        request, text = self.request, self.text
+        # The engine ends a request with "stop" at an end-of-sequence or stop token only: kept in
+        # token_ids, left out of the text, as vLLM does.
+        end = num_tokens - 1 if finished and request.finish_reason == "stop" else num_tokens
+        if request.params.stop:  # every token, in order: the one that completes a stop string
+            ends = list(range(self.num_tokens + 1, end + 1))
+        else:
+            ends = [end] if end > self.num_tokens else []
+        if finished and text.pending and not ends:  # the half of a character the output ends in
+            ends = [end]
+        for upto in ends:
+            text.add(request.output_token_ids, upto, final=finished and upto == end)
+            if text.found is not None:
+                break
+        self.num_tokens = max(self.num_tokens, end)
+        if text.found is not None:
+            self.finished, num_tokens = True, text.num_tokens_at_stop
+            reason, stop_reason = "stop", text.found[1]
+        elif finished:
+            self.finished, reason, stop_reason = True, request.finish_reason, request.stop_reason
+        elif text.pending:
+            return False
+        else:
+            reason = stop_reason = None
+        token_ids = request.output_token_ids[:num_tokens]
+        self.completion = CompletionOutput(
+            self.index, text.text(self.finished), token_ids, reason, stop_reason
+        )
+        return True
 
 
 class OutputProcessor:
-    """vLLM's OutputProcessor: the engine's reports of requests made into RequestOutputs, text
-    from token ids (the tokenizer's), in the callers' threads, not the engine's."""
+    """vLLM's OutputProcessor: the engine's reports made into RequestOutputs, in the callers'
+    threads. The engine core sees token ids and finish reasons only; text is made here, from each
+    step's new tokens (so a request's cost per token does not grow with its length), and a stop
+    string found here aborts its request in the engine, as vLLM does."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -1044,49 +1102,71 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def final_outputs(self, groups: list[list[Request]]) -> list[RequestOutput]:
-        """generate's: each prompt's output once all its samples have finished."""
-        return [
-            request_output(group, [self.completion(index, r) for index, r in enumerate(group)])
-            for group in groups
-        ]
-
-    def completion(self, index: int, request: Request) -> CompletionOutput:
-        """A finished sample: its text ends before a stop string, or an end-of-sequence token."""
-        text = self.detokenize(request.output_token_ids)[: request.text_end]
-        return CompletionOutput(
-            index, text, request.output_token_ids, request.finish_reason, request.stop_reason
-        )
-
-    def stream(
-        self, groups: list[list[Request]], reports: Iterator[tuple[Request, int, bool]]
-    ) -> Iterator[list[RequestOutput]]:
-        """After each report that gave a sample new text, every prompt's RequestOutput so far."""
-        requests = [request for group in groups for request in group]
-        texts = {r.request_id: IncrementalText(self.detokenize, r.params.stop) for r in requests}
-        place = {
-            r.request_id: (number, index)
+    def follow(
+        self, groups: list[list[Request]], client: EngineClient, stream: bool
+    ) -> Iterator[tuple[int, RequestState]]:
+        """Hand the groups' requests to the engine and take in its reports: yield (a group's
+        number, the state of its sample) whenever a completion changed. Leaving early (an
+        exception, Ctrl-C, a stream closed) aborts the requests not finished."""
+        states = {
+            r.request_id: (number, RequestState(r, index, self.detokenize))
             for number, group in enumerate(groups)
             for index, r in enumerate(group)
         }
-        completions = [
+        outputs = client.add([r for group in groups for r in group], stream)
+        unfinished = set(states)
+        try:
+            while unfinished:
+                report = outputs.get()
+                if isinstance(report, Exception):  # the same failure for every caller: a copy
+                    raise type(report)(*report.args) from None
+                request, num_tokens, finished = report
+                number, state = states[request.request_id]
+                if state.finished:
+                    continue  # a stop string ended it here: the engine's later tokens are dropped
+                changed = state.update(num_tokens, finished)
+                if state.finished:
+                    unfinished.discard(request.request_id)
+                    if not finished:
+                        client.abort([request.request_id])
+                if changed:
+                    yield number, state
+        finally:
+            if unfinished:
+                client.abort(list(unfinished))
+
+
+class GroupOutputs:
+    """Every prompt's RequestOutput so far, each rebuilt only when one of its samples changed."""
+
+    def __init__(self, groups: list[list[Request]]):
+        self.groups = groups
+        self.completions = [
             [CompletionOutput(index, "", [], None) for index in range(len(group))]
             for group in groups
         ]
-        for request, num_tokens, finished in reports:
-            token_ids = request.output_token_ids[:num_tokens]  # the engine may have appended more
-            text = texts[request.request_id].update(token_ids, finished, request.text_end)
-            if text is None:
-                continue  # half of a multi-byte character: wait for the rest
-            number, index = place[request.request_id]
-            completions[number][index] = (
-                CompletionOutput(index, text, token_ids, request.finish_reason, request.stop_reason)
-                if finished
-                else CompletionOutput(index, text, token_ids, None)
-            )
-            yield [
-                request_output(group, list(samples)) for group, samples in zip(groups, completions)
-            ]
+        self.num_finished = [0] * len(groups)
+        self.outputs = [self.request_output(number) for number in range(len(groups))]
+        self.changed: set[int] = set()  # the groups whose RequestOutput is out of date
+
+    def update(self, number: int, state: RequestState) -> None:
+        self.completions[number][state.index] = state.completion
+        self.num_finished[number] += state.finished
+        self.changed.add(number)
+
+    def current(self) -> list[RequestOutput]:
+        for number in self.changed:
+            self.outputs[number] = self.request_output(number)
+        self.changed.clear()
+        return list(self.outputs)
+
+    def request_output(self, number: int) -> RequestOutput:
+        """A prompt's output: named by its first sample's request, with its n completions."""
+        first, completions = self.groups[number][0], self.completions[number]
+        finished = self.num_finished[number] == len(completions)
+        return RequestOutput(
+            str(first.request_id), first.prompt, first.prompt_token_ids, list(completions), finished
+        )
 
 
 # The LLM: its arguments checked, the pieces made and put together -----------------------
@@ -1365,7 +1445,6 @@ class LLM:
             self.max_model_len,
             budget,
             self.processor.end_of_sequence_ids(),
-            self.output_processor.detokenize,
         )
         self.executor = executor_class(
             self.config,
@@ -1397,16 +1476,14 @@ class LLM:
         from tqdm import tqdm
 
         groups = self.processor.make_groups(prompts, sampling_params)
-        requests = [request for group in groups for request in group]
-        with tqdm(
-            total=len(requests),
-            desc="generating",
-            unit="sequence",
-            disable=not use_tqdm or len(requests) < 2,
-        ) as bar:
-            for _ in self.engine_client.run(requests):  # each is reported once, when it finishes
-                bar.update(1)
-        return self.output_processor.final_outputs(groups)
+        outputs, total = GroupOutputs(groups), sum(map(len, groups))
+        disable = not use_tqdm or total < 2
+        with tqdm(total=total, desc="generating", unit="sequence", disable=disable) as bar:
+            for number, state in self.output_processor.follow(groups, self.engine_client, False):
+                if state.finished:  # (only a request with stop strings is reported before)
+                    outputs.update(number, state)
+                    bar.update(1)
+        return outputs.current()
 
     def chat(
         self,
@@ -1466,8 +1543,10 @@ class LLM:
         return self._stream_outputs(self.processor.make_groups(prompts, sampling_params))
 
     def _stream_outputs(self, groups: list[list[Request]]) -> Iterator[list[RequestOutput]]:
-        reports = self.engine_client.run([r for group in groups for r in group], stream=True)
-        yield from self.output_processor.stream(groups, reports)
+        outputs = GroupOutputs(groups)
+        for number, state in self.output_processor.follow(groups, self.engine_client, True):
+            outputs.update(number, state)
+            yield outputs.current()
 
     def collective_rpc(
         self,
