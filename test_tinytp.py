@@ -3895,10 +3895,15 @@ def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
         )
     # The CPU runs flash attention's CPU kernel by default, and tinytp's choice (cuDNN's off)
     # changes nothing there; its memory-efficient and cuDNN kernels are CUDA's.
-    assert list(report["sdpa"]) == ["prefill", "decode", "decode, one length"]
-    for sdpa in report["sdpa"].values():
+    assert list(report["sdpa"]["kernels"]) == ["prefill", "decode", "decode, one length"]
+    for sdpa in report["sdpa"]["kernels"].values():
         assert sdpa["pytorch"]["backend"] == sdpa["tinytp"]["backend"] == "FLASH_ATTENTION"
         assert [run["ok"] for run in sdpa["alone"].values()] == [True, True, False, False]
+    # model.py's own call sites, through its attention layer, each named in the report
+    assert list(report["sdpa"]["call sites"]) == [f"{site}, float32" for site in CALL_SITES]
+    for site, found in report["sdpa"]["call sites"].items():
+        assert found["ok"] and found["agrees"] and found["backends"] == ["FLASH_ATTENTION"]
+        assert f"sdpa at model.py's call site {site}: FLASH_ATTENTION" in report["table"]
     step = report["decode_step"]
     assert (
         step["profiled_step"]["kernels"] > 0
@@ -5748,3 +5753,30 @@ def test_attention_outputs_in_cudas_layouts_give_the_normal_runs_tokens(
     if dtype == "float32":
         for prompt, tokens in zip(MIXED + ONE_LENGTH, normal[0] + normal[1]):
             assert_tokens_match_hf(hf_model, prompt, tokens)
+
+
+# .ci/gpu's sdpa step: model.py's attention call sites it runs (ci_gpu.call_sites)
+CALL_SITES = [
+    "prefill, causal",
+    "decode, rows of one length",
+    "decode, rows of different lengths, masked",
+    "fixed-shape decode step (CUDA graphs' shape), masked",
+    "a prompt's later chunk beside decodes, masked",
+]
+
+
+@pytest.mark.quick
+def test_ci_gpu_sdpa_probe_runs_model_pys_call_sites_and_they_take_cudas_layouts(monkeypatch):
+    """.ci/gpu's sdpa step runs model.py's attention layer at each kind of step, as a GPU will:
+    here with SDPA's outputs in CUDA's layouts (sdpa_in_cuda_layouts), each site runs and agrees
+    with the unfused kernel; in float32 every decode's output is memory-efficient's transposed
+    buffer (which model.py's .view refused), in bfloat16 the unmasked ones are flash's."""
+    ci_gpu = load_ci_gpu()
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa_in_cuda_layouts)
+    for dtype in ("float32", "bfloat16"):
+        sites = ci_gpu.probe_call_sites(ci_gpu.TINY, ci_gpu.SETTINGS["cpu"], "cpu", dtype)
+        assert list(sites) == [f"{site}, {dtype}" for site in CALL_SITES]
+        for site, found in sites.items():
+            assert found["ok"] and found["agrees"], (site, found)
+            flash_decode = dtype == "bfloat16" and site.startswith("decode, rows of one length")
+            assert ("other layouts" in found["outputs"]) != flash_decode, (site, found)
