@@ -5780,3 +5780,14 @@ def test_ci_gpu_sdpa_probe_runs_model_pys_call_sites_and_they_take_cudas_layouts
             assert found["ok"] and found["agrees"], (site, found)
             flash_decode = dtype == "bfloat16" and site.startswith("decode, rows of one length")
             assert ("other layouts" in found["outputs"]) != flash_decode, (site, found)
+
+
+@pytest.mark.quick
+def test_docs_gpu_budget_table_is_ci_gpus_step_limits():
+    """docs/gpu.md's budget table states each step's limit in .ci/gpu, and the sum inside the
+    budget."""
+    ci_gpu = load_ci_gpu()
+    with open(os.path.join(HERE, "docs", "gpu.md")) as f:
+        rows = dict(re.findall(r"^\| `([^`]+)` \| (\d+) \|", f.read(), re.MULTILINE))
+    assert {step: int(limit) for step, limit in rows.items()} == ci_gpu.STEP_LIMITS
+    assert sum(ci_gpu.STEP_LIMITS.values()) == ci_gpu.BUDGET_SECONDS - ci_gpu.OUTSIDE_THE_STEPS
