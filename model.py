@@ -303,10 +303,12 @@ class LlamaAttention(nn.Module):
                 for c in (k_cache, v_cache)
             )
             query = q[:B].reshape(B, self.num_kv_heads, q_per_kv, hd)
+            # reshape, never view: no output layout is assumed (CUDA's memory-efficient kernel
+            # returns [B, M, H, K] transposed, docs/gpu.md)
             outputs.append(
                 F.scaled_dot_product_attention(
                     query, keys, values, attn_mask=inputs.attn_mask
-                ).view(B, -1)
+                ).reshape(B, -1)
             )
         row = B
         for slot, start, length, mask in inputs.chunks:
