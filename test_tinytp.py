@@ -5900,10 +5900,10 @@ def test_server_cuts_a_slow_sender_with_a_408_refuses_past_its_cap_and_checks_ho
     server.server_activate()
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     port = server.server_address[1]
+    slow = socket.create_connection(("127.0.0.1", port), timeout=30)
+    idle = socket.create_connection(("127.0.0.1", port), timeout=30)
     try:
-        slow = socket.create_connection(("127.0.0.1", port), timeout=30)
         slow.sendall(b"GET /health HTTP/1.1\r\nHost: local")  # and no more
-        idle = socket.create_connection(("127.0.0.1", port), timeout=30)
         assert wait_for(lambda: len(server.connections) == 2, 10)
         # the cap: a third connection is answered at once, by the accepting thread
         line, headers, body = raw_http(port, b"GET /health HTTP/1.1\r\n\r\n")
@@ -5916,6 +5916,8 @@ def test_server_cuts_a_slow_sender_with_a_408_refuses_past_its_cap_and_checks_ho
     finally:
         server.shutdown()
         server.server_close()
+        for connection in (slow, idle):
+            connection.close()
     for host, allowed in [
         ("localhost:8000", True),
         ("127.0.0.1", True),
