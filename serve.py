@@ -1,168 +1,152 @@
 """An OpenAI-compatible HTTP server on tinytp's engine, as `vllm serve` is on vLLM's: `python
-serve.py --model M`.
-
-A front end only, standard library only: a request's prompts are one `LLM.stream_outputs` call
-(the engine hands them to the request's own queue, so a slow client never holds it up), answered
-as one JSON body or as server-sent events. Endpoints, fields, what is refused and why:
-docs/api.md."""
+serve.py --model M`. A front end, standard library only: a request's prompts are one
+LLM.stream_outputs call (the engine hands them to the request's own queue: a slow client never
+holds it up), answered as one JSON body or as server-sent events. Endpoints, fields, what is
+refused and why: docs/api.md."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import hmac
+import ipaddress
 import json
+import re
+import select
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
 import uuid
 from dataclasses import replace
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams
 
 MAX_BODY_BYTES = 16 << 20  # a larger request body is refused (413) without being read
 SOCKET_TIMEOUT = 60.0  # a client that neither sends nor reads for this long is dropped
-# how often the accept loop looks whether to stop, and the main thread whether the workers live
-POLL_SECONDS = 0.5
-# OpenAI's and vLLM's default for /v1/completions; chat's: what the context leaves
-COMPLETIONS_MAX_TOKENS = 16
+READ_TIMEOUT = 30.0  # a request's line, headers and body must be in by then, or it is cut (408)
+MAX_CONNECTIONS = 256  # one more is answered 503 at once, by the accepting thread
+STOP_GRACE = 2.0  # at a stop, the answers in flight get this long; then every connection is cut
+POLL_SECONDS = 0.5  # how often slow senders are cut, stopping looked at, the workers' health
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's and vLLM's default (chat's: what the context leaves)
+VERSION = "0.0.0+tinytp"  # /version's: no vLLM version, no tool takes it for one with its features
+# --allowed-origins' default, Ollama's: this machine's pages (vLLM's "*": any page, any site's)
+LOOPBACK = [f"{host}{port}" for host in ("localhost", "127.0.0.1", "[::1]") for port in ("", ":*")]
+LOOPBACK_ORIGINS = [f"{scheme}://{host}" for scheme in ("http", "https") for host in LOOPBACK]
+ACA = "Access-Control-Allow-"  # the CORS headers' names begin so
 
-# The request fields honoured, as OpenAI and vLLM define them. The sampling ones go to
-# SamplingParams, which checks them; these have their types checked here (prompt and messages by
-# their endpoints). user: an id, unused.
-FIELD_TYPES = {
-    "model": (str, "a string"),
-    "stream": (bool, "true or false"),
-    "stream_options": (dict, "an object"),
-    "add_generation_prompt": (bool, "true or false"),
-    "user": (str, "a string"),
-}
-SAMPLING_FIELDS = {
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-}
+# The request fields honoured, as OpenAI and vLLM define them: SamplingParams checks the sampling
+# ones, the endpoints prompt, messages, tokens; the rest have their types here (user: unused).
+FLAGS = ("stream", "add_generation_prompt", "add_special_tokens", "return_token_strs")
+FIELD_TYPES = {"model": str, "user": str, "stream_options": dict, **dict.fromkeys(FLAGS, bool)}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
+TYPE_WORDS = {str: "a string", dict: "an object", bool: "true or false"}
+SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids"}
+SAMPLING_FIELDS |= {"ignore_eos"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "user", *SAMPLING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "add_generation_prompt"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", *FLAGS[1:]}  # (FLAGS but stream)
 # Fields that would change the output, accepted only at the value that changes nothing. Any other
 # field is refused by name too: exact or refuse. (A null is OpenAI's "not given" for every field.)
-NEUTRAL_VALUES = {
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "repetition_penalty": 1,
-    "logprobs": False,
-    "top_logprobs": 0,
-    "echo": False,
-    "logit_bias": {},
-    "suffix": "",
-    "tools": [],
-    "response_format": {"type": "text"},
-    "min_tokens": 0,
+NEUTRAL_VALUES = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1}
+NEUTRAL_VALUES |= {"logprobs": False, "top_logprobs": 0, "echo": False, "logit_bias": {}}
+NEUTRAL_VALUES |= {"suffix": "", "tools": [], "response_format": {"type": "text"}, "min_tokens": 0}
+# path: {method: (the Handler method that answers, the body fields it honours; None: no body)}
+ROUTES = {
+    "/v1/models": {"GET": ("models", None)},
+    "/v1/completions": {"POST": ("completions", COMPLETION_FIELDS)},
+    "/v1/chat/completions": {"POST": ("chat", CHAT_FIELDS)},
+    "/tokenize": {"POST": ("tokenize", TOKENIZE_FIELDS)},
+    "/detokenize": {"POST": ("detokenize", {"model", "tokens"})},
+    "/health": {"GET": ("health", None)},
+    "/ping": {"GET": ("health", None), "POST": ("health", None)},  # vLLM's (SageMaker's) name
+    "/version": {"GET": ("version", None)},
 }
+GENERATED = '"%s": %d prompts, %d tokens out (engine: %d steps so far, at most %d requests in one)'
 
 
 class APIError(Exception):
     """An answer in OpenAI's error shape: the HTTP status, the message, the field at fault."""
 
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ):
+    def __init__(self, status: int, message: str, param: str | None = None, code=None):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {
-            "error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}
-        }
+        error = {"message": str(self), "type": kind, "param": self.param, "code": self.code}
+        return {"error": error}
+
+
+def field_fault(name: str, value, honoured: set[str]) -> str | None:
+    """What is wrong with a request's field, if anything: exact or refuse."""
+    if name in NEUTRAL_VALUES:
+        neutral = NEUTRAL_VALUES[name]  # (0 is not False here)
+        if value != neutral or isinstance(value, bool) != isinstance(neutral, bool):
+            only = f"only {json.dumps(neutral)}, which changes nothing"
+            return f"{name}={json.dumps(value)}: tinytp does not support {name} ({only})"
+    elif name not in honoured:
+        return f"tinytp does not support {name}; it honours {', '.join(sorted(honoured))}"
+    elif not isinstance(value, FIELD_TYPES.get(name, object)):
+        return f"{name} must be {TYPE_WORDS[FIELD_TYPES[name]]}, got {json.dumps(value)}"
+
+
+def counts(prompt: int, completion: int) -> dict:
+    total = prompt + completion
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
 
 
 def usage(final: list[RequestOutput]) -> dict:
-    prompt = sum(len(output.prompt_token_ids) for output in final)  # once per prompt, whatever n is
-    completion = sum(len(c.token_ids) for output in final for c in output.outputs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+    prompt = sum(len(output.prompt_token_ids) for output in final)  # once, whatever n is
+    return counts(prompt, sum(len(c.token_ids) for output in final for c in output.outputs))
 
 
 def choice(index: int, completion: CompletionOutput, chat: bool, piece: str | None = None) -> dict:
-    """A choice in a response (piece None: the whole text) or in a stream's chunk (the text's new
-    piece)."""
-    if piece is None:
-        text = (
-            {"message": {"role": "assistant", "content": completion.text}}
-            if chat
-            else {"text": completion.text}
-        )
-    else:
+    """A choice in a response (piece None: the whole text) or a stream's chunk (the new piece)."""
+    message = {"role": "assistant", "content": completion.text}
+    text = {"message": message} if chat else {"text": completion.text}
+    if piece is not None:
         text = {"delta": {"content": piece} if piece else {}} if chat else {"text": piece}
-    return {
-        "index": index,
-        **text,
-        "logprobs": None,
-        "finish_reason": completion.finish_reason,
-        "stop_reason": completion.stop_reason,
-    }
+    ends = {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+    return {"index": index, **text, "logprobs": None, **ends}
+
+
+def engine_fault(llm: LLM) -> str | None:
+    """Why the engine cannot serve (None: it can), read without a word to the engine loop, as
+    LLM.check_health waits behind the running step. The one place serve.py reads the LLM's insides:
+    the executor's failure (set once the workers are gone), whether the loop's thread lives."""
+    if (failure := getattr(llm.executor, "failure", None)) is not None:
+        return f"tinytp's workers are gone ({failure})"
+    return None if llm.engine_client.thread.is_alive() else "tinytp's engine loop has stopped"
 
 
 class Handler(BaseHTTPRequestHandler):
-    """One connection, one request (HTTP/1.0: the response, a stream's too, ends with the
-    connection)."""
+    """One connection, one request (HTTP/1.0: a response, a stream's too, ends the connection)."""
 
     timeout = SOCKET_TIMEOUT
-    # else each small event waits for the client's delayed acknowledgement
-    disable_nagle_algorithm = True
+    disable_nagle_algorithm = True  # else each small event waits for the client's delayed ACK
+    # an answer before the request line is understood (a 414) has a status line too
+    default_request_version = request_version = "HTTP/1.0"
     server: Server
 
-    def do_GET(self) -> None:  # and do_POST: one router for both
-        routes = {
-            "/v1/models": ("GET", self.models),
-            "/health": ("GET", self.health),
-            "/v1/completions": ("POST", self.completions),
-            "/v1/chat/completions": ("POST", self.chat),
-        }
-        path, self.streaming = self.path.split("?")[0], False
+    def handle_one_request(self) -> None:
+        """Every step of a request in one error boundary: a client's mistake is OpenAI's JSON error
+        with its status (http.server's own too: send_error), a bug of ours a 500; never HTML."""
+        self.streaming, self.allow, self.requestline = False, None, ""
         try:
-            key = self.headers.get("Authorization", "").removeprefix("Bearer ").encode()
-            if (
-                path.startswith("/v1/")
-                and self.server.api_key is not None
-                and not hmac.compare_digest(
-                    # in constant time: no guessing the key by timing
-                    key,
-                    self.server.api_key.encode(),
-                )
-            ):
-                raise APIError(
-                    401,
-                    "a missing or wrong API key: give --api-key's in 'Authorization: Bearer KEY'",
-                    code="invalid_api_key",
-                )
-            if path not in routes:
-                raise APIError(404, f"no route {path}: tinytp serves {', '.join(routes)}")
-            if routes[path][0] != self.command:
-                raise APIError(405, f"{path} takes {routes[path][0]}, not {self.command}")
-            routes[path][1]()
-        # mid-stream (the workers died, the server stopping): an event, then the end
+            self.raw_requestline = self.rfile.readline(65537)
+            if len(self.raw_requestline) > 65536:
+                raise APIError(414, "the request line is longer than 65536 bytes")
+            # none: closed unasked, or idle at a stop; parse_request false: it answered (send_error)
+            if self.raw_requestline and self.parse_request():
+                self.route()
         except APIError as e:
-            self.log_message('"%s": %s %s', self.requestline, e.status, e)
-            if self.streaming:
-                self.send_event(e.body())
-                self.send_event("[DONE]")
-            else:
-                self.send_json(e.status, e.body())
+            self.send_error(e.status, e)
         except (ConnectionError, TimeoutError):
             self.log_message('"%s": the client went away', self.requestline)
         except Exception as e:  # a bug of ours, not the client's doing: a 500 and the traceback
@@ -170,14 +154,57 @@ class Handler(BaseHTTPRequestHandler):
             if not self.streaming:
                 self.send_json(500, APIError(500, f"{type(e).__name__}: {e}").body())
 
-    do_POST = do_GET
+    def route(self) -> None:
+        """The checks every request passes, in order; then its route's method, with its body."""
+        path, host = self.path.split("?")[0], self.headers.get("Host", "")
+        methods = ROUTES.get(path, {})
+        self.allow = ", ".join([*methods, "OPTIONS"])  # sent on every answer
+        key = self.headers.get("Authorization", "").removeprefix("Bearer ").encode()
+        if len(self.requestline.split()) != 3:
+            raise APIError(400, "HTTP/0.9 (a request line without a version): send HTTP/1.x")
+        if not self.server.host_allowed(host):
+            raise APIError(421, f"Host {host!r}: not a loopback name (DNS rebinding?); see --host")
+        # in constant time, no guessing the key by timing; a CORS preflight carries none
+        api_key, preflight = self.server.args.api_key, self.command == "OPTIONS"
+        wrong_key = api_key is not None and not hmac.compare_digest(key, api_key.encode())
+        if path.startswith("/v1/") and not preflight and wrong_key:
+            why = "a missing or wrong API key: give --api-key's in 'Authorization: Bearer KEY'"
+            raise APIError(401, why, code="invalid_api_key")
+        if not methods:
+            raise APIError(404, f"no route {path}: tinytp serves {', '.join(ROUTES)}")
+        if preflight:
+            return self.preflight()
+        if self.command not in methods:
+            raise APIError(405, f"{path} takes {' or '.join(methods)}, not {self.command}")
+        answer, fields = methods[self.command]
+        body = None if fields is None else self.read_body(fields)
+        with self.server.lock:  # all read: no deadline from here on (unless it was cut first)
+            state = self.server.connections[self.request]
+            state[0], cut = None, state[1]
+        if cut:
+            raise cut
+        getattr(self, answer)(body)
 
-    # length None: to the close
-    def send_head(self, status: int, content_type: str, length: int | None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        if length is not None:
-            self.send_header("Content-Length", str(length))
+    def send_error(self, code: int, message: str | APIError | None = None, explain=None) -> None:
+        """Every error's answer, http.server's own too (431, 505): OpenAI's JSON, or mid-stream an
+        event and the end; a request cut while being read gets why (408, or 503 at a stop)."""
+        if not isinstance(message, APIError):
+            reason = message or HTTPStatus(code).phrase
+            message = APIError(code, f"{reason}: {explain}" if explain else reason)
+        error = self.server.connections.get(self.request, [None, None])[1] or message
+        self.log_message('"%s": %s %s', self.requestline, error.status, error)
+        if self.streaming:
+            self.send_event(error.body())
+            self.send_event("[DONE]")
+        else:
+            self.send_json(error.status, error.body())
+
+    def send_head(self, status: int, kind: str | None, length: int | None, headers=None) -> None:
+        self.send_response(status)  # (length None: to the close)
+        fixed = {"Content-Type": kind, "Content-Length": length, "Allow": self.allow}
+        for name, value in {**fixed, **(headers or {}), **self.cors_headers()}.items():
+            if value is not None:  # (a None: not sent)
+                self.send_header(name, str(value))
         self.end_headers()
 
     def send_json(self, status: int, obj: dict) -> None:
@@ -185,344 +212,352 @@ class Handler(BaseHTTPRequestHandler):
         self.send_head(status, "application/json", len(data))
         self.wfile.write(data)
 
+    def cors_headers(self) -> dict:
+        """An allowed origin's CORS headers, as vLLM's; none for others: their pages see nothing."""
+        origin, args = (getattr(self, "headers", None) or {}).get("Origin"), self.server.args
+        if origin is None or not any(p.fullmatch(origin) for p in self.server.origins):
+            return {}
+        if "*" in args.allowed_origins and not args.allow_credentials:
+            return {ACA + "Origin": "*"}
+        credentials = "true" if args.allow_credentials else None
+        return {ACA + "Origin": origin, ACA + "Credentials": credentials, "Vary": "Origin"}
+
+    def preflight(self) -> None:
+        """OPTIONS: to a CORS preflight from an allowed origin, what its page may send (the browser
+        holds it to that); to any other, the route's methods only."""
+        args, asked = self.server.args, self.headers.get("Access-Control-Request-Headers")
+        method = self.headers.get("Access-Control-Request-Method")
+        methods = method if "*" in args.allowed_methods else ", ".join(args.allowed_methods)
+        names = asked if "*" in args.allowed_headers else ", ".join(args.allowed_headers)
+        cors = {ACA + "Methods": methods, ACA + "Headers": names, "Access-Control-Max-Age": 600}
+        self.send_head(204, None, None, cors if method and self.cors_headers() else {})
+
     def read_body(self, honoured: set[str]) -> dict:
-        """The request's JSON object, its nulls left out ("not given"), its fields and its model
-        checked."""
-        length = self.headers.get("Content-Length", "")
-        if not length.isdigit():
-            raise APIError(411, "a POST needs a Content-Length header and a JSON body")
+        """The JSON object, read to its Content-Length, nulls left out ("not given"), checked."""
+        lengths = self.headers.get_all("Content-Length", [])
+        length = lengths[0].strip() if lengths else ""
+        if "Transfer-Encoding" in self.headers or not lengths:
+            raise APIError(411, "a POST needs a Content-Length header (not Transfer-Encoding)")
+        if len(set(lengths)) > 1 or not (length.isascii() and length.isdigit()):
+            raise APIError(400, f"Content-Length must be one number of bytes, got {lengths}")
         if int(length) > MAX_BODY_BYTES:
             raise APIError(413, f"the body has {length} bytes; the limit is {MAX_BODY_BYTES}")
-        try:
-            body = json.loads(self.rfile.read(int(length)))
-        except ValueError as e:  # bad JSON, or not UTF-8
-            raise APIError(400, f"the body is not valid JSON: {e}") from None
+        data = self.rfile.read(int(length))
+        if len(data) < int(length):
+            raise APIError(400, f"the body ended after {len(data)} of its {length} bytes")
+        try:  # a lone surrogate ("\ud800") is valid JSON, but no text that a tokenizer can take
+            body = json.loads(data)
+            json.dumps(body, ensure_ascii=False).encode()
+        except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, nested too deep
+            raise APIError(400, f"the body is not valid JSON: {type(e).__name__}: {e}") from None
         if not isinstance(body, dict):
             raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
         body = {name: value for name, value in body.items() if value is not None}
         for name, value in body.items():
-            if name in NEUTRAL_VALUES:
-                neutral = NEUTRAL_VALUES[name]
-                # 0 is not False here
-                if value != neutral or isinstance(value, bool) != isinstance(neutral, bool):
-                    raise APIError(
-                        400,
-                        f"{name}={json.dumps(value)}: tinytp does not support {name} (only "
-                        f"{json.dumps(neutral)}, which changes nothing)",
-                        name,
-                    )
-            elif name not in honoured:
-                raise APIError(
-                    400,
-                    f"tinytp does not support {name}; it honours {', '.join(sorted(honoured))}",
-                    name,
-                )
-            elif name in FIELD_TYPES and not isinstance(value, FIELD_TYPES[name][0]):
-                raise APIError(
-                    400, f"{name} must be {FIELD_TYPES[name][1]}, got {json.dumps(value)}", name
-                )
-        options = body.get("stream_options", {})
-        if (
-            options.keys() - {"include_usage"}
-            or not isinstance(options.get("include_usage", False), bool)
-            or (options and not body.get("stream"))
-        ):
-            raise APIError(
-                400,
-                f"stream_options may hold include_usage (true or false), with stream=true; got "
-                f"{json.dumps(options)}",
-                "stream_options",
-            )
-        body.setdefault("model", self.server.names[0])
-        if body["model"] not in self.server.names:
-            raise APIError(
-                404,
-                f"the model `{body['model']}` does not exist: this server has "
-                f"{self.server.names[0]}",
-                "model",
-                "model_not_found",
-            )
-        return body
+            if fault := field_fault(name, value, honoured):
+                raise APIError(400, fault, name)
+        options = {k: v for k, v in body.get("stream_options", {}).items() if v is not None}
+        flags = options.keys() <= STREAM_OPTIONS and all(type(v) is bool for v in options.values())
+        if options and not (flags and body.get("stream")):
+            why = "may hold include_usage and continuous_usage_stats (true or false), with stream"
+            raise APIError(400, f"stream_options {why}; {json.dumps(options)}", "stream_options")
+        model = body.setdefault("model", self.server.names[0])
+        if model not in self.server.names:
+            why = f"the model `{model}` does not exist: this server has {self.server.names[0]}"
+            raise APIError(404, why, "model", "model_not_found")
+        return {**body, "stream_options": options}
 
-    def models(self) -> None:
-        self.send_json(
-            200,
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": int(time.time()),
-                        "owned_by": "tinytp",
-                        "root": self.server.llm.model_dir,
-                        "max_model_len": self.server.llm.max_model_len,
-                    }
-                    for name in self.server.names
-                ],
-            },
-        )
+    def models(self, _) -> None:
+        about = {"object": "model", "created": int(time.time()), "owned_by": "tinytp"}
+        about |= {"root": self.server.llm.model_dir, "max_model_len": self.server.llm.max_model_len}
+        data = [{"id": name, **about} for name in self.server.names]
+        self.send_json(200, {"object": "list", "data": data})
 
-    def health(self) -> None:
-        try:
-            self.server.llm.check_health()
-        except RuntimeError as e:
-            raise APIError(503, str(e)) from None
+    def health(self, _) -> None:
+        """/health, /ping: 200 or 503 naming why, from engine_fault: never queued behind a step."""
+        stopping = self.server.stopping.is_set() and "the server is shutting down"
+        if fault := engine_fault(self.server.llm) or stopping:
+            raise APIError(503, fault)
         self.send_head(200, "text/plain", 0)
 
-    def completions(self) -> None:
-        body = self.read_body(COMPLETION_FIELDS)
+    def version(self, _) -> None:
+        self.send_json(200, {"version": VERSION})
+
+    def completions(self, body: dict) -> None:
         # a string, a list of token ids, or a list of either (the engine checks each)
         prompt = body.get("prompt")
-        many = (
-            isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-        )
+        many = isinstance(prompt, list) and prompt and all(type(p) in (str, list) for p in prompt)
         prompts = prompt if many else [prompt]
         if not all(isinstance(p, (str, list)) for p in prompts):
-            raise APIError(
-                400,
-                "prompt must be a string, a list of strings, a list of token ids or a list of such "
-                f"lists, got {json.dumps(prompt)}",
-                "prompt",
-            )
-        tokenizer = self.server.llm.tokenizer
-        # Text is tokenized here, as the engine would, so that its length is known now ("" and text
-        # without a tokenizer are left for the engine to refuse).
-        prompts = [
-            {"prompt": p, "prompt_token_ids": tokenizer(p).input_ids}
-            if isinstance(p, str) and p and tokenizer
-            else p
-            for p in prompts
-        ]
+            words = "a string, a list of strings, a list of token ids or a list of such lists"
+            raise APIError(400, f"prompt must be {words}, got {json.dumps(prompt)}", "prompt")
+        # text tokenized as the engine would, its length known now ("", no tokenizer: the engine's)
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) and p and (tokenizer := self.server.llm.tokenizer):
+                prompts[i] = {"prompt": p, "prompt_token_ids": tokenizer(p).input_ids}
         self.generate(body, prompts, body.get("max_tokens", COMPLETIONS_MAX_TOKENS), chat=False)
 
-    def chat(self) -> None:
-        body = self.read_body(CHAT_FIELDS)
+    def chat(self, body: dict) -> None:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        self.generate(body, [self.chat_prompt(body)], max_tokens, chat=True)
+
+    def chat_prompt(self, body: dict) -> dict:
+        """The messages through the chat template: {"prompt", "prompt_token_ids"}."""
         messages = body.get("messages")
-        if not (
-            isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)
-        ):
-            raise APIError(
-                400,
-                'messages must be a non-empty list of objects ({"role", "content"})',
-                "messages",
-            )
-        # a template may refuse a conversation (roles out of order, a missing content): the client's
-        # doing
-        try:
-            prompt = self.server.llm.chat_prompt(
-                messages, None, body.get("add_generation_prompt", True)
-            )
+        if not (isinstance(messages, list) and messages and all(type(m) is dict for m in messages)):
+            raise APIError(400, "messages must be a non-empty list of message objects", "messages")
+        try:  # a template may refuse a conversation (roles out of order): the client's doing
+            return self.server.llm.chat_prompt(messages, None, body.get("add_generation_prompt", 1))
         except Exception as e:
             raise APIError(400, f"messages: {type(e).__name__}: {e}", "messages") from None
-        self.generate(
-            body, [prompt], body.get("max_completion_tokens", body.get("max_tokens")), chat=True
-        )
+
+    def tokenizer(self):
+        if self.server.llm.tokenizer is None:
+            raise APIError(400, f"{self.server.names[0]} has no tokenizer: it takes token ids")
+        return self.server.llm.tokenizer
+
+    def tokenize(self, body: dict) -> None:
+        """vLLM's /tokenize: a prompt's token ids (add_special_tokens, default true: BOS), or
+        messages' through the chat template (which writes them: add_special_tokens false only)."""
+        tokenizer, chat = self.tokenizer(), "messages" in body
+        if chat == ("prompt" in body) or not (chat or isinstance(body["prompt"], str)):
+            raise APIError(400, "give a prompt (a string) or messages, one of the two", "prompt")
+        if body.get("add_special_tokens") if chat else "add_generation_prompt" in body:
+            why = "add_special_tokens=true goes with a prompt, add_generation_prompt with messages"
+            raise APIError(400, f"{why} (whose chat template writes the special tokens)")
+        special = body.get("add_special_tokens", True)
+        text = None if chat else tokenizer(body["prompt"], add_special_tokens=special)
+        ids = text.input_ids if text else self.chat_prompt(body)["prompt_token_ids"]
+        strings = tokenizer.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
+        answer = {"count": len(ids), "max_model_len": self.server.llm.max_model_len}
+        self.send_json(200, {**answer, "tokens": ids, "token_strs": strings})
+
+    def detokenize(self, body: dict) -> None:
+        """vLLM's /detokenize: token ids to text, special tokens written out (as vLLM's)."""
+        tokenizer, tokens, size = self.tokenizer(), body.get("tokens"), len(self.tokenizer())
+        if not (isinstance(tokens, list) and all(type(t) is int and 0 <= t < size for t in tokens)):
+            raise APIError(400, f"tokens must be a list of ids from 0 to {size - 1}", "tokens")
+        self.send_json(200, {"prompt": tokenizer.decode(tokens)})
+
+    def client_left(self) -> bool:
+        """Whether the client closed its connection: readable, nothing to read, or reset."""
+        try:
+            readable = select.select([self.connection], [], [], 0)[0]
+            return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
 
     def generate(self, body: dict, prompts: list, max_tokens: int | None, chat: bool) -> None:
-        """Run the prompts with the request's fields over the model's defaults
-        (generation_config.json), as vLLM's server does, and answer with their completions, whole or
-        streamed."""
+        """Run the prompts with the request's fields over the model's defaults (as vLLM's server),
+        and answer with their completions, whole or streamed."""
         limit, defaults = self.server.llm.max_model_len, self.server.defaults
-        longest = max(
-            len(p["prompt_token_ids"])
-            if isinstance(p, dict)
-            else len(p)
-            if isinstance(p, list)
-            else 0
-            for p in prompts
-        )
+        ids = [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]
+        longest = max((len(p) for p in ids if isinstance(p, list)), default=0)  # text: the engine's
         # chat's default: what the context leaves, at most the config's max_new_tokens
         if max_tokens is None:
-            # (none given)
-            cap = (
-                limit if defaults.max_tokens == SamplingParams().max_tokens else defaults.max_tokens
-            )
-            max_tokens = max(1, min(cap, limit - longest))
+            unset = defaults.max_tokens == SamplingParams().max_tokens
+            max_tokens = max(1, min(limit if unset else defaults.max_tokens, limit - longest))
         try:  # every value checked as SamplingParams checks it, and every prompt before any runs
             fields = {name: body[name] for name in SAMPLING_FIELDS & body.keys()}
             params = replace(defaults, max_tokens=max_tokens, **fields)
             # refused as vLLM does (a prompt past it: by the engine)
             if longest < limit < longest + max_tokens:
-                raise APIError(
-                    400,
-                    f"max_tokens={max_tokens} is too large: this model's context is {limit} tokens "
-                    f"and a prompt has {longest}; give at most {limit - longest}",
-                    "max_tokens",
-                )
+                context = f"this model's context is {limit} tokens and a prompt has {longest}"
+                give = f"give at most {limit - longest}"
+                raise ValueError(f"max_tokens={max_tokens} is too large: {context}; {give}")
             outputs = self.server.llm.stream_outputs(prompts, params)
         except ValueError as e:  # SamplingParams names the field first
-            raise APIError(
-                400, str(e), str(e).split()[0] if str(e).split()[0] in body else None
-            ) from None
-        stream = body.get("stream", False)
-        head = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-            "object": ("chat.completion.chunk" if stream else "chat.completion")
-            if chat
-            else "text_completion",
-            "created": int(time.time()),
-            "model": body["model"],
-        }
-        usage_field = {"usage": None} if body.get("stream_options", {}).get("include_usage") else {}
-        final: list[RequestOutput] = []  # each prompt's latest output
-        # a stream's choices (index * n + sample): characters, end sent
-        sent: dict[int, tuple[int, str | None]] = {}
-        # on the way out: a client gone (a write failed) aborts what still runs
+            name = str(e).split()[0].split("=")[0]
+            raise APIError(400, str(e), name if name in body else None) from None
+        stream, options = body.get("stream", False), body["stream_options"]
+        # Usage in a stream: with include_usage (OpenAI's), "usage": null on each chunk and the
+        # total at the end; with continuous_usage_stats too (vLLM's), each chunk its choice's.
+        each = options.get("continuous_usage_stats")
+        self.usage_in_chunks = options.get("include_usage") and ("so far" if each else "null")
+        kind = "text_completion" if not chat else f"chat.completion{'.chunk' * stream}"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind}
+        head |= {"created": int(time.time()), "model": body["model"]}
+        # each prompt's latest output; a stream's choices (index * n + sample): characters, end sent
+        final, sent = [], {}
+        # on the way out: a client gone (client_left, a write failed) aborts what still runs
         with contextlib.closing(outputs):
             try:
-                if stream:
-                    self.start_stream(head, params.n if chat else 0, usage_field)
+                if stream:  # server-sent events from here on; a chat's first name the role
+                    self.send_head(200, "text/event-stream", None)
+                    self.streaming, role = True, {"role": "assistant", "content": ""}
+                    for number in range(params.n if chat else 0):
+                        piece = {"index": number, "delta": role, "logprobs": None}
+                        self.send_chunk(head, {**piece, "finish_reason": None}, longest, 0)
                 for final in outputs:
+                    if self.client_left():  # within a step of its leaving, streamed or not
+                        raise ConnectionResetError
                     if stream:
-                        self.send_new_text(head, final, sent, params.n, chat, usage_field)
+                        self.send_new_text(head, final, sent, params.n, chat)
             # the workers died, or the server stops (it shuts the engine down)
             except RuntimeError as e:
                 stopping = self.server.stopping.is_set() and "the server is shutting down"
                 raise APIError(503, self.server.failure or stopping or str(e)) from None
         # logged before the answer ends: a client that has it finds it in the log
-        stats = self.server.llm.stats()
-        self.log_message(
-            '"%s": %d prompt(s), %d tokens out (engine: %d steps so far, at most %d requests in '
-            "one)",
-            self.requestline,
-            len(prompts),
-            usage(final)["completion_tokens"],
-            stats["steps"],
-            stats["largest_batch"],
-        )
+        out, stats = usage(final)["completion_tokens"], self.server.llm.stats()
+        numbers = len(prompts), out, stats["steps"], stats["largest_batch"]
+        self.log_message(GENERATED, self.requestline, *numbers)
         if stream:
-            if usage_field:
+            if self.usage_in_chunks:
                 self.send_event({**head, "choices": [], "usage": usage(final)})
             self.send_event("[DONE]")
         else:
-            choices = [
-                choice(index * params.n + c.index, c, chat)
-                for index, output in enumerate(final)
-                for c in output.outputs
-            ]
+            pairs = [(i, c) for i, output in enumerate(final) for c in output.outputs]
+            choices = [choice(i * params.n + c.index, c, chat) for i, c in pairs]
             self.send_json(200, {**head, "choices": choices, "usage": usage(final)})
 
-    def start_stream(self, head: dict, roles: int, usage_field: dict) -> None:
-        """Server-sent events from here on; a chat's stream first names the role, in a chunk per
-        choice."""
-        self.send_head(200, "text/event-stream", None)
-        self.streaming = True
-        for number in range(roles):
-            self.send_event(
-                {
-                    **head,
-                    "choices": [
-                        {
-                            "index": number,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ],
-                    **usage_field,
-                }
-            )
-
-    def send_new_text(
-        self,
-        head: dict,
-        outputs: list[RequestOutput],
-        sent: dict,
-        n: int,
-        chat: bool,
-        usage_field: dict,
-    ) -> None:
-        """A chunk per choice whose text grew or that ended since the last (with "usage": null when
-        the stream's usage is asked for, as OpenAI's)."""
+    def send_new_text(self, head: dict, outputs: list, sent: dict, n: int, chat: bool) -> None:
+        """A chunk per choice whose text grew or that ended since the last."""
         for index, output in enumerate(outputs):
             for c in output.outputs:
                 number = index * n + c.index
                 shown, ended = sent.get(number, (0, None))
                 if (len(c.text), c.finish_reason) != (shown, ended):
-                    self.send_event(
-                        {
-                            **head,
-                            "choices": [choice(number, c, chat, c.text[shown:])],
-                            **usage_field,
-                        }
-                    )
+                    piece = choice(number, c, chat, c.text[shown:])
+                    self.send_chunk(head, piece, len(output.prompt_token_ids), len(c.token_ids))
                     sent[number] = len(c.text), c.finish_reason
 
+    def send_chunk(self, head: dict, piece: dict, prompt_tokens: int, tokens: int) -> None:
+        """A stream's chunk of one choice, with the usage asked for (usage_in_chunks)."""
+        so_far = counts(prompt_tokens, tokens) if self.usage_in_chunks == "so far" else None
+        usage_field = {"usage": so_far} if self.usage_in_chunks else {}
+        self.send_event({**head, "choices": [piece], **usage_field})
+
     def send_event(self, data: dict | str) -> None:
-        self.wfile.write(
-            f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
-        )
+        text = data if isinstance(data, str) else json.dumps(data)
+        self.wfile.write(f"data: {text}\n\n".encode())
 
 
 class Server(ThreadingHTTPServer):
-    daemon_threads = False  # server_close() waits for the requests in flight
+    # a thread per connection, up to MAX_CONNECTIONS; daemons: no client keeps the process alive
+    daemon_threads, block_on_close = True, False
+    request_queue_size = MAX_CONNECTIONS  # the listen backlog: a burst of clients waits its turn
 
-    def __init__(self, address: tuple[str, int], names: list[str], api_key: str | None):
-        super().__init__(address, Handler, bind_and_activate=False)
+    def __init__(self, args: argparse.Namespace):
+        super().__init__((args.host, args.port), Handler, bind_and_activate=False)
         # the port taken now (one in use: said before the model loads); listened on once it is up
         self.server_bind()
-        self.names, self.api_key = names, api_key
-        self.stopping, self.failure = threading.Event(), None
+        self.args, self.names = args, args.served_model_name or [args.model or "tiny-llama"]
+        self.loopback = ipaddress.ip_address(self.server_address[0]).is_loopback  # Host checked
+        # --allowed-origins' patterns: each * any characters, nothing else special
+        self.origins = [re.compile(re.escape(o).replace(r"\*", ".*")) for o in args.allowed_origins]
+        self.stopping, self.failure, self.lock = threading.Event(), None, threading.Lock()
+        # each open connection: [when its request must be in (None once it is), why it was cut]
+        self.connections: dict[socket.socket, list] = {}
 
-    # a client that vanished is no error of ours
-    def handle_error(self, request, client_address) -> None:
+    def host_allowed(self, host: str) -> bool:
+        """On loopback, a Host must be localhost or a loopback address (none at all: no page's)."""
+        if not (self.loopback and host):
+            return True
+        name = host if host.endswith("]") else host.rpartition(":")[0] or host
+        with contextlib.suppress(ValueError):
+            return ipaddress.ip_address(name.strip("[]")).is_loopback
+        return name == "localhost"
+
+    def process_request(self, request, client_address) -> None:
+        with self.lock:
+            if len(self.connections) < MAX_CONNECTIONS:
+                self.connections[request] = [time.monotonic() + READ_TIMEOUT, None]
+                return super().process_request(request, client_address)  # a thread of its own
+        # beyond the cap: a 503 from this thread, what came read first (closing on it would reset)
+        data = json.dumps(APIError(503, f"{MAX_CONNECTIONS} connections open: try again").body())
+        with contextlib.suppress(OSError):
+            if select.select([request], [], [], 0)[0]:
+                request.recv(1 << 16)
+            head = "HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            request.sendall(f"{head}Content-Length: {len(data)}\r\n\r\n{data}".encode())
+        self.shutdown_request(request)
+
+    def shutdown_request(self, request) -> None:  # a connection's end
+        with self.lock:
+            self.connections.pop(request, None)
+        super().shutdown_request(request)
+
+    def cut_readers(self, error: APIError, everyone: bool = False) -> None:
+        """Shut the reading side of each connection reading its request past its deadline (or at
+        all), to be answered `error`: its read ends at once, the answer goes out; idle ones end."""
+        with self.lock:
+            for request, state in self.connections.items():
+                if state[0] is not None and (everyone or time.monotonic() > state[0]):
+                    state[:] = [None, error]
+                    with contextlib.suppress(OSError):
+                        request.shutdown(socket.SHUT_RD)
+
+    def handle_error(self, request, client_address) -> None:  # a client gone is no error of ours
         if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
             super().handle_error(request, client_address)
 
+    def watch_workers(self) -> None:
+        """llm.check_health() (which waits behind a running step) on a thread: a death stops us."""
+        while not self.stopping.wait(POLL_SECONDS):
+            try:
+                self.llm.check_health()
+            except RuntimeError as e:  # (a stop of ours shuts the workers down too)
+                self.failure = self.failure or (None if self.stopping.is_set() else str(e))
+                self.stopping.set()
+
     def serve(self, llm: LLM) -> int:
-        """Answer requests until Ctrl-C, SIGTERM (the workers ignore one sent to the process group:
-        ours to handle) or the workers' death; then stop accepting, end the requests in flight (a
-        503, an error event); exit 0 or 1."""
+        """Answer requests until Ctrl-C, SIGTERM (the workers leave one sent to the group to us) or
+        the workers' death; then, within seconds whatever the clients do: stop accepting, cut the
+        requests being read, end those in flight (503), give answers STOP_GRACE s; exit 0 or 1."""
         self.llm, self.defaults = llm, llm.get_default_sampling_params()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: self.stopping.set())
         # listening from here on: nothing is accepted before the workers are up
         self.server_activate()
         threading.Thread(target=self.serve_forever, args=(POLL_SECONDS,), daemon=True).start()
+        threading.Thread(target=self.watch_workers, daemon=True).start()
         host, port = self.server_address[:2]
         print(f"tinytp: serving {self.names[0]} at http://{host}:{port}/v1", flush=True)
+        slow = APIError(408, f"the request was not all in within {READ_TIMEOUT:g} s")
         while not self.stopping.wait(POLL_SECONDS):
-            try:
-                llm.check_health()
-            except RuntimeError as e:
-                self.failure = str(e)
-                self.stopping.set()
-        self.shutdown()  # no more requests
+            self.cut_readers(slow)
+        self.shutdown()  # no more connections
+        self.cut_readers(APIError(503, "the server is shutting down"), everyone=True)
         # the requests in flight end: each gets the engine's RuntimeError, and answers a 503
         llm.shutdown()
-        self.server_close()  # waits for them
+        deadline = time.monotonic() + STOP_GRACE
+        while self.connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self.lock:  # a client that does not read its answer has had its time
+            for request in self.connections:
+                with contextlib.suppress(OSError):
+                    request.shutdown(socket.SHUT_RDWR)
         print(f"tinytp: {self.failure or 'stopped'}", file=sys.stderr)
         return 1 if self.failure else 0
 
 
+def names(text: str) -> list[str]:
+    """A CORS flag's value: vLLM's JSON list ('["https://app.example"]'), or names and commas."""
+    value = json.loads(text) if text.startswith("[") else text.split(",")
+    if not all(isinstance(name, str) for name in value):
+        raise ValueError(text)  # (argparse says which flag, and the value)
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--model", help="checkpoint directory or hub id (default: a tiny random Llama)"
-    )
-    parser.add_argument(
-        "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="number of ranks"
-    )
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="0.0.0.0: every interface (give --api-key)"
-    )
-    parser.add_argument("--port", type=int, default=8000, help="0: one the OS picks")
-    parser.add_argument(
-        "--served-model-name", nargs="+", help="the model's name(s) in the API (default: --model)"
-    )
-    parser.add_argument("--api-key", help="refuse requests without 'Authorization: Bearer API_KEY'")
-    parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument(
-        "--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto"
-    )
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu"
-    )
-    parser.add_argument(
-        "--async-scheduling", action="store_true", help="schedule a step while the last one runs"
-    )
+    add = parser.add_argument
+    add("--model", help="checkpoint directory or hub id (default: a tiny random Llama)")
+    add("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="ranks")
+    add("--host", default="127.0.0.1", help="0.0.0.0: every interface (give --api-key)")
+    add("--port", type=int, default=8000, help="0: one the OS picks")
+    add("--served-model-name", nargs="+", help="the model's name(s) in the API (default: --model)")
+    add("--api-key", help="refuse requests without 'Authorization: Bearer API_KEY'")
+    add("--max-num-seqs", type=int, default=8)
+    add("--max-model-len", type=int, default=None)
+    add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    add("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
+    add("--async-scheduling", action="store_true", help="schedule a step while the last one runs")
+    cors = {"type": names, "help": "CORS (docs/api.md): a JSON list, or names and commas"}
+    add("--allowed-origins", default=LOOPBACK_ORIGINS, **cors)  # patterns, as http://localhost:*
+    add("--allowed-methods", default=["*"], **cors)
+    add("--allowed-headers", default=["*"], **cors)
+    add("--allow-credentials", action="store_true", help="CORS: cookies and auth headers too")
     return parser.parse_args(argv)
 
 
@@ -531,37 +566,23 @@ def main(argv: list[str] | None = None) -> int:
     # while loading, SIGTERM stops us as Ctrl-C does
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        print(
-            f"tinytp: warning: serving on {args.host} without --api-key: anyone who reaches it "
-            "can use it",
-            file=sys.stderr,
-        )
+        warning = f"serving on {args.host} without --api-key: anyone who reaches it can use it"
+        print(f"tinytp: warning: {warning}", file=sys.stderr)
     try:
-        server = Server(
-            (args.host, args.port),
-            args.served_model_name or [args.model or "tiny-llama"],
-            args.api_key,
-        )
+        server = Server(args)
     except (OSError, OverflowError) as e:  # in use, not ours to take; a port past 65535
         reason = getattr(e, "strerror", None) or e
         print(f"tinytp: error: cannot listen at {args.host}:{args.port}: {reason}", file=sys.stderr)
         return 2
+    engine = {"tensor_parallel_size": args.tp, "device": args.device, "dtype": args.dtype}
+    engine |= {name: vars(args)[name] for name in ("max_num_seqs", "max_model_len")}
     try:
-        with LLM(
-            args.model,
-            tensor_parallel_size=args.tp,
-            device=args.device,
-            dtype=args.dtype,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            async_scheduling=args.async_scheduling,
-        ) as llm:
+        with LLM(args.model, **engine, async_scheduling=args.async_scheduling) as llm:
             return server.serve(llm)
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2
-    # a worker died while loading, /dev/shm is full: not the user's doing
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError) as e:  # a worker died loading, /dev/shm full: not the user's
         print(f"tinytp: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

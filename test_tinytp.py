@@ -5956,3 +5956,367 @@ def test_docs_gpu_budget_table_is_ci_gpus_step_limits():
         rows = dict(re.findall(r"^\| `([^`]+)` \| (\d+) \|", f.read(), re.MULTILINE))
     assert {step: int(limit) for step, limit in rows.items()} == ci_gpu.STEP_LIMITS
     assert sum(ci_gpu.STEP_LIMITS.values()) == ci_gpu.BUDGET_SECONDS - ci_gpu.OUTSIDE_THE_STEPS
+
+
+# The server, round 2: browsers (CORS), a red team's inputs, bounded shutdown, clients that
+# leave, /health beside a step, vLLM's small routes
+# --------------------------------------------------------------------------------------
+# The time bounds here are hang detectors, several times the quiet machine's figure (the CI
+# machine is shared and loaded): each test says the quiet figure beside its bound.
+
+
+def raw_http(port: int, data: bytes, shut_write: bool = False) -> tuple[str, dict, str]:
+    """Bytes to the server as they are (no client library to tidy them), the answer read to its
+    end: the status line, the headers (lower-case names), the body."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as connection:
+        connection.sendall(data)
+        if shut_write:  # the client has sent all it will: the server reads an end, not a wait
+            connection.shutdown(socket.SHUT_WR)
+        answer = b"".join(iter(lambda: connection.recv(65536), b""))
+    head, _, body = answer.decode("latin-1").partition("\r\n\r\n")
+    status, *lines = head.split("\r\n")
+    headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in lines)}
+    return status, headers, body
+
+
+def post(path: str, body: bytes, *headers: str) -> bytes:
+    head = "".join(f"{header}\r\n" for header in ("Host: localhost", *headers))
+    return f"POST {path} HTTP/1.1\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def sse_chunks(body: str) -> list[dict]:
+    events = body.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], body[-300:]
+    return [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+
+
+def test_server_red_team_inputs_each_get_openais_json_and_their_status(openai, tiny_server):
+    status_of = {}
+    header_lines = "".join(f"X-{i}: y\r\n" for i in range(101))
+    for name, data, shut, status, words in [
+        ("nested 200,000 deep", post("/v1/completions", b"[" * 200_000), 0, 400, "RecursionError"),
+        (
+            "a lone surrogate",
+            post("/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}'),
+            0,
+            400,
+            "surrogates not allowed",
+        ),
+        (
+            "Content-Length: \u00b2 (isdigit() is true, int() refuses it)",
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: \xb2\r\n\r\n",
+            0,
+            400,
+            "Content-Length must be one number of bytes",
+        ),
+        (
+            "two Content-Lengths",
+            post("/v1/completions", b"{}", "Content-Length: 3"),
+            0,
+            400,
+            "Content-Length must be one number of bytes",
+        ),
+        (
+            "a Content-Length that lies",
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{}",
+            1,
+            400,
+            "the body ended after",
+        ),
+        (
+            "chunked",
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
+            b"\r\n2\r\n{}\r\n0\r\n\r\n",
+            0,
+            411,
+            "Content-Length",
+        ),
+        ("no length", b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n\r\n", 0, 411, "POST"),
+        ("a wrong method", b"FOO /v1/completions HTTP/1.1\r\n\r\n", 0, 405, "takes POST, not FOO"),
+        ("GET for a POST", b"GET /v1/chat/completions HTTP/1.1\r\n\r\n", 0, 405, "takes POST"),
+        ("101 headers", f"GET /health HTTP/1.1\r\n{header_lines}\r\n".encode(), 0, 431, "headers"),
+        (
+            "a 70,000-byte header",
+            b"GET /health HTTP/1.1\r\nX: " + b"y" * 70_000 + b"\r\n\r\n",
+            0,
+            431,
+            "Line too long",
+        ),
+        ("a 65,537-byte line", b"GET /" + b"y" * 65_532, 1, 414, "request line is longer"),
+        ("HTTP/0.9", b"GET /health\r\n\r\n", 0, 400, "HTTP/0.9"),
+        ("no request line", b"GARBAGE\r\n\r\n", 0, 400, "Bad request syntax"),
+        ("HTTP/2.0", b"GET /health HTTP/2.0\r\n\r\n", 0, 505, "Invalid HTTP version"),
+        ("no route", b"GET /nothing HTTP/1.1\r\n\r\n", 0, 404, "no route /nothing"),
+    ]:
+        line, headers, body = raw_http(tiny_server.port, data, shut_write=bool(shut))
+        # HTTP/1.0's status line (never HTTP/0.9's bare body), JSON (never HTML), the right status
+        status_of[name] = (line.split()[:2], headers.get("content-type"))
+        assert status_of[name] == (["HTTP/1.0", str(status)], "application/json"), (name, body)
+        assert words in json.loads(body)["error"]["message"], (name, body)
+    assert raw_http(tiny_server.port, b"FOO /health HTTP/1.1\r\n\r\n")[1]["allow"] == "GET, OPTIONS"
+    # The official client (which cannot send a lone surrogate: it encodes before it sends) reads
+    # each answer as OpenAI's: its class, status and body.
+    client = tiny_server.client(openai)
+    with pytest.raises(openai.APIStatusError, match="takes POST, not GET") as error:
+        client.get("/completions", cast_to=object)
+    assert error.value.status_code == 405 and error.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError, match="no route /v1/nothing"):
+        client.post("/nothing", cast_to=object, body={})
+    assert "Traceback" not in tiny_server.log()
+
+
+def test_server_cors_allows_this_machines_pages_only_and_refuses_foreign_host_names(tiny_server):
+    port, origin = tiny_server.port, "http://localhost:3000"
+    preflight = (
+        "OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nOrigin: {}\r\n"
+        "Access-Control-Request-Method: POST\r\n"
+        "Access-Control-Request-Headers: content-type, authorization\r\n\r\n"
+    )
+    line, headers, _ = raw_http(port, preflight.format(origin).encode())
+    assert line.startswith("HTTP/1.0 204") and headers["access-control-allow-origin"] == origin
+    assert headers["access-control-allow-methods"] == "POST" and headers["vary"] == "Origin"
+    assert headers["access-control-allow-headers"] == "content-type, authorization"
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    line, headers, _ = raw_http(port, post("/v1/completions", body, f"Origin: {origin}"))
+    assert line.startswith("HTTP/1.0 200") and headers["access-control-allow-origin"] == origin
+    for loopback in ("http://127.0.0.1:8080", "https://[::1]"):
+        assert raw_http(port, preflight.format(loopback).encode())[1]["access-control-allow-origin"]
+    # Another site's page: no CORS header at all, so that its browser shows it nothing.
+    for request in (
+        preflight.format("http://evil.example").encode(),
+        post("/v1/completions", body, "Origin: http://localhost.evil.example"),
+    ):
+        line, headers, _ = raw_http(port, request)
+        assert line.split()[1] in ("200", "204")
+        assert not [name for name in headers if name.startswith("access-control")], headers
+    # DNS rebinding: a page on evil.example re-pointed at 127.0.0.1 sends its own name as Host.
+    line, headers, body = raw_http(port, b"GET /v1/models HTTP/1.1\r\nHost: evil.example\r\n\r\n")
+    assert (
+        line.startswith("HTTP/1.0 421") and "DNS rebinding" in json.loads(body)["error"]["message"]
+    )
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "127.0.0.2"):
+        assert raw_http(port, f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())[
+            0
+        ].startswith("HTTP/1.0 200"), host
+
+
+def test_server_guidellms_body_streams_usage_on_every_chunk_as_vllm(openai, tiny_server, tiny_llm):
+    # guidellm 0.8's /v1/completions body, as it sends it
+    body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8, "stop": None}
+    body |= {"ignore_eos": True, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    line, _, text = raw_http(tiny_server.port, post("/v1/completions", json.dumps(body).encode()))
+    chunks = sse_chunks(text)
+    expected = tiny_llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8))[0]
+    prompt_tokens = len(expected.prompt_token_ids)
+    assert line.startswith("HTTP/1.0 200") and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 8,
+        "total_tokens": prompt_tokens + 8,
+    }
+    so_far = [chunk["usage"] for chunk in chunks[:-1]]  # each chunk: its choice's usage so far
+    assert (
+        all(u["prompt_tokens"] == prompt_tokens for u in so_far)
+        and so_far[-1] == chunks[-1]["usage"]
+    )
+    assert sorted(u["completion_tokens"] for u in so_far) == [
+        u["completion_tokens"] for u in so_far
+    ]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == expected.outputs[0].text
+    # continuous_usage_stats alone changes nothing, as in vLLM (it needs include_usage)
+    body["stream_options"] = {"continuous_usage_stats": True}
+    _, _, text = raw_http(tiny_server.port, post("/v1/completions", json.dumps(body).encode()))
+    assert not [chunk for chunk in sse_chunks(text) if "usage" in chunk]
+    body["stream_options"] = {"continuous_usage_stats": "yes"}
+    line, _, text = raw_http(tiny_server.port, post("/v1/completions", json.dumps(body).encode()))
+    assert line.startswith("HTTP/1.0 400") and "stream_options" in text
+    # a chat stream through the official client: the role's chunk counts no tokens yet
+    chunks = list(
+        tiny_server.client(openai).chat.completions.create(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+    assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens <= 5
+
+
+def test_server_tokenize_detokenize_version_and_ping_as_vllm(tiny_server, tiny_llm):
+    def call(path: str, body: dict) -> tuple[int, dict]:
+        line, _, text = raw_http(tiny_server.port, post(path, json.dumps(body).encode()))
+        return int(line.split()[1]), json.loads(text)
+
+    assert call("/tokenize", {"prompt": "Hi"}) == (
+        200,
+        {"count": 3, "max_model_len": 512, "tokens": [256, 72, 105], "token_strs": None},
+    )
+    assert call("/tokenize", {"prompt": "Hi", "add_special_tokens": False})[1]["tokens"] == [
+        72,
+        105,
+    ]
+    strings = call("/tokenize", {"model": "tiny-llama", "prompt": "Hi", "return_token_strs": True})
+    assert strings[1]["token_strs"] == ["<|begin_of_text|>", "H", "i"]
+    conversation = [{"role": "user", "content": "Hi there"}]
+    for add in (True, False):
+        ids = tiny_llm.chat_prompt(conversation, None, add)["prompt_token_ids"]
+        answer = call("/tokenize", {"messages": conversation, "add_generation_prompt": add})
+        assert answer[1]["tokens"] == ids and answer[1]["count"] == len(ids)
+    assert call("/detokenize", {"tokens": [256, 72, 105]}) == (
+        200,
+        {"prompt": "<|begin_of_text|>Hi"},
+    )
+    for path, body, status, param in [
+        ("/tokenize", {"prompt": "Hi", "messages": conversation}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": [72]}, 400, "prompt"),
+        ("/tokenize", {"messages": conversation, "add_special_tokens": True}, 400, None),
+        ("/tokenize", {"prompt": "Hi", "add_generation_prompt": True}, 400, None),
+        ("/tokenize", {"prompt": "Hi", "truncate_prompt_tokens": 2}, 400, "truncate_prompt_tokens"),
+        ("/tokenize", {"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
+        ("/detokenize", {"tokens": [300]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [True, 72]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "Hi"}, 400, "tokens"),
+    ]:
+        status_and_param = call(path, body)
+        assert (status_and_param[0], status_and_param[1]["error"]["param"]) == (status, param), body
+    line, _, text = raw_http(tiny_server.port, b"GET /version HTTP/1.1\r\n\r\n")
+    assert line.startswith("HTTP/1.0 200") and isinstance(json.loads(text)["version"], str)
+    for method in ("GET", "POST"):  # vLLM's /ping is /health by another name
+        assert raw_http(tiny_server.port, f"{method} /ping HTTP/1.1\r\n\r\n".encode())[
+            0
+        ].startswith("HTTP/1.0 200")
+
+
+def test_server_sigterm_with_idle_and_trickling_connections_exits_0_within_10_s(tmp_path):
+    import socket
+
+    served = Served(tmp_path, "--allowed-origins", "*")  # vLLM's default: any page's
+    try:
+        preflight = (
+            "OPTIONS /v1/completions HTTP/1.1\r\nHost: localhost\r\nOrigin: http://a.example\r\n"
+            "Access-Control-Request-Method: POST\r\n\r\n"
+        )
+        headers = raw_http(served.port, preflight.encode())[1]
+        assert headers["access-control-allow-origin"] == "*", headers
+        idle = [socket.create_connection(("127.0.0.1", served.port)) for _ in range(50)]
+        trickling = socket.create_connection(("127.0.0.1", served.port))
+
+        def trickle():  # a header byte every 0.2 s, never the blank line that ends them
+            with contextlib.suppress(OSError):
+                for byte in b"GET /health HTTP/1.1\r\nHost: localhost\r\nX: " + b"y" * 1000:
+                    trickling.send(bytes([byte]))
+                    time.sleep(0.2)
+
+        threading.Thread(target=trickle, daemon=True).start()
+        assert raw_http(served.port, b"GET /health HTTP/1.1\r\n\r\n")[0].startswith("HTTP/1.0 200")
+        time.sleep(1)
+        start = time.monotonic()
+        served.terminate_group()
+        # quiet: 3 s (the accept loop's and the main loop's polls, the workers' exit); it used
+        # to wait for every idle connection's 60 s timeout, and for the trickler past that
+        assert served.process.wait(timeout=60) == 0
+        assert time.monotonic() - start < 10, served.log()[-2000:]
+        assert "the server is shutting down" in served.log()  # the trickler's answer
+    finally:
+        assert served.stop() == 0  # no process of its group left, nothing in /dev/shm
+    for connection in [*idle, trickling]:
+        connection.close()
+
+
+def test_server_a_plain_client_that_leaves_frees_its_slot_and_health_answers_during_a_step(
+    openai, tmp_path
+):
+    served = Served(tmp_path, "--max-num-seqs", "1")
+    try:
+        client = served.client(openai)
+        # The SDK's own timeout (then a retry, as its users run it): a plain request abandoned
+        # after 1 s. Four prompts of 500 tokens on the one slot: 2,000 steps if nobody noticed.
+        with pytest.raises(openai.APITimeoutError):
+            client.with_options(timeout=1.0).completions.create(
+                model="tiny-llama",
+                prompt=["Hi"] * 4,
+                max_tokens=500,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+        start = time.monotonic()
+        done = client.completions.create(model="tiny-llama", prompt="Hi", max_tokens=4)
+        # quiet: 0.4 s (noticed within a step, then 5 steps); the abandoned 2,000 steps take 40 s
+        assert done.choices[0].finish_reason and time.monotonic() - start < 10
+        assert int(re.findall(r"engine: (\d+) steps so far", served.log())[-1]) < 1000
+        assert "the client went away" in served.log()
+        # /health while a step cannot end (the worker stopped): answered from the engine's
+        # state, not queued behind the step; quiet: 10 ms
+        stream = client.completions.create(
+            model="tiny-llama",
+            prompt="Hi",
+            max_tokens=500,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(stream)
+        os.kill(served.workers[0], signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            line = raw_http(served.port, b"GET /health HTTP/1.1\r\n\r\n")[0]
+            took = time.monotonic() - start
+        finally:
+            os.kill(served.workers[0], signal.SIGCONT)  # before tinytp.STOPPED_GRACE (5 s)
+        assert line.startswith("HTTP/1.0 200") and took < 1, (line, took)
+        stream.close()
+    finally:
+        assert served.stop() == 0
+
+
+@pytest.mark.quick
+def test_server_cuts_a_slow_sender_with_a_408_refuses_past_its_cap_and_checks_host_names(
+    monkeypatch,
+):
+    import socket
+
+    import serve
+
+    monkeypatch.setattr(serve, "READ_TIMEOUT", 0.5)
+    monkeypatch.setattr(serve, "MAX_CONNECTIONS", 2)
+    server = serve.Server(serve.parse_args(["--port", "0"]))  # no model: nothing gets that far
+    server.server_activate()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    port = server.server_address[1]
+    slow = socket.create_connection(("127.0.0.1", port), timeout=30)
+    idle = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        slow.sendall(b"GET /health HTTP/1.1\r\nHost: local")  # and no more
+        assert wait_for(lambda: len(server.connections) == 2, 10)
+        # the cap: a third connection is answered at once, by the accepting thread
+        line, headers, body = raw_http(port, b"GET /health HTTP/1.1\r\n\r\n")
+        assert line == "HTTP/1.0 503 Service Unavailable" and "connections open" in body
+        time.sleep(0.6)  # past the read deadline; serve()'s loop cuts them each POLL_SECONDS
+        server.cut_readers(serve.APIError(408, "the request was not all in within 0.5 s"))
+        answer = b"".join(iter(lambda: slow.recv(65536), b"")).decode()
+        assert answer.startswith("HTTP/1.0 408") and '"the request was not all in' in answer
+        assert idle.recv(100) == b""  # an idle connection just ends
+    finally:
+        server.shutdown()
+        server.server_close()
+        for connection in (slow, idle):
+            connection.close()
+    for host, allowed in [
+        ("localhost:8000", True),
+        ("127.0.0.1", True),
+        ("[::1]:8000", True),
+        ("127.1.2.3:80", True),
+        ("", True),  # HTTP/1.0 without Host: no browser's
+        ("evil.example", False),
+        ("localhost.evil.example:8000", False),
+        ("10.0.0.1:8000", False),
+    ]:
+        assert server.host_allowed(host) == allowed, host
+    server.loopback = False  # as with --host 0.0.0.0: every name is the client's business
+    assert server.host_allowed("evil.example")
