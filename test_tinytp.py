@@ -5707,6 +5707,7 @@ def test_streams_add_up_to_generates_text_for_30_seeds_sync_and_async(mha_checkp
 
 def test_every_call_after_shutdown_raises_at_once(mha_checkpoint):
     """The engine loop marks itself stopped and fails what is queued: no call waits for it."""
+    others = set(shm_entries())  # another test's LLM may be alive in this process
     llm = LLM(mha_checkpoint[0], device="cpu", max_model_len=64)
     running = [True]
 
@@ -5738,7 +5739,7 @@ def test_every_call_after_shutdown_raises_at_once(mha_checkpoint):
             call()
         assert time.monotonic() - start < hang_bound(1.0), name
         assert "shut down" in str(error.value) and "\n" not in str(error.value), name
-    assert not shm_entries()
+    assert set(shm_entries()) <= others
 
 
 # Attention outputs in the layouts CUDA's kernels return, on CPU
