@@ -1204,24 +1204,32 @@ def stream_beside(llm, prompt: str, params, prompts: list[str], their_params) ->
 def long_stream_figures(length: int, rounds: int) -> list[dict]:
     """One stream of `length` tokens on the tiny model (max_position_embeddings raised), with two
     stop strings that never match: the mean interval over tokens 5,500-5,900 against 200-600
-    (the same shares of a shorter stream)."""
+    (the same shares of a shorter stream), and the worker's step over the same tokens (its
+    attention reads more positions: the model's own cost, beside the output path's)."""
     early, late = (length // 30, length // 10), (length * 11 // 12, length * 59 // 60)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=length, stop=NEVER_STOPS)
-    figures = []
+    figures, steps = [], []
     with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
         path = long_checkpoint(workdir, length + 64)
-        with tinytp.LLM(path, device="cpu", max_num_seqs=2, max_model_len=length + 16) as llm:
+        with tinytp.LLM(
+            path, device="cpu", max_num_seqs=2, max_model_len=length + 16,
+            distributed_executor_backend=timed(tinytp.Executor, steps),
+        ) as llm:  # fmt: skip
             stream_token_times(llm, [256, 72, 105], replace(params, max_tokens=50))  # warm-up
             for _ in range(rounds):
+                steps.clear()
                 times = stream_token_times(llm, [256, 72, 105], params)
-                figures.append(
-                    {
-                        "tokens": [early, late],
-                        "early_ms": mean_interval_ms(times, *early),
-                        "late_ms": mean_interval_ms(times, *late),
-                    }
-                )
-                figures[-1]["late_over_early"] = figures[-1]["late_ms"] / figures[-1]["early_ms"]
+                # step i gives token i + 1 (step 0, the prefill, token 1)
+                worker = [step.worker_seconds * 1e3 for step in steps]
+                r = {
+                    "tokens": [early, late],
+                    "early_ms": mean_interval_ms(times, *early),
+                    "late_ms": mean_interval_ms(times, *late),
+                    "worker_early_ms": float(np.mean(worker[early[0] : early[1]])),
+                    "worker_late_ms": float(np.mean(worker[late[0] : late[1]])),
+                }
+                r["late_over_early"] = r["late_ms"] / r["early_ms"]
+                figures.append(r)
     return figures
 
 
@@ -1264,7 +1272,8 @@ def run_output_path(args) -> dict:
         print(
             f"a stream of {args.output_path} tokens, two stop strings: tokens {e0}-{e1} "
             f"{r['early_ms']:.2f} ms apart, {l0}-{l1} {r['late_ms']:.2f} ms "
-            f"({r['late_over_early']:.2f}x)"
+            f"({r['late_over_early']:.2f}x); the worker's step {r['worker_early_ms']:.2f} and "
+            f"{r['worker_late_ms']:.2f} ms"
         )
     beside = beside_figures(args, args.rounds)
     for r in beside:

@@ -14,6 +14,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import heapq
 import inspect
 import itertools
@@ -614,6 +615,11 @@ class EngineCore:
         # steps sent, oldest first
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
         self.stats = {"steps": 0, "largest_batch": 0}
+        # As vLLM's EngineCore: the start-up heap (torch, transformers, the tokenizer) marked
+        # static, so that a collection of the oldest generation, which would walk all of it, never
+        # stops the engine loop mid-stream (a caller making many requests triggers one).
+        gc.collect()
+        gc.freeze()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
