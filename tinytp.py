@@ -1377,7 +1377,16 @@ def load_tokenizer(tokenizer: str | None, model_dir: str):
 
 
 class LLM:
-    """Generate text with a Llama checkpoint split over `tensor_parallel_size` processes."""
+    """Generate text with a Llama checkpoint split over `tensor_parallel_size` processes.
+
+    The arguments are vLLM's LLM's, for those it has (and cuda_graphs, its own). tokenizer: a
+    directory or hub id (default: the model's). seed: where requests without one draw theirs from.
+    generation_config: "auto" (the model's generation_config.json), "vllm" (SamplingParams()'s
+    defaults) or a directory holding one. enforce_eager: True forbids cuda_graphs.
+    trust_remote_code: False only (a checkpoint's code never runs). gpu_memory_utilization: the
+    share of the memory (a GPU's; on cpu the machine's) that weights and KV cache may take.
+    max_num_batched_tokens: the tokens one step may run (Scheduler). Any other argument is refused
+    by name."""
 
     def __init__(
         self,
@@ -1401,68 +1410,30 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         **others,
     ):
-        """As vLLM's LLM, for the arguments it has (and cuda_graphs, its own). tokenizer: a
-        directory or hub id (default: the model's). seed: where requests without one draw theirs
-        from. generation_config: "auto" (the model's generation_config.json), "vllm"
-        (SamplingParams()'s defaults) or a directory holding one. enforce_eager: True forbids
-        cuda_graphs. trust_remote_code: False only (a checkpoint's code never runs).
-        gpu_memory_utilization: the share of the memory (a GPU's; on cpu the machine's) that
-        weights and KV cache may take. max_num_batched_tokens: the tokens one step may run
-        (Scheduler). Any other argument is refused by name. Everything is checked before any
-        worker starts."""
+        """Everything checked before any worker starts; then the pieces, put together."""
         check_process_can_start_workers()
-        check_vllm_arguments(
-            others,
-            seed,
-            enforce_eager,
-            cuda_graphs,
-            trust_remote_code,
-            gpu_memory_utilization,
-            generation_config,
-        )
+        vllm_arguments = (seed, enforce_eager, cuda_graphs, trust_remote_code)
+        check_vllm_arguments(others, *vllm_arguments, gpu_memory_utilization, generation_config)
         executor_class = executor_class_for(distributed_executor_backend)
         self.model_dir = resolve_model(model)
-        self.config = read_model_config(self.model_dir)
+        self.config = config = read_model_config(self.model_dir)
         tp = tensor_parallel_size
-        check_tensor_parallel_size(self.config, tp)
-        device, dtype = choose_device_and_dtype(self.config, tp, device, dtype)
-        self.max_model_len = check_max_model_len(self.config, max_model_len)
+        check_tensor_parallel_size(config, tp)
+        device, dtype = choose_device_and_dtype(config, tp, device, dtype)
+        self.max_model_len = max_len = check_max_model_len(config, max_model_len)
         budget = check_max_num_batched_tokens(max_num_batched_tokens, max_num_seqs, tp, device)
-        check_memory(
-            self.config,
-            tp,
-            device,
-            dtype,
-            max_num_seqs,
-            self.max_model_len,
-            gpu_memory_utilization,
-        )
+        check_memory(config, tp, device, dtype, max_num_seqs, max_len, gpu_memory_utilization)
         check_engine_choices(device, cuda_graphs, load_format, async_scheduling)
         if load_format == "auto":
-            check_checkpoint(self.config, self.model_dir)
+            check_checkpoint(config, self.model_dir)
         self.tokenizer = load_tokenizer(tokenizer, self.model_dir)
         defaults = {"auto": self.model_dir, "vllm": None}.get(generation_config, generation_config)
-        self.processor = Processor(
-            self.config, self.model_dir, self.tokenizer, self.max_model_len, defaults, seed
-        )
+        self.processor = Processor(config, self.model_dir, self.tokenizer, max_len, defaults, seed)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.scheduler = Scheduler(
-            max_num_seqs,
-            self.max_model_len,
-            budget,
-            self.processor.end_of_sequence_ids(),
-        )
-        self.executor = executor_class(
-            self.config,
-            self.model_dir,
-            tp,
-            device,
-            dtype,
-            max_num_seqs,
-            self.max_model_len,
-            load_format,
-            cuda_graphs=cuda_graphs,
-        )
+        eos_token_ids = self.processor.end_of_sequence_ids()
+        self.scheduler = Scheduler(max_num_seqs, max_len, budget, eos_token_ids)
+        workers = (tp, device, dtype, max_num_seqs, max_len, load_format)  # what each one runs
+        self.executor = executor_class(config, self.model_dir, *workers, cuda_graphs=cuda_graphs)
         # The engine loop: one thread drives the scheduler and the executor; every caller talks to
         # it through queues.
         self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)
