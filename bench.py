@@ -12,6 +12,8 @@
     python bench.py --write-gguf bench.gguf       # the same model for llama.cpp (needs gguf)
     python bench.py --arrival-prompt-len 1024 --max-num-batched-tokens 256  # a long prompt arrives
     python bench.py --output-path 6000 --beside-prompts 1500  # text made per new token
+    python bench.py --chat-history-len 900 --model smollm2   # turn 2's TTFT, prefix caching on/off
+    python bench.py --capacity-len 500 --kv-cache-memory-bytes 1073741824  # requests held at once
     python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B, random weights
 
 The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: the same options and
@@ -62,6 +64,7 @@ from model import (
     TPGroup,
     checkpoint_shapes,
     init_dummy_weights,
+    kv_cache_shape,
     vocab_rows_per_rank,
     weight_bytes,
 )
@@ -406,6 +409,9 @@ class InProcessExecutor:
         max_model_len,
         load_format="auto",
         cuda_graphs=False,
+        *,
+        num_blocks,
+        block_size,
     ):
         if tp != 1:
             raise ValueError(f"--backend inprocess runs one rank: use --tp 1, not {tp}")
@@ -413,7 +419,9 @@ class InProcessExecutor:
         self.worker = Worker(0, 1)
         self.collective_rpc("init_device", args=(device, dtype, self.store.port, CORES))
         self.collective_rpc("load_model", args=(config, model_dir, max_model_len, load_format))
-        self.collective_rpc("init_kv_cache", args=(max_num_seqs, cuda_graphs))
+        self.collective_rpc(
+            "init_kv_cache", args=(num_blocks, block_size, max_num_seqs, cuda_graphs)
+        )
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         call = method if callable(method) else getattr(Worker, method)
@@ -501,6 +509,7 @@ class EngineBackend:
             cuda_graphs=args.cuda_graphs,
             async_scheduling=args.async_scheduling,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            **kv_cache_arguments(args),
         )
         self.prompts = prompts
         self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
@@ -516,6 +525,9 @@ class EngineBackend:
         )
 
     def generate(self) -> list[int]:
+        # The same prompts every iteration, as vLLM's benchmark: each computed whole, not found in
+        # the prefix cache, so that a prefill step is one.
+        self.llm.reset_prefix_cache()
         return [
             len(o.outputs[0].token_ids)
             for o in self.llm.generate(self.prompts, self.params, use_tqdm=False)
@@ -711,6 +723,15 @@ def bench_inputs(
     return model_dir, load_format, config, device, dtype, prompts
 
 
+def kv_cache_arguments(args) -> dict:
+    """The KV cache's LLM arguments, from their flags."""
+    return {
+        "block_size": args.block_size,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "enable_prefix_caching": args.enable_prefix_caching,
+    }
+
+
 def run_latency(args) -> dict:
     torch.set_num_threads(CORES)  # hf and inprocess compute here; the bandwidth too
     with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
@@ -820,6 +841,7 @@ def run_concurrency(args) -> dict:
             load_format=load_format,
             cuda_graphs=args.cuda_graphs,
             async_scheduling=args.async_scheduling,
+            **kv_cache_arguments(args),
         ) as llm:
             print(
                 f"tinytp, tp={args.tp}, {device}, {dtype}, {load_format} weights, "
@@ -827,9 +849,11 @@ def run_concurrency(args) -> dict:
                 f"{'async' if args.async_scheduling else 'sync'} scheduling"
             )
             stream_token_times(llm, prompts[0], params)  # warm-up
+            llm.reset_prefix_cache()  # each phase computes the prompts whole
             start = time.perf_counter()
             one_by_one = [stream_token_times(llm, prompt, params) for prompt in prompts]
             sequential = serving_figures(one_by_one, time.perf_counter() - start)
+            llm.reset_prefix_cache()
             start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(args.concurrency) as pool:
                 at_once = list(
@@ -1069,6 +1093,7 @@ def arrival_figures(
 ) -> dict:
     """The streams decode; once each has 8 tokens the arriving prompt is sent (for 1 token). The
     streams' figures."""
+    llm.reset_prefix_cache()  # the prompts computed whole every round: the budget is measured
     callers = [[] for _ in streams]
 
     def arrive() -> None:
@@ -1284,6 +1309,122 @@ def run_output_path(args) -> dict:
             "the median alone)"
         )
     return {"long_stream": long, "beside": beside, "beside_prompts": args.beside_prompts}
+
+
+# --------------------------------------------------------------------------------------
+# The KV cache: a chat's second turn with and without prefix caching; requests held at once
+# --------------------------------------------------------------------------------------
+
+
+def chat_turns(llm: tinytp.LLM, history_len: int) -> tuple[float, float, int]:
+    """A two-turn chat from an empty cache: a user message that makes a prompt of about
+    history_len tokens, a reply of 32 tokens (greedy), then a question on it. Each turn's time to
+    first token, and the tokens of turn 2 found in the prefix cache."""
+    llm.reset_prefix_cache()
+    sentence = "Tensor parallelism splits each weight matrix across devices. "
+    words = len(llm.tokenizer(sentence, add_special_tokens=False).input_ids)
+    conversation = [{"role": "user", "content": sentence * (history_len // words)}]
+    turn_1 = llm.chat_prompt(conversation)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    first = stream_token_times(llm, turn_1, params)
+    reply = llm.generate([turn_1], params, use_tqdm=False)[0].outputs[0].text
+    conversation += [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Say that in one sentence."},
+    ]
+    hits_before = metric(llm, "vllm:prefix_cache_hits")
+    second = stream_token_times(llm, llm.chat_prompt(conversation), params)
+    return (
+        first[1] - first[0],
+        second[1] - second[0],
+        metric(llm, "vllm:prefix_cache_hits") - hits_before,
+    )
+
+
+def metric(llm: tinytp.LLM, name: str) -> float:
+    return next(m.value for m in llm.get_metrics() if m.name == name)
+
+
+def run_chat(args) -> dict:
+    """--chat-history-len N: a two-turn chat on --model (its chat template), turn 2's time to
+    first token with prefix caching (the history's blocks found cached, only the new message
+    computed) and without (all of it computed again), in --rounds interleaved rounds."""
+    torch.set_num_threads(CORES)
+    rounds = {True: [], False: []}
+    with contextlib.ExitStack() as stack:
+        llms = {
+            caching: stack.enter_context(
+                tinytp.LLM(
+                    resolve_model(args.model),
+                    args.tp,
+                    args.device,
+                    args.dtype,
+                    max_model_len=args.chat_history_len + 256,
+                    block_size=args.block_size,
+                    enable_prefix_caching=caching,
+                )
+            )
+            for caching in (True, False)
+        }
+        for llm in llms.values():
+            chat_turns(llm, args.chat_history_len)  # warm-up
+        for _ in range(args.rounds):
+            for caching, llm in llms.items():
+                rounds[caching].append(chat_turns(llm, args.chat_history_len))
+    print(
+        f"{'':22}{'turn 1 TTFT':>13}{'turn 2 TTFT':>13}{'cached':>8}   (medians of {args.rounds})"
+    )
+    for caching, results in rounds.items():
+        turn_1, turn_2, cached = (statistics.median(r[i] for r in results) for i in range(3))
+        name = "prefix caching" if caching else "no prefix caching"
+        print(f"{name:22}{turn_1 * 1e3:10.1f} ms{turn_2 * 1e3:10.1f} ms{cached:8.0f}")
+    each = [off[1] / on[1] for on, off in zip(rounds[True], rounds[False])]
+    print(
+        f"turn 2 TTFT, without / with: {statistics.median(each):.1f}x (rounds: "
+        f"{', '.join(f'{r:.1f}' for r in each)})"
+    )
+    return {"rounds": {str(k): v for k, v in rounds.items()}, "ratios": each}
+
+
+def run_capacity(args) -> dict:
+    """--capacity-len N with --kv-cache-memory-bytes: how many requests of N tokens (a prompt of
+    N - 1, one token generated) the paged KV cache holds at once, measured: the requests its first
+    step admits, max_num_seqs and the budget out of the way; against how many contiguous slots of
+    max_model_len positions the same bytes are (the cache before paging)."""
+    torch.set_num_threads(CORES)
+    with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
+        model_dir, load_format, config, device, dtype, _ = bench_inputs(args, workdir, 0)
+        block_bytes = (
+            config.num_layers
+            * math.prod(kv_cache_shape(config, args.tp, 1, args.block_size))
+            * getattr(torch, dtype).itemsize
+        )
+        blocks = args.kv_cache_memory_bytes // block_bytes - 1  # less the null block
+        count = blocks // math.ceil(args.capacity_len / args.block_size) + 1  # one too many
+        prompts = (
+            np.random.default_rng(0)
+            .integers(config.vocab_size, size=(count, args.capacity_len - 1))
+            .tolist()
+        )
+        with tinytp.LLM(
+            model_dir,
+            args.tp,
+            device,
+            dtype,
+            max_num_seqs=count,
+            load_format=load_format,
+            max_num_batched_tokens=count * args.capacity_len,
+            **kv_cache_arguments(args),
+        ) as llm:
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            paged, max_model_len = llm.stats()["largest_batch"], llm.max_model_len
+    contiguous = args.kv_cache_memory_bytes // (max_model_len * block_bytes // args.block_size)
+    print(
+        f"{args.kv_cache_memory_bytes / 2**30:.2f} GiB of KV cache, {dtype}: {paged} requests of "
+        f"{args.capacity_len} tokens at once, paged in blocks of {args.block_size} (measured); "
+        f"{contiguous} in contiguous slots of max_model_len {max_model_len}"
+    )
+    return {"paged": paged, "contiguous": contiguous, "max_model_len": max_model_len}
 
 
 # --------------------------------------------------------------------------------------
@@ -1645,6 +1786,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="the tokens one step may run"
     )
+    tinytp.add_kv_cache_flags(parser)
+    parser.add_argument(
+        "--chat-history-len",
+        type=int,
+        default=None,
+        help="turn 2's time to first token after a history this long, with and without caching",
+    )
+    parser.add_argument(
+        "--capacity-len",
+        type=int,
+        default=None,
+        help="with --kv-cache-memory-bytes: how many requests this long the cache holds at once",
+    )
     parser.add_argument(
         "--model", default=None, help="checkpoint directory or hub id (default: a ~56M Llama)"
     )
@@ -1743,6 +1897,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(
             "--arrival-prompt-len needs a length of at least 1 and a --batch-size of at least 2"
         )
+    if args.chat_history_len is not None and not (args.model and args.chat_history_len > 0):
+        parser.error("--chat-history-len needs a length of at least 1 and --model (a chat model)")
+    if args.capacity_len is not None and not (args.capacity_len > 1 and args.kv_cache_memory_bytes):
+        parser.error("--capacity-len needs a length of at least 2 and --kv-cache-memory-bytes")
     if args.write_gguf and os.path.exists(args.write_gguf):
         parser.error(
             f"--write-gguf {args.write_gguf} exists already: remove it, or give another name"
@@ -1772,6 +1930,10 @@ def main(argv: list[str] | None = None) -> int:
             result = run_arrival(args)
         elif args.output_path:
             result = run_output_path(args)
+        elif args.chat_history_len:
+            result = run_chat(args)
+        elif args.capacity_len:
+            result = run_capacity(args)
         else:
             result = run_latency(args)
     except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as e:

@@ -185,21 +185,25 @@ class ModelInputs:
     """One step's tokens, packed (Worker.prepare_inputs): first one token of each of B requests (a
     decode), then each prompt chunk's tokens, N in all. The layers see them as the rows of one [N,
     hidden] matrix, and only attention asks which request a row is in: the B one-token rows in one
-    call, each chunk in a call of its own."""
+    call, each chunk in a call of its own. The KV cache is paged (vLLM's PagedAttention): a
+    request's keys and values live in blocks of block_size positions, wherever its block table
+    points."""
 
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N] the position of each token in its sequence
-    cache_rows: torch.Tensor  # [N] the KV-cache row of each token: slot x max_model_len + position
+    # [N] where each token's keys and values go, vLLM's slot_mapping: block x block_size + offset
+    slot_mapping: torch.Tensor
     num_decodes: int  # B
-    # [B] their slots, as a slice when contiguous (indexing copies nothing)
-    slot_index: slice | torch.Tensor
     context_len: int  # L, the cached positions their attention reads: the longest context of the B
+    # [B x L] the slot of each of their first L positions: their block tables (padded with block 0,
+    # vLLM's null block, to one width) spelled out position by position, for one gather a layer
+    context_slots: torch.Tensor
     # [B, 1, 1, L] True where a row may see a cached key; None where all would be
     attn_mask: torch.Tensor | None
-    # each chunk: slot, first position, tokens, and a mask
-    chunks: list[tuple[int, int, int, torch.Tensor | None]]
-    # [tokens, first position + tokens] of the keys each of its tokens sees (None from position 0:
-    # causal)
+    # each chunk: the slots of its positions up to its last, its first position, tokens, and a
+    # mask: [tokens, first position + tokens] of the keys each of its tokens sees (None from
+    # position 0: causal)
+    chunks: list[tuple[torch.Tensor, int, int, torch.Tensor | None]]
     # the rows sampled: each decode's, and each chunk's last where it ends its prompt
     last_index: torch.Tensor
 
@@ -287,20 +291,23 @@ class LlamaAttention(nn.Module):
         qk = qk * cos + qk.flip(2) * sin
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
 
-        # This step's keys and values into their slots' rows, then attention over each request's
-        # slot.
-        k_cache, v_cache = kv_cache  # each [slots, max_model_len, kv_heads, hd]
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, inputs.cache_rows, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, inputs.cache_rows, v)
+        # This step's keys and values into their slots (block x block_size + offset), then attention
+        # over each request's slots, gathered in the order of its block table (index_select: many
+        # times faster than indexing with a tensor on CPU).
+        # [2, num_blocks x block_size, kv_heads, the two halves of a head]
+        slots = kv_cache.view(2, -1, *k.shape[1:])
+        slots[0].index_copy_(0, inputs.slot_mapping, k)  # keys
+        slots[1].index_copy_(0, inputs.slot_mapping, v)  # values
         outputs = []
         if B:
             # One call for the B one-token rows, up to the longest context: grouped-query attention
             # as plain attention, the query heads that share a KV head going in as one longer query
             # (a view); the mask, if any, hides each row's later positions and whatever an earlier
-            # request left in the slot.
+            # request left in its last block (or the null block of a shorter table).
             keys, values = (
-                c[inputs.slot_index, : inputs.context_len].transpose(1, 2)
-                for c in (k_cache, v_cache)
+                slots.index_select(1, inputs.context_slots)
+                .view(2, B, inputs.context_len, self.num_kv_heads, hd)
+                .transpose(2, 3)
             )
             query = q[:B].reshape(B, self.num_kv_heads, q_per_kv, hd)
             # reshape, never view: no output layout is assumed (CUDA's memory-efficient kernel
@@ -311,14 +318,16 @@ class LlamaAttention(nn.Module):
                 ).reshape(B, -1)
             )
         row = B
-        for slot, start, length, mask in inputs.chunks:
+        for context_slots, start, length, mask in inputs.chunks:
             # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on CUDA,
             # only half-precision kernels, and a float32 prefill would fall to the unfused one.
             # Causal attention from position 0 needs no mask (an 8k-token prompt: the upper half
             # skipped).
             keys, values = (
-                c[slot, : start + length].transpose(0, 1).repeat_interleave(q_per_kv, dim=0)[None]
-                for c in (k_cache, v_cache)
+                slots.index_select(1, context_slots)
+                .flatten(3)
+                .transpose(1, 2)
+                .repeat_interleave(q_per_kv, dim=1)[:, None]
             )
             query = q[row : row + length].reshape(length, self.num_heads, hd).transpose(0, 1)[None]
             out = F.scaled_dot_product_attention(
@@ -475,12 +484,12 @@ def weight_bytes(config: ModelConfig, group: TPGroup, dtype: str) -> int:
 
 
 def kv_cache_shape(
-    config: ModelConfig, tp: int, max_num_seqs: int, max_model_len: int
+    config: ModelConfig, tp: int, num_blocks: int, block_size: int
 ) -> tuple[int, ...]:
-    """One layer's KV cache on a rank: keys and values, a slot per sequence, its positions, the
-    rank's KV heads (one at least: replicated where tp exceeds them), each head_dim wide.
-    Worker.init_kv_cache allocates it; LLM checks it fits."""
-    return 2, max_num_seqs, max_model_len, max(1, config.num_kv_heads // tp), config.head_dim
+    """One layer's KV cache on a rank, paged: keys and values, num_blocks blocks of block_size
+    positions, the rank's KV heads (one at least: replicated where tp exceeds them), each head_dim
+    wide. Worker.init_kv_cache allocates it; LLM checks it fits."""
+    return 2, num_blocks, block_size, max(1, config.num_kv_heads // tp), config.head_dim
 
 
 def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> dict[str, list[int]]:

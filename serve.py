@@ -1,8 +1,8 @@
-"""An OpenAI-compatible HTTP server on tinytp's engine, as `vllm serve` is on vLLM's: `python
-serve.py --model M`. A front end, standard library only: a request's prompts are one
+"""An OpenAI-compatible HTTP server on tinytp's engine, as `vllm serve` is on vLLM's.
+
+`python serve.py --model M`. A front end, standard library only: a request's prompts are one
 LLM.stream_outputs call (the engine hands them to the request's own queue: a slow client never
-holds it up), answered as one JSON body or as server-sent events. Endpoints, fields, what is
-refused and why: docs/api.md."""
+holds it up), answered in one JSON body or as server-sent events. What it refuses: docs/api.md."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from dataclasses import replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams
+import tinytp
+from tinytp import LLM, CompletionOutput, Counter, RequestOutput, SamplingParams
 
 MAX_BODY_BYTES = 16 << 20  # a larger request body is refused (413) without being read
 SOCKET_TIMEOUT = 60.0  # a client that neither sends nor reads for this long is dropped
@@ -66,6 +67,7 @@ ROUTES = {
     "/health": {"GET": ("health", None)},
     "/ping": {"GET": ("health", None), "POST": ("health", None)},  # vLLM's (SageMaker's) name
     "/version": {"GET": ("version", None)},
+    "/metrics": {"GET": ("metrics", None)},
 }
 GENERATED = '"%s": %d prompts, %d tokens out (engine: %d steps so far, at most %d requests in one)'
 
@@ -103,7 +105,9 @@ def counts(prompt: int, completion: int) -> dict:
 
 def usage(final: list[RequestOutput]) -> dict:
     prompt = sum(len(output.prompt_token_ids) for output in final)  # once, whatever n is
-    return counts(prompt, sum(len(c.token_ids) for output in final for c in output.outputs))
+    total = counts(prompt, sum(len(c.token_ids) for output in final for c in output.outputs))
+    cached = sum(output.num_cached_tokens or 0 for output in final)  # found in the prefix cache
+    return total | {"prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def choice(index: int, completion: CompletionOutput, chat: bool, piece: str | None = None) -> dict:
@@ -152,7 +156,7 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:  # a bug of ours, not the client's doing: a 500 and the traceback
             traceback.print_exc()
             if not self.streaming:
-                self.send_json(500, APIError(500, f"{type(e).__name__}: {e}").body())
+                self.send_body(500, APIError(500, f"{type(e).__name__}: {e}").body())
 
     def route(self) -> None:
         """The checks every request passes, in order; then its route's method, with its body."""
@@ -197,7 +201,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_event(error.body())
             self.send_event("[DONE]")
         else:
-            self.send_json(error.status, error.body())
+            self.send_body(error.status, error.body())
 
     def send_head(self, status: int, kind: str | None, length: int | None, headers=None) -> None:
         self.send_response(status)  # (length None: to the close)
@@ -207,9 +211,9 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_header(name, str(value))
         self.end_headers()
 
-    def send_json(self, status: int, obj: dict) -> None:
-        data = json.dumps(obj).encode()
-        self.send_head(status, "application/json", len(data))
+    def send_body(self, status: int, obj: dict | str, kind: str = "application/json") -> None:
+        data = (obj if isinstance(obj, str) else json.dumps(obj)).encode()  # (a str: as it is)
+        self.send_head(status, kind, len(data))
         self.wfile.write(data)
 
     def cors_headers(self) -> dict:
@@ -271,7 +275,7 @@ class Handler(BaseHTTPRequestHandler):
         about = {"object": "model", "created": int(time.time()), "owned_by": "tinytp"}
         about |= {"root": self.server.llm.model_dir, "max_model_len": self.server.llm.max_model_len}
         data = [{"id": name, **about} for name in self.server.names]
-        self.send_json(200, {"object": "list", "data": data})
+        self.send_body(200, {"object": "list", "data": data})
 
     def health(self, _) -> None:
         """/health, /ping: 200 or 503 naming why, from engine_fault: never queued behind a step."""
@@ -281,7 +285,15 @@ class Handler(BaseHTTPRequestHandler):
         self.send_head(200, "text/plain", 0)
 
     def version(self, _) -> None:
-        self.send_json(200, {"version": VERSION})
+        self.send_body(200, {"version": VERSION})
+
+    def metrics(self, _) -> None:
+        """vLLM's GET /metrics: LLM.get_metrics() as Prometheus text (a counter's: name_total)."""
+        text, labels = "", f'{{model_name="{self.server.names[0]}"}}'
+        for metric in self.server.llm.get_metrics():
+            kind, suffix = ("counter", "_total") if isinstance(metric, Counter) else ("gauge", "")
+            text += f"# TYPE {metric.name} {kind}\n{metric.name}{suffix}{labels} {metric.value}\n"
+        self.send_body(200, text, "text/plain; version=0.0.4")
 
     def completions(self, body: dict) -> None:
         # a string, a list of token ids, or a list of either (the engine checks each)
@@ -330,14 +342,14 @@ class Handler(BaseHTTPRequestHandler):
         ids = text.input_ids if text else self.chat_prompt(body)["prompt_token_ids"]
         strings = tokenizer.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
         answer = {"count": len(ids), "max_model_len": self.server.llm.max_model_len}
-        self.send_json(200, {**answer, "tokens": ids, "token_strs": strings})
+        self.send_body(200, {**answer, "tokens": ids, "token_strs": strings})
 
     def detokenize(self, body: dict) -> None:
         """vLLM's /detokenize: token ids to text, special tokens written out (as vLLM's)."""
         tokenizer, tokens, size = self.tokenizer(), body.get("tokens"), len(self.tokenizer())
         if not (isinstance(tokens, list) and all(type(t) is int and 0 <= t < size for t in tokens)):
             raise APIError(400, f"tokens must be a list of ids from 0 to {size - 1}", "tokens")
-        self.send_json(200, {"prompt": tokenizer.decode(tokens)})
+        self.send_body(200, {"prompt": tokenizer.decode(tokens)})
 
     def client_left(self) -> bool:
         """Whether the client closed its connection: readable, nothing to read, or reset."""
@@ -408,7 +420,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             pairs = [(i, c) for i, output in enumerate(final) for c in output.outputs]
             choices = [choice(i * params.n + c.index, c, chat) for i, c in pairs]
-            self.send_json(200, {**head, "choices": choices, "usage": usage(final)})
+            self.send_body(200, {**head, "choices": choices, "usage": usage(final)})
 
     def send_new_text(self, head: dict, outputs: list, sent: dict, n: int, chat: bool) -> None:
         """A chunk per choice whose text grew or that ended since the last."""
@@ -542,17 +554,11 @@ def names(text: str) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="serve.py", description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--model", help="checkpoint directory or hub id (default: a tiny random Llama)")
-    add("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="ranks")
+    tinytp.add_engine_flags(parser)  # --model, --tp and the rest, as tinytp.py's
     add("--host", default="127.0.0.1", help="0.0.0.0: every interface (give --api-key)")
     add("--port", type=int, default=8000, help="0: one the OS picks")
     add("--served-model-name", nargs="+", help="the model's name(s) in the API (default: --model)")
     add("--api-key", help="refuse requests without 'Authorization: Bearer API_KEY'")
-    add("--max-num-seqs", type=int, default=8)
-    add("--max-model-len", type=int, default=None)
-    add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    add("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
-    add("--async-scheduling", action="store_true", help="schedule a step while the last one runs")
     cors = {"type": names, "help": "CORS (docs/api.md): a JSON list, or names and commas"}
     add("--allowed-origins", default=LOOPBACK_ORIGINS, **cors)  # patterns, as http://localhost:*
     add("--allowed-methods", default=["*"], **cors)
@@ -574,10 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         reason = getattr(e, "strerror", None) or e
         print(f"tinytp: error: cannot listen at {args.host}:{args.port}: {reason}", file=sys.stderr)
         return 2
-    engine = {"tensor_parallel_size": args.tp, "device": args.device, "dtype": args.dtype}
-    engine |= {name: vars(args)[name] for name in ("max_num_seqs", "max_model_len")}
     try:
-        with LLM(args.model, **engine, async_scheduling=args.async_scheduling) as llm:
+        with LLM(args.model, **tinytp.engine_arguments(args)) as llm:
             return server.serve(llm)
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)

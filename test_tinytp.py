@@ -448,26 +448,28 @@ def test_parallel_layers_match_torch_nn(tmp_path):
 
 def worker_in_process(prompts: list[list[int]], decode_steps: int) -> Worker:
     """tp=1's worker for the tiny model, run here (init_device's part set by hand): a prefill
-    of `prompts`, one slot each, then `decode_steps` decode steps."""
+    of `prompts`, 4 blocks of 16 positions each, then `decode_steps` decode steps."""
     worker = Worker(0, world_size=1)
     worker.device, worker.dtype = torch.device("cpu"), torch.float32
     tiny = checkpoints.TINY_MODEL_DIR
     worker.load_model(read_config(f"{tiny}/config.json"), tiny, max_model_len=64)
-    worker.init_kv_cache(max_num_seqs=len(prompts))
-    slots = list(range(len(prompts)))
+    worker.init_kv_cache(1 + 4 * len(prompts), 16, max_num_seqs=len(prompts))
+    ids = list(range(len(prompts)))
     worker.execute_model(
         SchedulerOutput(
             [
-                NewRequest(i, p, i, SamplingParams(temperature=0), seed=0)
+                NewRequest(
+                    i, p, list(range(1 + 4 * i, 5 + 4 * i)), SamplingParams(temperature=0), 0
+                )
                 for i, p in enumerate(prompts)
             ],
-            slots,
+            ids,
             list(map(len, prompts)),
             [],
         )
     )
     for _ in range(decode_steps):
-        worker.execute_model(SchedulerOutput([], slots, [1] * len(slots), []))
+        worker.execute_model(SchedulerOutput([], ids, [1] * len(ids), []))
     return worker
 
 
@@ -763,7 +765,7 @@ def test_queue_flag_order_never_reads_a_half_written_chunk():
 
 
 # --------------------------------------------------------------------------------------
-# The scheduler, in this process: admission, slots, stop checks
+# The scheduler, in this process: admission, blocks, stop checks
 # --------------------------------------------------------------------------------------
 
 
@@ -778,14 +780,22 @@ def scheduler_with(
     max_model_len=64,
     eos_token_ids=(),
     max_num_batched_tokens=64,
+    num_blocks=None,
+    block_size=16,
     **params,
 ) -> tinytp.Scheduler:
-    """A Scheduler with one waiting request (ids 0, 1, ...) per prompt length, all with `params`."""
+    """A Scheduler with one waiting request (ids 0, 1, ...) per prompt length, all with `params`;
+    by default a KV cache of max_num_seqs x max_model_len tokens, and the null block."""
+    num_blocks = num_blocks or max_num_seqs * -(-max_model_len // block_size) + 1
     scheduler = tinytp.Scheduler(
-        max_num_seqs, max_model_len, max_num_batched_tokens, set(eos_token_ids)
+        max_num_seqs,
+        max_model_len,
+        max_num_batched_tokens,
+        set(eos_token_ids),
+        tinytp.KVCacheManager(num_blocks, block_size),
     )
     for i, length in enumerate(prompt_lengths):
-        scheduler.waiting.append(
+        scheduler.add_request(
             tinytp.Request(i, None, [1] * length, SamplingParams(**params), seed=0)
         )
     return scheduler
@@ -810,14 +820,14 @@ def answer(scheduler: tinytp.Scheduler, step: SchedulerOutput, tokens: list[int]
 
 
 @pytest.mark.quick
-def test_scheduler_admits_waiting_requests_into_free_slots():
-    scheduler = scheduler_with([3, 5, 2], max_num_seqs=2, max_tokens=4)
+def test_scheduler_admits_waiting_requests_up_to_max_num_seqs_each_with_its_blocks():
+    scheduler = scheduler_with([3, 5, 2], max_num_seqs=2, max_tokens=4, block_size=4)
     step, _ = run_step(scheduler)
-    assert [(new.request_id, new.slot, new.prompt_token_ids) for new in step.new_requests] == [
-        (0, 0, [1] * 3),
-        (1, 1, [1] * 5),
+    assert [(new.request_id, new.block_ids, new.prompt_token_ids) for new in step.new_requests] == [
+        (0, [1], [1] * 3),
+        (1, [2, 3], [1] * 5),
     ]
-    # no slot for it
+    # max_num_seqs are running
     assert step.scheduled_ids == [0, 1] and [r.request_id for r in scheduler.waiting] == [2]
     step, _ = run_step(scheduler)
     # a decode step of the running ones
@@ -825,14 +835,15 @@ def test_scheduler_admits_waiting_requests_into_free_slots():
 
 
 @pytest.mark.quick
-def test_a_freed_slot_goes_to_a_waiting_request_lowest_slot_first_and_the_workers_are_told():
-    scheduler = scheduler_with([2, 2, 2, 2, 2], max_num_seqs=3, max_tokens=3)
+def test_freed_blocks_go_to_waiting_requests_least_recently_freed_first_and_the_workers_are_told():
+    scheduler = scheduler_with([2, 2, 2, 2, 2], max_num_seqs=3, max_tokens=3, num_blocks=4)
     scheduler.waiting[0].params = scheduler.waiting[2].params = SamplingParams(max_tokens=1)
-    _, finished = run_step(scheduler)  # requests 0, 1, 2 in slots 0, 1, 2; 0 and 2 end at once
-    assert [r.request_id for r in finished] == [0, 2] and scheduler.free_slots == [0, 2]
+    _, finished = run_step(scheduler)  # requests 0, 1, 2 in blocks 1, 2, 3; 0 and 2 end at once
+    free = scheduler.kv_cache_manager.free_block_queue
+    assert [r.request_id for r in finished] == [0, 2] and list(free) == [1, 3]
     step, _ = run_step(scheduler)
-    assert [(new.request_id, new.slot) for new in step.new_requests] == [(3, 0), (4, 2)]
-    assert step.finished_ids == [0, 2]  # the freed slots, told with the next step
+    assert [(new.request_id, new.block_ids) for new in step.new_requests] == [(3, [1]), (4, [3])]
+    assert step.finished_ids == [0, 2]  # the workers forget them with the next step
     # 1 decodes meanwhile
     assert step.scheduled_ids == [1, 3, 4] and step.num_scheduled_tokens == [1, 2, 2]
     assert run_step(scheduler)[0].finished_ids == []  # told once
@@ -895,16 +906,19 @@ def test_a_request_ends_at_its_stop_condition(params, tokens, ended):
     completion = state.completion
     assert (count, completion.finish_reason, completion.stop_reason, completion.text) == ended
     assert completion.token_ids == tokens[:count]
-    assert scheduler.running == [] and scheduler.free_slots == [0, 1]
+    assert scheduler.running == [] and scheduler.kv_cache_manager.usage() == 0
 
 
 @pytest.mark.quick
-def test_abort_forgets_the_requests_frees_their_slots_and_tells_the_workers():
+def test_abort_forgets_the_requests_frees_their_blocks_and_tells_the_workers():
     scheduler = scheduler_with([2, 2, 2], max_num_seqs=2)
     run_step(scheduler)
     scheduler.abort_requests({0, 1, 2})
     assert (
-        scheduler.running == [] and not scheduler.waiting and sorted(scheduler.free_slots) == [0, 1]
+        scheduler.running == []
+        and not scheduler.waiting
+        and scheduler.kv_cache_manager.usage() == 0
+        and not scheduler.requests
     )
     assert scheduler.schedule() is None  # nothing to run: the workers are told with the next step
     scheduler.add_request(tinytp.Request(3, None, [1, 1], SamplingParams(), seed=0))
@@ -931,50 +945,108 @@ def test_with_a_step_in_flight_the_scheduler_counts_its_tokens_and_drops_those_a
     assert scheduler.running == [] and scheduler.schedule() is None
 
 
-@pytest.mark.quick
-def test_slot_timeline_of_5_prompts_on_2_slots():
-    """Continuous batching with a token budget, drawn (README, "Slots over time"; -s prints it): the
-    real Scheduler with 2 KV slots and a budget of 4 tokens a step, 5 prompts A-E of 3, 5, 2, 4 and
-    1 tokens asking for 3, 1, 2, 4 and 2 tokens, each step answered with token 0. A cell is the
-    request in that slot and the positions whose keys and values the step writes. Decodes go first,
-    prompts take what the budget leaves (B's and D's in chunks); a finished request frees its slot
-    at once, and a waiting one takes it in the next step."""
-    scheduler = tinytp.Scheduler(
-        max_num_seqs=2,
-        max_model_len=64,
-        max_num_batched_tokens=4,
-        eos_token_ids=set(),
-    )
-    names = "ABCDE"
-    for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
-        scheduler.waiting.append(
-            tinytp.Request(i, None, [1] * length, SamplingParams(max_tokens=max_tokens), seed=0)
-        )
-    lines = [f"{'step':>4}  {'tokens':<8}{'slot 0':<12}{'slot 1':<12}finished"]
+def cell(scheduler: tinytp.Scheduler, name: str, request_id: int, count: int) -> str:
+    """A request in a step: its name, the positions whose keys and values the step writes, its
+    block table."""
+    first = scheduler.requests[request_id].num_computed_tokens - count
+    blocks = scheduler.kv_cache_manager.req_to_blocks[request_id]
+    positions = f"{first}..{first + count - 1}" if count > 1 else str(first)
+    return f"{name} {positions} [{' '.join(str(block.block_id) for block in blocks)}]"
+
+
+def timeline(scheduler: tinytp.Scheduler, names: str, columns: int) -> list[str]:
+    """Run the scheduler to its end, each step answered with token 0: a line per step, its tokens,
+    a cell per running request in the order they came, and the requests it finished."""
+    lines = []
     while scheduler.waiting or scheduler.running:
         step = scheduler.schedule()
-        cells = ["free", "free"]
-        for request_id, count in zip(step.scheduled_ids, step.num_scheduled_tokens):
-            request = next(r for r in scheduler.running if r.request_id == request_id)
-            first = request.num_computed_tokens - count
-            cells[request.slot] = f"{names[request_id]} {first}" + (
-                f"..{first + count - 1}" if count > 1 else ""
-            )
+        cells = [
+            cell(scheduler, names[request_id], request_id, count)
+            for request_id, count in zip(step.scheduled_ids, step.num_scheduled_tokens)
+        ]
         _, finished = answer(scheduler, step)
+        cells += [""] * (columns - len(cells))
         lines.append(
-            f"{len(lines):>4}  {sum(step.num_scheduled_tokens):<8}{cells[0]:<12}{cells[1]:<12}"
+            f"{len(lines) + 1:>4}  {sum(step.num_scheduled_tokens):<6}"
+            + "".join(f"{cell:<15}" for cell in cells)
             + " ".join(names[r.request_id] for r in finished)
         )
-    print("\n" + "\n".join(lines))
-    assert [line.rstrip() for line in lines[1:]] == [
-        "   1  4       A 0..2      B 0",
-        "   2  4       A 3         B 1..3",
-        "   3  2       A 4         B 4         A B",
-        "   4  4       C 0..1      D 0..1",
-        "   5  3       C 2         D 2..3      C",
-        "   6  2       E 0         D 4",
-        "   7  2       E 1         D 5         E",
-        "   8  1       free        D 6         D",
+    return [line.rstrip() for line in lines]
+
+
+@pytest.mark.quick
+def test_block_timeline_of_5_prompts_2_at_a_time():
+    """Continuous batching with a token budget over a paged KV cache, drawn (README, "Blocks over
+    time"; -s prints it): the real Scheduler with max_num_seqs 2, blocks of 2 positions and a
+    budget of 4 tokens a step, 5 prompts A-E of 3, 5, 2, 4 and 1 tokens asking for 3, 1, 2, 4 and 2
+    tokens. A cell: a request, the positions the step writes, its block table. Decodes go first,
+    prompts take what the budget leaves (B's and D's in chunks); a request takes a block when its
+    next position needs one, and a finished one frees its blocks at once, taken again once the
+    never-used ones are gone (least recently freed first)."""
+    scheduler = scheduler_with(
+        [], max_num_seqs=2, max_num_batched_tokens=4, num_blocks=8, block_size=2
+    )
+    for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
+        prompt = [i + 1] * length  # no block of one is another's: none is found cached
+        scheduler.add_request(
+            tinytp.Request(i, None, prompt, SamplingParams(max_tokens=max_tokens), seed=0)
+        )
+    lines = timeline(scheduler, "ABCDE", 2)
+    print("\n".join(["", "step  tokens", *lines]))
+    assert lines == [
+        "   1  4     A 0..2 [1 2]   B 0 [3]",
+        "   2  4     A 3 [1 2]      B 1..3 [3 4]",
+        "   3  2     A 4 [1 2 5]    B 4 [3 4 6]    A B",
+        "   4  4     C 0..1 [7]     D 0..1 [5]",
+        "   5  3     C 2 [7 2]      D 2..3 [5 1]   C",
+        "   6  2     D 4 [5 1 6]    E 0 [4]",
+        "   7  2     D 5 [5 1 6]    E 1 [4]        E",
+        "   8  1     D 6 [5 1 6 3]                 D",
+    ]
+
+
+@pytest.mark.quick
+def test_prefix_cache_timeline_hashes_hits_and_evicts_blocks():
+    """Automatic prefix caching, drawn (README, "Prefix caching over time"; -s prints it): blocks
+    of 2 tokens (letters: 0 is "a"), 5 blocks besides the null one, each step answered with "a".
+    A's full blocks are cached as they are scheduled, "ea" once its decode fills it; A done, its
+    blocks stay cached in the free queue; B, arriving, finds "ab" and "cd" and computes from
+    position 4; C's 3 blocks take the never-used one, then the least recently freed, "ea",
+    evicting it."""
+    scheduler = scheduler_with([], max_num_seqs=1, num_blocks=6, block_size=2)
+    kv, text, lines = scheduler.kv_cache_manager, {}, []  # text: each cached block's, by hash
+    for number, (name, prompt, max_tokens) in enumerate(
+        [("A", "abcde", 2), (None,) * 3, ("B", "abcdx", 1), ("C", "zyxwvu", 1)], start=1
+    ):
+        if name:  # arrives
+            ids = [ord(letter) - ord("a") for letter in prompt]
+            params = SamplingParams(max_tokens=max_tokens)
+            scheduler.add_request(tinytp.Request("ABC".index(name), None, ids, params, seed=0))
+        cached_before = dict(kv.cached_block_hash_to_block)
+        step = scheduler.schedule()
+        request_id, count = step.scheduled_ids[0], step.num_scheduled_tokens[0]
+        request = scheduler.requests[request_id]
+        tokens = letters(request.prompt_token_ids + request.output_token_ids)
+        for i, block in enumerate(kv.req_to_blocks[request_id]):
+            text[block.block_hash] = tokens[2 * i : 2 * i + 2]
+        events = [f"hits {request.num_cached_tokens} tokens"] * bool(
+            step.new_requests and request.num_cached_tokens
+        )
+        for verb, gone, kept in [
+            ("evicts", cached_before, kv.cached_block_hash_to_block),
+            ("caches", kv.cached_block_hash_to_block, cached_before),
+        ]:
+            blocks = [f"{text[h]}:{block.block_id}" for h, block in gone.items() if h not in kept]
+            events += [f"{verb} {' '.join(blocks)}"] * bool(blocks)
+        line = f"{number:>4}  {count:<6}{cell(scheduler, 'ABC'[request_id], request_id, count):<17}"
+        _, finished = answer(scheduler, step)
+        lines.append(line + "; ".join(events + ["ends"] * bool(finished)))
+    print("\n".join(["", "step  tokens", *lines]))
+    assert lines == [
+        "   1  5     A 0..4 [1 2 3]   caches ab:1 cd:2",
+        "   2  1     A 5 [1 2 3]      caches ea:3; ends",
+        "   3  1     B 4 [1 2 4]      hits 4 tokens; ends",
+        "   4  6     C 0..5 [5 3 4]   evicts ea:3; caches zy:5 xw:3 vu:4; ends",
     ]
 
 
@@ -1101,8 +1173,10 @@ class TestStaticDecode:
             llm.collective_rpc(record_step_shapes)
             normal = llm.generate(self.PROMPTS, self.PARAMS)
             normal_shapes = llm.collective_rpc(step_shapes)[0]
-            # the same slots, decoded at one shape
-            llm.collective_rpc("init_kv_cache", args=(3, True))
+            # the same requests, decoded at one shape (a fresh cache: the cached blocks forgotten)
+            kv = llm.scheduler.kv_cache_manager
+            llm.collective_rpc("init_kv_cache", args=(kv.num_blocks, kv.block_size, 3, True))
+            assert llm.reset_prefix_cache()
             llm.collective_rpc(record_step_shapes)
             static = llm.generate(self.PROMPTS, self.PARAMS)
             return normal, static, normal_shapes, llm.collective_rpc(step_shapes)
@@ -1292,8 +1366,8 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint):
             # what init_device sets
             worker.device, worker.dtype = torch.device("cpu"), torch.float32
             worker.load_model(read_config(f"{path}/config.json"), path, max_model_len=64)
-            worker.init_kv_cache(max_num_seqs=1)
-            new = [NewRequest(0, prompt, 0, SamplingParams(temperature=0), seed=0)]
+            worker.init_kv_cache(num_blocks=5, block_size=16, max_num_seqs=1)
+            new = [NewRequest(0, prompt, [1, 2, 3, 4], SamplingParams(temperature=0), seed=0)]
             step = SchedulerOutput(new, [0], [len(prompt)], [])
             for _ in range(8):  # the prefill, then decode steps
                 worker.execute_model(step)
@@ -2402,7 +2476,7 @@ def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
 
     def draws(seed: int, **params) -> list[int]:
         request = CachedRequest(
-            [256], 0, 0, SamplingParams(**params), torch.Generator().manual_seed(seed)
+            [256], 0, [], SamplingParams(**params), torch.Generator().manual_seed(seed)
         )
         return [worker.sample(logits[None], [request])[0] for _ in range(300)]
 
@@ -3202,11 +3276,11 @@ def test_fifty_short_callers_on_four_slots_all_finish_and_nothing_is_left(mha_ch
     solo = {i: llm.generate([[256, i]], params)[0].outputs[0].token_ids for i in range(50)}
     outputs = run_in_threads(lambda i: llm.generate([[256, i]], params)[0].outputs[0].token_ids, 50)
     assert dict(enumerate(outputs)) == solo
-    assert llm.stats()["largest_batch"] == 4  # the slots, all used, and never more
+    assert llm.stats()["largest_batch"] == 4  # max_num_seqs, all used, and never more
     assert (
         not llm.scheduler.running
         and not llm.scheduler.waiting
-        and sorted(llm.scheduler.free_slots) == [0, 1, 2, 3]
+        and llm.scheduler.kv_cache_manager.usage() == 0
     )
     llm.shutdown()
     assert not llm.engine_client.thread.is_alive() and threading.active_count() == threads_before
@@ -3384,7 +3458,7 @@ def test_every_step_keeps_to_the_budget_and_decodes_come_first():
         (
             {"max_num_batched_tokens": 3, "max_num_seqs": 4},
             r"^max_num_batched_tokens must be an integer >= max_num_seqs \(4\), so that every "
-            r"slot's token fits a step; "
+            r"running request's token fits a step; "
             r"got 3$",
         ),
         (
@@ -3451,6 +3525,7 @@ def test_greedy_tokens_equal_transformers_at_any_budget(gqa_one_kv_head_checkpoi
         for budget in (4, 7, 64, 4096):
             # (between calls: the engine loop is idle)
             llm.scheduler.max_num_batched_tokens = budget
+            assert llm.reset_prefix_cache()  # every budget computes the prompts whole
             llm.collective_rpc(record_steps)
             check_greedy_against_hf(llm, hf_model, max_tokens=12)
             steps = llm.collective_rpc(recorded_steps)[0]
@@ -3542,6 +3617,265 @@ def test_a_prompt_of_max_model_len_minus_1_and_decodes_at_the_end_of_their_slots
         assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids)
     assert max(position for _, _, position in steps) == 30  # the last token's keys are never needed
     assert any(decodes and chunks for decodes, chunks, _ in steps) == (budget == 7)
+
+
+# --------------------------------------------------------------------------------------
+# The paged KV cache: blocks, prefix caching, preemption
+# --------------------------------------------------------------------------------------
+
+
+def block_bytes(path, block_size=16, tp=1) -> int:
+    """The bytes of one KV-cache block on a rank (float32), every layer's keys and values."""
+    config = read_config(os.path.join(path, "config.json"))
+    layer = math.prod(model_code.kv_cache_shape(config, tp, 1, block_size))
+    return config.num_layers * layer * 4
+
+
+def metrics(llm: LLM) -> dict:
+    return {metric.name: metric.value for metric in llm.get_metrics()}
+
+
+@pytest.mark.quick
+def test_the_hash_chain_finds_a_block_only_after_the_same_tokens_before_it():
+    """README, exercise 11: blocks of 2, A = "ab cd e" computed and freed. A prompt whose first
+    block holds A's second block's tokens ("cd") must miss: those keys were computed at positions 2
+    and 3, after "ab". One that begins as A does finds both full blocks, and one that is all of A's
+    full blocks finds only the first: its last token is always computed."""
+    kv = tinytp.KVCacheManager(num_blocks=8, block_size=2)
+
+    def request(request_id: int, tokens: str) -> tinytp.Request:
+        ids = [ord(letter) - ord("a") for letter in tokens]
+        return tinytp.Request(request_id, None, ids, SamplingParams(), seed=0)
+
+    a = request(0, "abcde")
+    assert kv.get_computed_blocks(a) == [] and kv.allocate_slots(a, 5) == [1, 2, 3]
+    kv.free(a)
+    hits = {
+        tokens: [block.block_id for block in kv.get_computed_blocks(request(1, tokens))]
+        for tokens in ("cdxy", "abcdx", "abcd", "abxy")
+    }
+    assert hits == {"cdxy": [], "abcdx": [1, 2], "abcd": [1], "abxy": [1]}
+
+
+@pytest.mark.quick
+def test_a_freed_cached_block_is_hit_until_evicted_and_usage_counts_held_blocks():
+    kv = tinytp.KVCacheManager(num_blocks=4, block_size=2)
+    a = tinytp.Request(0, None, [1, 2, 3], SamplingParams(), seed=0)
+    kv.allocate_slots(a, 3)
+    assert kv.usage() == pytest.approx(2 / 3)
+    kv.free(a)
+    # its last block first: "3" (partial, never cached), then "1 2"
+    assert kv.usage() == 0 and list(kv.free_block_queue) == [3, 2, 1]
+    b = tinytp.Request(1, None, [1, 2, 9], SamplingParams(), seed=0)
+    hit = kv.get_computed_blocks(b)
+    assert [block.block_id for block in hit] == [1] and kv.allocate_slots(b, 1, hit) == [1, 3]
+    c = tinytp.Request(2, None, [5, 6, 7, 8, 9], SamplingParams(), seed=0)
+    assert kv.allocate_slots(c, 5) is None  # 3 blocks needed, 1 free: nothing taken
+    assert kv.allocate_slots(c, 2) == [2]  # the last free block: "1 2"'s twin, never cached
+    kv.free(b)
+    assert not kv.reset_prefix_cache()  # c holds a block
+    kv.free(c)
+    assert kv.reset_prefix_cache() and kv.get_computed_blocks(b) == []
+
+
+@pytest.mark.quick
+def test_the_newest_running_request_is_preempted_to_the_front_and_resumes_its_tokens():
+    """5 usable blocks of 4: two prompts of 6 decode until both need a third block; the newer one
+    frees its blocks and waits at the front of the queue, the older one goes on (and takes, at
+    position 12, the freed block the newer one's second block was cached in). Once it ends, the
+    preempted one comes back with its prompt and its tokens so far to compute again, from its
+    cached first block on."""
+    scheduler = scheduler_with([], max_num_seqs=2, num_blocks=6, block_size=4, max_model_len=20)
+    for i, (token, max_tokens) in enumerate([(1, 10), (2, 10), (3, 1)]):
+        params = SamplingParams(max_tokens=max_tokens)
+        scheduler.add_request(tinytp.Request(i, None, [token] * (6 - 3 * (i == 2)), params, seed=0))
+    first, older, newer = run_step(scheduler)[0], *scheduler.running
+    assert first.scheduled_ids == [0, 1] and [r.request_id for r in scheduler.waiting] == [2]
+    run_step(scheduler)
+    run_step(scheduler)  # positions 6, then 7: both fill their second block
+    step, _ = run_step(scheduler)  # position 8: a third block each, and 1 free
+    assert step.scheduled_ids == [0] and step.new_block_ids == {0: [5]}
+    assert [r.request_id for r in scheduler.waiting] == [1, 2] and scheduler.num_preemptions == 1
+    assert newer.num_computed_tokens == 0 and len(newer.output_token_ids) == 3
+    while older in scheduler.running:
+        step, _ = run_step(scheduler)
+    step = scheduler.schedule()
+    resumed, _ = step.new_requests  # and request 2 behind it
+    assert (resumed.request_id, resumed.num_computed_tokens) == (1, 4)  # its first block, cached
+    assert step.num_scheduled_tokens[0] == 6 + 3 - 4  # the rest of its prompt, and its 3 tokens
+
+
+@pytest.mark.quick
+def test_a_token_in_flight_for_a_request_preempted_meanwhile_still_comes_to_it():
+    """Async scheduling: the preempted request's step was sent; the workers sampled its token (and
+    drew from its generator), so the driver keeps it too."""
+    scheduler = scheduler_with([4, 4], max_tokens=8, num_blocks=4, block_size=4, max_model_len=12)
+    first = scheduler.schedule()  # both prompts fill a block each: 1 free
+    second = scheduler.schedule()  # both need a second block: request 1 preempted
+    assert second.scheduled_ids == [0] and scheduler.num_preemptions == 1
+    newer = scheduler.requests[1]
+    scheduler.update(first, ModelRunnerOutput([5, 6], 0.0))
+    assert newer.output_token_ids == [6] and newer.num_in_flight == 0 and newer in scheduler.waiting
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"block_size": 0},
+            r"^block_size=0 is not supported: it must be an integer >= 1 \(vLLM's default: 16\)$",
+        ),
+        (
+            {"kv_cache_memory_bytes": 0},
+            "^kv_cache_memory_bytes=0 is not supported: it must be None or an integer >= 1$",
+        ),
+        (
+            {"enable_prefix_caching": "yes"},
+            "^enable_prefix_caching='yes' is not supported: it must be True or False$",
+        ),
+        (
+            {"kv_cache_memory_bytes": 10**5, "max_model_len": 256},
+            r"^kv_cache_memory_bytes=100000 holds 6 blocks of 16 tokens \(16384 bytes each, in "
+            r"float32; block 0 is reserved\), too few for one request of max_model_len=256: give "
+            r"at least 278528, or a smaller max_model_len$",
+        ),
+    ],
+)
+def test_kv_cache_arguments_vllm_would_refuse_are_one_line_before_any_worker(
+    mha_checkpoint, kwargs, message
+):
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=message):
+            LLM(mha_checkpoint[0], device="cpu", dtype="float32", **kwargs)
+
+
+def test_the_cli_refuses_a_cache_smaller_than_one_request_in_one_line(mha_checkpoint, capsys):
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        flags = ["--kv-cache-memory-bytes", "50000", "--max-model-len", "64", "--dtype", "float32"]
+        assert tinytp.main(["--model", mha_checkpoint[0], "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "too few for one request of max_model_len=64" in err
+
+
+@pytest.mark.parametrize(
+    "tp, block_size", [(1, 5), (2, 16), (2, 5), (4, 5)], ids=["tp1-5", "tp2-16", "tp2-5", "tp4-5"]
+)
+def test_greedy_tokens_equal_transformers_in_blocks_of_16_and_5_chunked_and_from_the_cache(
+    gqa_one_kv_head_checkpoint, tp, block_size
+):
+    """4 query heads on 1 KV head (tp 2 and 4: more ranks than KV heads), prompts of 2 to 31
+    tokens and 12 more each, across block boundaries, at a budget of 7 (chunks beside decodes) and
+    unchunked; the second time round the prompts' full blocks come from the prefix cache."""
+    path, hf_model = gqa_one_kv_head_checkpoint
+    with LLM(
+        path,
+        tensor_parallel_size=tp,
+        device="cpu",
+        max_num_seqs=4,
+        max_model_len=64,
+        block_size=block_size,
+        max_num_batched_tokens=7,
+    ) as llm:
+        check_greedy_against_hf(llm, hf_model)
+        llm.scheduler.max_num_batched_tokens = 4096  # (between calls: the engine loop is idle)
+        outputs = check_greedy_against_hf(llm, hf_model)
+        full_blocks = [(len(p) - 1) // block_size * block_size for p in PROMPTS]
+        assert [o.num_cached_tokens for o in outputs] == full_blocks
+        assert metrics(llm)["vllm:prefix_cache_hits"] == sum(full_blocks)
+
+
+def test_a_prompt_that_shares_a_200_token_prefix_has_192_cached_tokens_and_the_same_tokens(
+    mha_checkpoint,
+):
+    """Blocks of 16: a second prompt after the same 200 tokens finds 12 full blocks cached (192
+    tokens) and computes the rest; its tokens, and a seeded n=2 request's, are those of an LLM
+    without prefix caching, and transformers'. A prompt that begins with the first prompt's
+    second block finds nothing (the hash chain)."""
+    path, hf_model = mha_checkpoint
+    prefix = [256] + [(7 * i) % 256 for i in range(199)]
+    first, second = prefix + [1, 2, 3], prefix + [9, 8, 7, 6]
+    shifted = prefix[16:32] + [5] * 20
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    seeded = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for caching in (True, False):
+        with LLM(path, device="cpu", max_model_len=256, enable_prefix_caching=caching) as llm:
+            outputs = [llm.generate([p], greedy)[0] for p in (first, second, shifted)]
+            samples = llm.generate([second], seeded)[0]
+            runs[caching] = outputs, samples, metrics(llm)
+    (outputs, samples, counts), (uncached, uncached_samples, no_counts) = runs[True], runs[False]
+    assert [o.num_cached_tokens for o in outputs] == [
+        0,
+        192,
+        0,
+    ] and samples.num_cached_tokens == 192
+    assert [o.num_cached_tokens for o in uncached] == [0, 0, 0]
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in uncached]
+    for prompt, output in zip((first, second, shifted), outputs):
+        assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids)
+    seeded_tokens = [sample.token_ids for sample in samples.outputs]
+    assert seeded_tokens == [sample.token_ids for sample in uncached_samples.outputs]
+    assert seeded_tokens[0] != seeded_tokens[1]
+    queried = len(first) + len(second) + len(shifted) + 2 * len(second)
+    assert (counts["vllm:prefix_cache_queries"], counts["vllm:prefix_cache_hits"]) == (
+        queried,
+        192 + 2 * 192,  # the second prompt, then both samples of it
+    )
+    assert no_counts["vllm:prefix_cache_queries"] == no_counts["vllm:prefix_cache_hits"] == 0
+
+
+def test_a_cache_of_4_contiguous_slots_serves_32_short_requests_16_or_more_at_once(mha_checkpoint):
+    """The KV cache that 4 slots of max_model_len 256 took (64 blocks of 16, and the null block)
+    holds 32 requests of under 16 tokens at once: paged, each holds one block."""
+    path, hf_model = mha_checkpoint
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(
+        path,
+        device="cpu",
+        max_num_seqs=32,
+        max_model_len=256,
+        kv_cache_memory_bytes=(4 * 256 // 16 + 1) * block_bytes(path),
+    ) as llm:
+        assert llm.scheduler.kv_cache_manager.num_blocks == 65
+        outputs = run_in_threads(lambda i: llm.generate([[256, i, i + 1]], params)[0], 32)
+        counts = metrics(llm)
+    for i, output in enumerate(outputs):
+        assert_tokens_match_hf(hf_model, [256, i, i + 1], output.outputs[0].token_ids)
+    assert llm.stats()["largest_batch"] >= 16 and counts["vllm:num_preemptions"] == 0
+    assert counts["vllm:kv_cache_usage_perc"] == 0 and counts["vllm:num_requests_running"] == 0
+    assert not shm_entries()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_cache_too_small_for_6_long_requests_preempts_and_each_output_is_its_solo_run(
+    mha_checkpoint, async_scheduling
+):
+    """6 requests of 20 + 60 tokens (5 blocks of 16 each) on 12 blocks: the newest running ones
+    are preempted, again and again, and recomputed; greedy and seeded, each output is the one it
+    gets alone."""
+    path, _ = mha_checkpoint
+    prompts = [[256] + [(11 * i + j) % 256 for j in range(19)] for i in range(6)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        if i % 2
+        else SamplingParams(temperature=1.0, seed=i, max_tokens=60, ignore_eos=True)
+        for i in range(6)
+    ]
+    with LLM(
+        path,
+        device="cpu",
+        max_num_seqs=6,
+        max_model_len=128,
+        kv_cache_memory_bytes=13 * block_bytes(path),
+        async_scheduling=async_scheduling,
+    ) as llm:
+        solo = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+        assert metrics(llm)["vllm:num_preemptions"] == 0
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        counts = metrics(llm)
+    assert counts["vllm:num_preemptions"] > 0 and together == solo
+    assert counts["vllm:num_requests_waiting"] == 0 and counts["vllm:kv_cache_usage_perc"] == 0
 
 
 def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(mha_checkpoint):
@@ -3996,7 +4330,9 @@ def test_ci_gpu_graphs_check_finds_a_rerun_equal_and_a_stale_mask_at_its_first_s
         runs = []
         for stale in (False, False, True):
             # a fresh cache, decoded at the fixed shape
-            llm.collective_rpc("init_kv_cache", args=(2, True))
+            kv = llm.scheduler.kv_cache_manager
+            llm.collective_rpc("init_kv_cache", args=(kv.num_blocks, kv.block_size, 2, True))
+            assert llm.reset_prefix_cache()
             if stale:
                 llm.collective_rpc(stale_fixed_shape_mask)
             runs.append(ci_gpu.timed_then_recorded(llm, prompts, params))
@@ -4831,7 +5167,7 @@ def test_a_temperature_below_vllms_floor_is_raised_to_it_as_vllm_does(capsys):
     )
     logits = torch.tensor([[0.0, 3.0, 1.0]])
     request = CachedRequest(
-        [256], 0, 0, SamplingParams(temperature=1e-39), torch.Generator().manual_seed(0)
+        [256], 0, [], SamplingParams(temperature=1e-39), torch.Generator().manual_seed(0)
     )
     # no NaN: the likeliest, by far
     assert Worker(rank=0, world_size=1).sample(logits, [request]) == [1]
@@ -5067,14 +5403,15 @@ def test_llm_takes_vllms_arguments_that_mean_something_here_and_refuses_the_rest
         "model, tensor_parallel_size, device, dtype, max_num_seqs, max_model_len, load_format, "
         "distributed_executor_backend, cuda_graphs, async_scheduling, tokenizer, seed, "
         "generation_config, enforce_eager, "
-        "trust_remote_code, gpu_memory_utilization, max_num_batched_tokens"
+        "trust_remote_code, gpu_memory_utilization, max_num_batched_tokens, block_size, "
+        "kv_cache_memory_bytes, enable_prefix_caching"
     )
     with pytest.raises(
         ValueError,
-        match=rf"^LLM\(enable_prefix_caching=\.\.\.\): tinytp does not support "
-        rf"enable_prefix_caching; it takes {takes}$",
+        match=rf"^LLM\(quantization=\.\.\.\): tinytp does not support "
+        rf"quantization; it takes {takes}$",
     ):
-        LLM(path, enable_prefix_caching=True)
+        LLM(path, quantization="fp8")
     for kwargs, message in [
         ({"trust_remote_code": True}, "it must be False: tinytp never runs a checkpoint's own"),
         ({"enforce_eager": True, "cuda_graphs": True}, "True only without cuda_graphs"),
@@ -5135,7 +5472,8 @@ def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp
         return 2 * (
             model_code.weight_bytes(config, TPGroup(0, 2), dtype)
             + 2
-            * math.prod(model_code.kv_cache_shape(config, 2, 8, 64))
+            # 8 requests of 64 tokens, in blocks of 16, and the null block
+            * math.prod(model_code.kv_cache_shape(config, 2, 8 * 4 + 1, 16))
             * getattr(torch, dtype).itemsize
         )
 
@@ -6321,3 +6659,33 @@ def test_server_cuts_a_slow_sender_with_a_408_refuses_past_its_cap_and_checks_ho
         assert server.host_allowed(host) == allowed, host
     server.loopback = False  # as with --host 0.0.0.0: every name is the client's business
     assert server.host_allowed("evil.example")
+
+
+def test_server_reports_cached_prompt_tokens_and_vllms_metrics(tiny_server):
+    """The paged KV cache on the server: usage.prompt_tokens_details.cached_tokens (OpenAI's) from
+    RequestOutput.num_cached_tokens, and GET /metrics in Prometheus' text format, vLLM's names."""
+
+    def complete(prompt: str) -> dict:
+        body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+        return json.loads(raw_http(tiny_server.port, post("/v1/completions", body))[2])["usage"]
+
+    prompt = "metrics: the same 40 bytes, asked twice."  # 41 tokens with BOS: 2 full blocks of 16
+    first, second = complete(prompt), complete(prompt)
+    assert first["prompt_tokens"] == second["prompt_tokens"] == 41
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["prompt_tokens_details"] == {"cached_tokens": 32}
+    line, headers, text = raw_http(tiny_server.port, b"GET /metrics HTTP/1.1\r\n\r\n")
+    assert line.startswith("HTTP/1.0 200") and headers["content-type"].startswith("text/plain")
+    samples = dict(re.findall(r"^(vllm:\w+)\{model_name=\"[^\"]+\"\} (\S+)$", text, re.MULTILINE))
+    types = dict(re.findall(r"^# TYPE (vllm:\w+) (\w+)$", text, re.MULTILINE))
+    assert types == {
+        "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter",
+        "vllm:num_preemptions": "counter",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+    }
+    assert set(samples) == {name + "_total" * (kind == "counter") for name, kind in types.items()}
+    assert float(samples["vllm:prefix_cache_hits_total"]) >= 32
+    assert float(samples["vllm:prefix_cache_queries_total"]) >= 82

@@ -15,7 +15,7 @@ import concurrent.futures
 import contextlib
 import functools
 import gc
-import heapq
+import hashlib
 import inspect
 import itertools
 import math
@@ -28,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
@@ -104,7 +104,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # the n samples, in index order
     finished: bool = True
     # vLLM's other fields, as vLLM leaves them when they were not asked for: tinytp has none of
-    # these.
+    # these, but num_cached_tokens (its prompt tokens the prefix cache held, in the first sample).
     prompt_logprobs: list | None = None
     metrics: None = None
     lora_request: None = None
@@ -113,6 +113,22 @@ class RequestOutput:
     num_cached_tokens: int | None = None
     multi_modal_placeholders: dict | None = None
     kv_transfer_params: dict | None = None
+
+
+@dataclass
+class Metric:  # vLLM's vllm.v1.metrics.reader: what LLM.get_metrics() returns
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    value: int
+
+
+@dataclass
+class Gauge(Metric):
+    value: float
 
 
 @dataclass
@@ -126,7 +142,6 @@ class Request:
     params: SamplingParams
     seed: int
     output_token_ids: list[int] = field(default_factory=list)
-    slot: int = -1
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # its tokens that the steps sent so far compute (their keys and values)
@@ -137,6 +152,14 @@ class Request:
     outputs: queue.SimpleQueue | None = None
     # report every new token (a stream), or only the end (generate): vLLM's output_kind
     stream: bool = False
+    # prompt tokens found in the prefix cache at its first admission; -1 until then (vLLM's)
+    num_cached_tokens: int = -1
+    # the hash of each of its full blocks, chained (KVCacheManager): kept while it is preempted
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:  # vLLM's: its prompt and the tokens sampled so far
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 # The executor: N worker processes and the queues between them and us ------------------
@@ -226,6 +249,9 @@ class Executor:
         max_model_len: int,
         load_format: str = "auto",
         cuda_graphs: bool = False,
+        *,
+        num_blocks: int,
+        block_size: int,
     ):
         self.tp = tp
         self.call_ids = itertools.count(1)
@@ -253,7 +279,9 @@ class Executor:
                 "init_device", args=(device, dtype, self.store.port, threads, block)
             )
             self.collective_rpc("load_model", args=(config, model_dir, max_model_len, load_format))
-            self.collective_rpc("init_kv_cache", args=(max_num_seqs, cuda_graphs))
+            self.collective_rpc(
+                "init_kv_cache", args=(num_blocks, block_size, max_num_seqs, cuda_graphs)
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -461,15 +489,149 @@ class Executor:
             self.store = self.doorbell = None
 
 
-# The scheduler ------------------------------------------------------------------------
+# The KV cache's blocks, and the scheduler ------------------------------------------------
+@dataclass(eq=False)
+class KVCacheBlock:
+    """One block of the KV cache (vLLM's name): block_size positions of every layer, on every
+    rank. ref_cnt: the requests whose block tables hold it; block_hash: set once it is full and
+    cached (found by the next request that begins with the same tokens)."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+def hash_block_tokens(parent_block_hash: bytes | None, token_ids: list[int]) -> bytes:
+    """vLLM's hash_block_tokens, with its sha256 of the pickled pair: a full block's hash covers
+    its parent's, so equal hashes mean equal tokens from position 0, not only in this block (the
+    same tokens after another prefix have other keys and values)."""
+    return hashlib.sha256(pickle.dumps((parent_block_hash, tuple(token_ids)), protocol=5)).digest()
+
+
+class KVCacheManager:
+    """vLLM V1's KVCacheManager, with its BlockPool inside: num_blocks blocks of block_size
+    positions; a request holds ceil(tokens / block_size) of them, its block table. Block 0 is vLLM's
+    null block, never handed out: block tables are padded with it and the fixed-shape decode
+    step's pad rows write there. Prefix caching (enable_caching): a full block is cached under its
+    hash (hash_block_tokens); a new request starts from its longest run of cached blocks; a freed
+    block keeps its hash in free_block_queue (least recently freed first) until it is taken for
+    another request, which evicts it."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_caching = enable_caching
+        # vLLM's free_block_queue, a doubly linked list there: a hit takes a block out of its middle
+        self.free_block_queue = OrderedDict((i, KVCacheBlock(i)) for i in range(1, num_blocks))
+        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[int, int] = {}  # its first blocks that cache_full_blocks saw
+
+    def usage(self) -> float:
+        """The share of blocks held by requests (vLLM's kv_cache_usage_perc, a fraction)."""
+        return 1 - len(self.free_block_queue) / (self.num_blocks - 1)
+
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """The longest run of cached blocks its tokens begin with, short of its last token: that
+        one is always computed, for its logits."""
+        if not self.enable_caching:
+            return []
+        self.hash_full_blocks(request)
+        hits = []
+        for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
+            if block_hash not in self.cached_block_hash_to_block:
+                break
+            hits.append(self.cached_block_hash_to_block[block_hash])
+        return hits
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()
+    ) -> list[int] | None:
+        """Blocks for its next num_new_tokens, after its computed ones (the cached blocks it starts
+        with, at admission), appended to its block table; their ids, or None if too few are free
+        (nothing changes then)."""
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        needed = max(0, -(-num_tokens // self.block_size) - len(blocks) - len(computed))
+        # cached blocks that no request holds are in the free queue: taking them leaves fewer
+        if needed > len(self.free_block_queue) - sum(b.ref_cnt == 0 for b in computed):
+            return None
+        for block in computed:
+            if block.ref_cnt == 0:
+                del self.free_block_queue[block.block_id]
+            block.ref_cnt += 1
+        new_blocks = [*computed, *(self.take_free_block() for _ in range(needed))]
+        blocks += new_blocks
+        if self.enable_caching:  # its full blocks whose tokens are known (async: some in flight)
+            self.cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
+        return [block.block_id for block in new_blocks]
+
+    def take_free_block(self) -> KVCacheBlock:
+        """The least recently freed block, its cached contents evicted."""
+        _, block = self.free_block_queue.popitem(last=False)
+        if block.block_hash is not None:
+            del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block
+
+    def hash_full_blocks(self, request: Request) -> None:
+        """Extend request.block_hashes to every full block of its tokens, each chained to the one
+        before."""
+        hashes, size = request.block_hashes, self.block_size
+        if len(hashes) < request.num_tokens // size:
+            token_ids = request.prompt_token_ids + request.output_token_ids
+            for start in range(len(hashes) * size, request.num_tokens // size * size, size):
+                hashes.append(
+                    hash_block_tokens(
+                        hashes[-1] if hashes else None, token_ids[start : start + size]
+                    )
+                )
+
+    def cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
+        """Cache the blocks that its first num_tokens fill. Blocks are cached when scheduled, as in
+        vLLM: the step that computes one runs before any later step reads it, and within a step
+        every layer writes its keys and values before it attends."""
+        start, end = self.num_cached_block.get(request.request_id, 0), num_tokens // self.block_size
+        self.hash_full_blocks(request)
+        for block, block_hash in zip(blocks[start:end], request.block_hashes[start:end]):
+            # hit, or another request computed the same tokens first: that block stays the one
+            if block_hash not in self.cached_block_hash_to_block:
+                block.block_hash = block_hash
+                self.cached_block_hash_to_block[block_hash] = block
+        self.num_cached_block[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        """Its blocks back to the free queue, the last first (vLLM's order): a prefix's first
+        blocks, which more requests share, are evicted last."""
+        self.num_cached_block.pop(request.request_id, None)
+        for block in reversed(self.req_to_blocks.pop(request.request_id, [])):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue[block.block_id] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache); False while requests hold
+        blocks."""
+        if len(self.free_block_queue) < self.num_blocks - 1:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+
 class Scheduler:
     """vLLM V1's scheduler: no prefill step and no decode step. A request has the tokens it has
     computed (num_computed_tokens) and the tokens it has; each step gives every running request what
     it still needs (one token when it decodes, the rest of its prompt), then admits waiting requests
-    into free KV-cache slots, all within a budget of max_num_batched_tokens: a prompt that does not
-    fit is cut, and continues in the next steps (chunked prefill). A finished request's slot is free
-    for the next. With steps in flight (async scheduling) a request counts its tokens in flight, so
-    that no step is sent that could only produce a token past max_tokens or max_model_len."""
+    while the KV cache has free blocks for them, all within a budget of max_num_batched_tokens: a
+    prompt that does not fit is cut, and continues in the next steps (chunked prefill). A running
+    request that finds no free block for its next tokens preempts the newest running one (V1's
+    recompute: it frees its blocks, and is admitted again later, from the front of the queue). With
+    steps in flight (async scheduling) a request counts its tokens in flight, so that no step is
+    sent that could only produce a token past max_tokens or max_model_len."""
 
     def __init__(
         self,
@@ -477,64 +639,127 @@ class Scheduler:
         max_model_len: int,
         max_num_batched_tokens: int,
         eos_token_ids: set[int],
+        kv_cache_manager: KVCacheManager,
     ):
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
+        self.kv_cache_manager = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.free_slots = list(range(max_num_seqs))  # a heap: lowest first keeps slots contiguous
+        # every unfinished request by id (vLLM's): running, waiting, preempted with tokens in flight
+        self.requests: dict[int, Request] = {}
         self.finished_ids: list[int] = []  # told to the workers with the next step
+        # vLLM's counters (LLM.get_metrics): prompt tokens looked up and found in the prefix cache
+        self.prefix_cache_queries = self.prefix_cache_hits = self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
+        self.requests[request.request_id] = request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput | None:
         """The next step: the running requests in the order they came, then the waiting ones that
-        free slots and the budget admit; None if there is nothing to run (each waits for the
+        free blocks and the budget admit; None if there is nothing to run (each waits for the
         tokens it has in flight). Only the last request admitted can be part-way through its
         prompt (the budget ran out in it), so every decoding request, before it in the order,
         gets its token at every step: the budget is at least max_num_seqs."""
-        budget, scheduled = self.max_num_batched_tokens, []  # (a request, its tokens this step)
-        for request in self.running:
-            needed = self.num_tokens_needed(request)
-            if needed and budget:
-                scheduled.append((request, min(needed, budget)))
-                budget -= scheduled[-1][1]
-        new = []
-        while self.waiting and self.free_slots and budget:
-            request = self.waiting.popleft()
-            request.slot = heapq.heappop(self.free_slots)
-            new.append(request)
-            scheduled.append((request, min(len(request.prompt_token_ids), budget)))
-            budget -= scheduled[-1][1]
-        self.running += new
+        budget, scheduled = self.max_num_batched_tokens, []  # (a request, its tokens, new blocks)
+        preempted = []
+        for request in list(self.running):
+            needed = 0 if request in preempted else min(self.num_tokens_needed(request), budget)
+            if not needed:
+                continue
+            # no free block for it: the newest running request makes room, maybe itself
+            while (new_block_ids := self.kv_cache_manager.allocate_slots(request, needed)) is None:
+                preempted.append(self.preempt(self.running.pop()))
+                if preempted[-1] is request:
+                    break
+            else:
+                scheduled.append((request, needed, new_block_ids))
+                budget -= needed
+        new = [] if preempted else self.admit(budget, scheduled)  # none admitted as it preempts
         if not scheduled:
             return None
-        for request, num_tokens in scheduled:
+        new_requests = [
+            NewRequest(
+                r.request_id, r.prompt_token_ids, blocks, r.params, r.seed, r.num_computed_tokens
+            )
+            for r, _, blocks in scheduled[len(scheduled) - len(new) :]
+        ]
+        for request, num_tokens, _ in scheduled:
             request.num_computed_tokens += num_tokens
             # decoding, or its prompt done: a token
-            if request.num_computed_tokens >= len(request.prompt_token_ids):
+            if request.num_computed_tokens >= request.num_tokens:
                 request.num_in_flight += 1
-        new_requests = [
-            NewRequest(r.request_id, r.prompt_token_ids, r.slot, r.params, r.seed) for r in new
-        ]
         finished_ids, self.finished_ids = self.finished_ids, []
         return SchedulerOutput(
             new_requests,
-            [r.request_id for r, _ in scheduled],
-            [n for _, n in scheduled],
+            [r.request_id for r, _, _ in scheduled],
+            [n for _, n, _ in scheduled],
             finished_ids,
+            {
+                r.request_id: blocks
+                for r, _, blocks in scheduled[: len(scheduled) - len(new)]
+                if blocks
+            },
         )
 
+    def admit(self, budget: int, scheduled: list) -> list[Request]:
+        """Waiting requests, first come first served, while there are free blocks for their first
+        chunk: each starts after its cached prefix (prefix caching), and joins `scheduled`."""
+        new = []
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            computed = self.kv_cache_manager.get_computed_blocks(request)
+            num_computed = len(computed) * self.kv_cache_manager.block_size
+            num_tokens = min(request.num_tokens - num_computed, budget)
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens, computed)
+            if new_block_ids is None:
+                break  # it waits for blocks, and those behind it with it
+            self.waiting.popleft()
+            # its first admission (vLLM counts a resumed one's hits apart)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+                if self.kv_cache_manager.enable_caching:
+                    self.prefix_cache_queries += request.num_tokens
+                    self.prefix_cache_hits += num_computed
+            request.num_computed_tokens = num_computed
+            self.running.append(request)
+            new.append(request)
+            scheduled.append((request, num_tokens, new_block_ids))
+            budget -= num_tokens
+        return new
+
+    def make_metrics(self) -> list[Metric]:
+        """vLLM's metrics of the scheduler and its KV cache, by their Prometheus names."""
+        return [
+            Counter("vllm:prefix_cache_queries", {}, self.prefix_cache_queries),
+            Counter("vllm:prefix_cache_hits", {}, self.prefix_cache_hits),
+            Counter("vllm:num_preemptions", {}, self.num_preemptions),
+            Gauge("vllm:kv_cache_usage_perc", {}, self.kv_cache_manager.usage()),
+            Gauge("vllm:num_requests_running", {}, len(self.running)),
+            Gauge("vllm:num_requests_waiting", {}, len(self.waiting)),
+        ]
+
+    def preempt(self, request: Request) -> Request:
+        """V1's recompute: its blocks freed, its computed tokens forgotten, to the front of the
+        waiting queue. Its tokens in flight still come (Scheduler.requests); the workers keep their
+        copy of it, generator included, so a seeded request samples as if never preempted."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        return request
+
     def num_tokens_needed(self, request: Request) -> int:
-        """The rest of its prompt; else 1 (its last token, sampled or in flight) if it may need
-        another token."""
-        prompt_left = len(request.prompt_token_ids) - request.num_computed_tokens
-        return prompt_left if prompt_left > 0 else int(self.may_need_another_token(request))
+        """The rest of its prompt (after a preemption: of all its tokens); else 1 (its last token,
+        sampled or in flight) if it may need another token."""
+        left = request.num_tokens + request.num_in_flight - request.num_computed_tokens
+        return left if left > 1 else int(self.may_need_another_token(request))
 
     def may_need_another_token(self, request: Request) -> bool:
         """Below max_tokens and max_model_len, counting the tokens in flight (which may yet end it
@@ -552,7 +777,7 @@ class Scheduler:
         finished with it have finish_reason set). A request that finished or was aborted after this
         step was sent is no longer running: its token, computed on the workers all the same, is
         dropped here, never shown, never counted."""
-        by_id = {r.request_id: r for r in self.running}
+        by_id = self.requests
         updated = []
         for request_id, token in zip(
             scheduler_output.scheduled_ids, runner_output.sampled_token_ids
@@ -580,19 +805,23 @@ class Scheduler:
         return updated
 
     def release(self, requests: list[Request]) -> None:
-        """Free the requests' slots at once; the workers free theirs with the next step."""
+        """Free the requests' blocks at once (running ones, or preempted: waiting, known to the
+        workers); the workers forget them with the next step."""
         for request in requests:
-            self.running.remove(request)
-            heapq.heappush(self.free_slots, request.slot)
+            del self.requests[request.request_id]
+            (self.running if request in self.running else self.waiting).remove(request)
+            self.kv_cache_manager.free(request)
             self.finished_ids.append(request.request_id)
 
     def abort_requests(self, request_ids: set[int]) -> None:
-        """Forget these requests: waiting ones are dropped, running ones free their slots (their
-        tokens in flight are dropped when they come)."""
-        self.waiting = deque(
-            request for request in self.waiting if request.request_id not in request_ids
-        )
-        self.release([request for request in self.running if request.request_id in request_ids])
+        """Forget these requests: those never admitted are dropped, the others free their blocks
+        (their tokens in flight are dropped when they come)."""
+        # never admitted: the workers never heard of them
+        unknown = {r.request_id for r in self.waiting if r.num_cached_tokens < 0} & request_ids
+        self.waiting = deque(r for r in self.waiting if r.request_id not in unknown)
+        for request_id in unknown:
+            del self.requests[request_id]
+        self.release([r for r in (*self.running, *self.waiting) if r.request_id in request_ids])
 
 
 # The engine: the scheduler and the executor, driven by one thread ---------------------
@@ -1171,7 +1400,12 @@ class GroupOutputs:
         first, completions = self.groups[number][0], self.completions[number]
         finished = self.num_finished[number] == len(completions)
         return RequestOutput(
-            str(first.request_id), first.prompt, first.prompt_token_ids, list(completions), finished
+            str(first.request_id),
+            first.prompt,
+            first.prompt_token_ids,
+            list(completions),
+            finished,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
 
@@ -1200,17 +1434,27 @@ def check_process_can_start_workers() -> None:
         )
 
 
+@dataclass
+class CacheConfig:
+    """vLLM's CacheConfig: the KV cache's arguments (check_vllm_arguments checks them)."""
+
+    block_size: int
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None
+    enable_prefix_caching: bool
+
+
 def check_vllm_arguments(
     others: dict,
     seed,
     enforce_eager,
     cuda_graphs,
     trust_remote_code,
-    gpu_memory_utilization,
     generation_config,
+    cache: CacheConfig,
 ) -> None:
     """vLLM's arguments that tinytp takes, each with the values it honours (one table: the rule
-    and its words); any other (enable_prefix_caching, quantization, ..., and typos) refused."""
+    and its words); any other (quantization, speculative_config, ..., and typos) refused."""
     for name in others:
         raise ValueError(
             f"LLM({name}=...): tinytp does not support {name}; it takes "
@@ -1233,9 +1477,29 @@ def check_vllm_arguments(
         ),
         (
             "gpu_memory_utilization",
-            gpu_memory_utilization,
-            is_number(gpu_memory_utilization) and 0 < gpu_memory_utilization <= 1,
+            cache.gpu_memory_utilization,
+            is_number(cache.gpu_memory_utilization) and 0 < cache.gpu_memory_utilization <= 1,
             "a number in (0, 1]",
+        ),
+        (
+            "block_size",
+            cache.block_size,
+            is_integer(cache.block_size) and cache.block_size >= 1,
+            "an integer >= 1 (vLLM's default: 16)",
+        ),
+        (
+            "kv_cache_memory_bytes",
+            cache.kv_cache_memory_bytes,
+            cache.kv_cache_memory_bytes is None
+            or is_integer(cache.kv_cache_memory_bytes)
+            and cache.kv_cache_memory_bytes >= 1,
+            "None or an integer >= 1",
+        ),
+        (
+            "enable_prefix_caching",
+            cache.enable_prefix_caching,
+            type(cache.enable_prefix_caching) is bool,
+            "True or False",
         ),
         (
             "generation_config",
@@ -1294,9 +1558,44 @@ def check_max_num_batched_tokens(value: int | None, max_num_seqs: int, tp: int, 
     if not is_integer(value) or value < max_num_seqs:  # vLLM's bound too
         raise ValueError(
             f"max_num_batched_tokens must be an integer >= max_num_seqs ({max_num_seqs}), so "
-            f"that every slot's token fits a step; got {value!r}"
+            f"that every running request's token fits a step; got {value!r}"
         )
     return value
+
+
+def check_kv_cache(
+    config: ModelConfig,
+    tp: int,
+    device: str,
+    dtype: str,
+    cache: CacheConfig,
+    max_num_seqs: int,
+    max_model_len: int,
+) -> int:
+    """The blocks of the KV cache, on every rank: as many as kv_cache_memory_bytes holds (vLLM's:
+    a rank's, GPU's, bytes), or by default max_num_seqs requests of max_model_len tokens' worth;
+    and block 0, the null block. Refused if one request of max_model_len tokens would not fit, as
+    vLLM refuses it, or if the memory has no room for them (check_memory)."""
+    size, memory_bytes = cache.block_size, cache.kv_cache_memory_bytes
+    blocks_per_request = -(-max_model_len // size)
+    layer_block = math.prod(kv_cache_shape(config, tp, 1, size))
+    block_bytes = config.num_layers * layer_block * getattr(torch, dtype).itemsize
+    if memory_bytes is None:
+        num_blocks = max_num_seqs * blocks_per_request + 1
+        sized_by = f"max_num_seqs={max_num_seqs}, max_model_len={max_model_len}"
+    else:
+        num_blocks, sized_by = memory_bytes // block_bytes, f"kv_cache_memory_bytes={memory_bytes}"
+    if num_blocks - 1 < blocks_per_request:
+        raise ValueError(
+            f"kv_cache_memory_bytes={memory_bytes} holds {num_blocks} blocks of "
+            f"{size} tokens ({block_bytes} bytes each, in {dtype}; block 0 is reserved), too "
+            f"few for one request of max_model_len={max_model_len}: give at least "
+            f"{(blocks_per_request + 1) * block_bytes}, or a smaller max_model_len"
+        )
+    check_memory(
+        config, tp, device, dtype, (num_blocks, size, sized_by), cache.gpu_memory_utilization
+    )
+    return num_blocks
 
 
 def check_memory(
@@ -1304,13 +1603,13 @@ def check_memory(
     tp: int,
     device: str,
     dtype: str,
-    max_num_seqs: int,
-    max_model_len: int,
+    kv_cache: tuple[int, int, str],
     gpu_memory_utilization: float,
 ) -> None:
     """What the workers will hold, each rank's weights and KV cache (one GPU's share, or on cpu
     every rank's), against the memory it goes in: one line now, not a worker killed by the
-    kernel while it loads (exit code -9)."""
+    kernel while it loads (exit code -9). kv_cache: its blocks, their size, and what chose them."""
+    num_blocks, block_size, chosen_by = kv_cache
     memory = gpu_memory_utilization * (
         torch.cuda.get_device_properties(0).total_memory
         if device == "cuda"
@@ -1319,7 +1618,7 @@ def check_memory(
 
     def needed(dtype: str) -> tuple[int, int]:  # bytes of weights, of KV cache
         ranks = 1 if device == "cuda" else tp
-        layer_cache = math.prod(kv_cache_shape(config, tp, max_num_seqs, max_model_len))
+        layer_cache = math.prod(kv_cache_shape(config, tp, num_blocks, block_size))
         return (
             ranks * weight_bytes(config, TPGroup(0, tp), dtype),
             ranks * config.num_layers * layer_cache * getattr(torch, dtype).itemsize,
@@ -1333,15 +1632,14 @@ def check_memory(
     if dtype == "float32" and sum(needed("bfloat16")) <= memory:
         fix = f"dtype='bfloat16' (--dtype bfloat16) needs {in_units(sum(needed('bfloat16')))}"
     elif weights < memory:
-        fix = "lower max_num_seqs or max_model_len"
+        fix = "lower " + " or ".join(setting.split("=")[0] for setting in chosen_by.split(", "))
     elif device == "cuda":
         fix = "more GPUs (a larger tensor_parallel_size)"
     else:
         fix = "a machine with more memory"
     raise ValueError(
-        f"{in_units(weights)} of weights and {in_units(kv_cache)} of KV cache (max_num_seqs="
-        f"{max_num_seqs}, max_model_len={max_model_len}) in {dtype} need more than the "
-        f"{where}: {fix}"
+        f"{in_units(weights)} of weights and {in_units(kv_cache)} of KV cache ({chosen_by}) in "
+        f"{dtype} need more than the {where}: {fix}"
     )
 
 
@@ -1385,8 +1683,10 @@ class LLM:
     defaults) or a directory holding one. enforce_eager: True forbids cuda_graphs.
     trust_remote_code: False only (a checkpoint's code never runs). gpu_memory_utilization: the
     share of the memory (a GPU's; on cpu the machine's) that weights and KV cache may take.
-    max_num_batched_tokens: the tokens one step may run (Scheduler). Any other argument is refused
-    by name."""
+    max_num_batched_tokens: the tokens one step may run (Scheduler). block_size: the KV cache's
+    block, in tokens. kv_cache_memory_bytes: a rank's KV cache (default: max_num_seqs x
+    max_model_len tokens' worth). enable_prefix_caching: V1's automatic prefix caching
+    (KVCacheManager). Any other argument is refused by name."""
 
     def __init__(
         self,
@@ -1408,12 +1708,18 @@ class LLM:
         trust_remote_code: bool = False,
         gpu_memory_utilization: float = 1.0,
         max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
         **others,
     ):
         """Everything checked before any worker starts; then the pieces, put together."""
         check_process_can_start_workers()
+        cache = CacheConfig(
+            block_size, gpu_memory_utilization, kv_cache_memory_bytes, enable_prefix_caching
+        )
         vllm_arguments = (seed, enforce_eager, cuda_graphs, trust_remote_code)
-        check_vllm_arguments(others, *vllm_arguments, gpu_memory_utilization, generation_config)
+        check_vllm_arguments(others, *vllm_arguments, generation_config, cache)
         executor_class = executor_class_for(distributed_executor_backend)
         self.model_dir = resolve_model(model)
         self.config = config = read_model_config(self.model_dir)
@@ -1422,7 +1728,7 @@ class LLM:
         device, dtype = choose_device_and_dtype(config, tp, device, dtype)
         self.max_model_len = max_len = check_max_model_len(config, max_model_len)
         budget = check_max_num_batched_tokens(max_num_batched_tokens, max_num_seqs, tp, device)
-        check_memory(config, tp, device, dtype, max_num_seqs, max_len, gpu_memory_utilization)
+        num_blocks = check_kv_cache(config, tp, device, dtype, cache, max_num_seqs, max_len)
         check_engine_choices(device, cuda_graphs, load_format, async_scheduling)
         if load_format == "auto":
             check_checkpoint(config, self.model_dir)
@@ -1431,9 +1737,13 @@ class LLM:
         self.processor = Processor(config, self.model_dir, self.tokenizer, max_len, defaults, seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         eos_token_ids = self.processor.end_of_sequence_ids()
-        self.scheduler = Scheduler(max_num_seqs, max_len, budget, eos_token_ids)
+        kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(max_num_seqs, max_len, budget, eos_token_ids, kv_cache_manager)
         workers = (tp, device, dtype, max_num_seqs, max_len, load_format)  # what each one runs
-        self.executor = executor_class(config, self.model_dir, *workers, cuda_graphs=cuda_graphs)
+        blocks = {"num_blocks": num_blocks, "block_size": block_size}
+        self.executor = executor_class(
+            config, self.model_dir, *workers, cuda_graphs=cuda_graphs, **blocks
+        )
         # The engine loop: one thread drives the scheduler and the executor; every caller talks to
         # it through queues.
         self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)
@@ -1545,6 +1855,15 @@ class LLM:
         """The engine's counts so far: steps run, and the most requests one step has run."""
         return dict(self.engine.stats)
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's LLM.get_metrics(), for the KV cache and the queue: counters since the start,
+        gauges now, by vLLM's Prometheus names."""
+        return self.engine_client.call(self.scheduler.make_metrics)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's): False, and nothing forgotten, while requests run."""
+        return self.engine_client.call(self.scheduler.kv_cache_manager.reset_prefix_cache)
+
     def shutdown(self) -> None:
         """Stop the engine loop (a step it waits for is given up), then the workers; free all
         shared memory."""
@@ -1563,20 +1882,66 @@ class LLM:
 DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "Tensor parallelism splits"]
 
 
+def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's KV-cache flags (bench.py's too)."""
+    kv_cache = parser.add_argument_group("KV cache")
+    kv_cache.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    kv_cache.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="a rank's KV cache (default: max_num_seqs x max_model_len tokens' worth)",
+    )
+    kv_cache.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of a prompt's longest cached prefix (default: on, as vLLM V1)",
+    )
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, vLLM's names: the command line's and serve.py's (engine_arguments)."""
+    add = parser.add_argument
+    add("--model", help="checkpoint directory or hub id (default: a tiny random Llama)")
+    add("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="ranks")
+    add("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
+    add(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)",
+    )
+    add("--max-num-seqs", type=int, default=8)
+    add("--max-model-len", type=int, default=None)
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the tokens one step may run (default: 4096 a rank on cpu, 8192 on cuda)",
+    )
+    add_kv_cache_flags(parser)
+    add("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (opt-in)")
+    add(
+        "--async-scheduling",
+        action="store_true",
+        help="send each step while the one before it runs (two steps in flight)",
+    )
+
+
+ENGINE_FLAGS = ("device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens")
+ENGINE_FLAGS += ("block_size", "kv_cache_memory_bytes", "enable_prefix_caching")
+ENGINE_FLAGS += ("cuda_graphs", "async_scheduling")
+
+
+def engine_arguments(args: argparse.Namespace) -> dict:
+    """LLM's keyword arguments from add_engine_flags' flags (but --model)."""
+    return {"tensor_parallel_size": args.tp} | {name: vars(args)[name] for name in ENGINE_FLAGS}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tinytp.py", description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--tp",
-        "-tp",  # vLLM's short form
-        "--tensor-parallel-size",
-        dest="tp",
-        type=int,
-        default=1,
-        help="number of ranks",
-    )
-    parser.add_argument(
-        "--model", help="checkpoint directory or hub id (default: a tiny random Llama)"
-    )
+    add_engine_flags(parser)
     parser.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
     parser.add_argument("--max-tokens", type=int, default=128)
     sampling = parser.add_argument_group(
@@ -1592,31 +1957,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens"
-    )
-    parser.add_argument(
-        "--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu"
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)",
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="the tokens one step may run (default: 4096 a rank on cpu, 8192 on cuda)",
-    )
-    parser.add_argument(
-        "--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (opt-in)"
-    )
-    parser.add_argument(
-        "--async-scheduling",
-        action="store_true",
-        help="send each step while the one before it runs (two steps in flight)",
     )
     parser.add_argument(
         "--no-chat-template", action="store_true", help="send the prompt text as it is"
@@ -1643,17 +1983,7 @@ def run(args: argparse.Namespace) -> None:
         raise ValueError(f"{model_dir} has no tokenizer files, so it cannot take text prompts")
     if not chosen:
         params = replace(default_sampling_params(model_dir), **others)
-    with LLM(
-        model_dir,
-        args.tp,
-        args.device,
-        args.dtype,
-        args.max_num_seqs,
-        args.max_model_len,
-        cuda_graphs=args.cuda_graphs,
-        async_scheduling=args.async_scheduling,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    ) as llm:
+    with LLM(model_dir, **engine_arguments(args)) as llm:
         if args.model is None:
             print(
                 "tinytp: no --model given: running a tiny Llama with RANDOM weights, "

@@ -166,13 +166,18 @@ class SamplingParams:
 
 @dataclass
 class NewRequest:
-    """A request the workers have not seen: sent in full once, then referred to by id."""
+    """A request the workers have not seen: sent in full once, then referred to by id. Sent again
+    when it resumes after a preemption: the workers keep their copy (its tokens and generator) and
+    take its new blocks."""
 
     request_id: int
     prompt_token_ids: list[int]
-    slot: int  # its row of the KV cache, chosen by the driver so every rank agrees
+    # its blocks of the KV cache, chosen by the driver so every rank agrees (vLLM's block_ids)
+    block_ids: list[int]
     params: SamplingParams
     seed: int  # always set: every rank seeds the same generator, so all sample alike
+    # tokens whose keys and values its first blocks already hold (prefix caching)
+    num_computed_tokens: int = 0
 
 
 @dataclass
@@ -184,7 +189,9 @@ class SchedulerOutput:
     scheduled_ids: list[int]  # requests that run this step, in batch order
     # each one's tokens this step: 1 when it decodes, else a chunk of its prompt
     num_scheduled_tokens: list[int]
-    finished_ids: list[int]  # requests whose slots can be freed
+    finished_ids: list[int]  # requests the workers can forget
+    # blocks appended to running requests' block tables this step (vLLM's new_block_ids)
+    new_block_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -571,7 +578,7 @@ class CachedRequest:
 
     token_ids: list[int]  # prompt, then every sampled token
     num_computed: int  # tokens whose keys and values are in the KV cache
-    slot: int
+    block_ids: list[int]  # its block table: position p is at offset p % block_size of block p // it
     params: SamplingParams
     generator: torch.Generator
 
@@ -657,15 +664,18 @@ class Worker:
         if self.device.type == "cpu" and packable.get(self.dtype) and packing_wanted():
             pack_for_cpu(self.model)
 
-    def init_kv_cache(self, max_num_seqs: int, cuda_graphs: bool = False) -> None:
-        """Preallocate keys and values: one slot per running request, max_model_len positions each.
-        Zeros: never-written positions are masked, but a masked NaN would still poison the weighted
-        sum."""
-        shape = kv_cache_shape(self.config, self.group.size, max_num_seqs, self.max_model_len)
+    def init_kv_cache(
+        self, num_blocks: int, block_size: int, max_num_seqs: int, cuda_graphs: bool = False
+    ) -> None:
+        """Preallocate keys and values: num_blocks blocks of block_size positions, handed out to
+        requests by the driver's KVCacheManager. Zeros: never-written positions are masked, but a
+        masked NaN would still poison the weighted sum."""
+        shape = kv_cache_shape(self.config, self.group.size, num_blocks, block_size)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers
         ]
-        self.max_num_seqs = max_num_seqs
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.block_offsets = torch.arange(block_size, device=self.device)  # made once, not a step
         # LLM(cuda_graphs=True): every decode-only step at one shape (cuda_graph_step), replayed
         # from a graph where one can be captured (not through gloo's collectives); else, and with
         # capture_graphs set False (.ci/gpu compares the two), the same step runs eagerly.
@@ -673,50 +683,59 @@ class Worker:
         self.capture_graphs = self.device.type == "cuda" and dist.get_backend() == "nccl"
         self.graphs: dict[int, tuple] = {}  # context length: (graph, its inputs, its logits)
 
+    def context_slots(self, requests: list[CachedRequest], num_positions: int) -> torch.Tensor:
+        """The slots (block x block_size + offset) of each request's first num_positions, in one
+        row: its block table, padded with the null block (0) to one width (positions its mask
+        hides), spelled out position by position."""
+        size, width = self.block_size, -(-num_positions // self.block_size)
+        table = torch.tensor(
+            [(r.block_ids + [0] * width)[:width] for r in requests], device=self.device
+        ).view(len(requests), width, 1)  # (a view: no decodes is no rows)
+        slots = table * size + self.block_offsets
+        return slots.view(len(requests), width * size)[:, :num_positions].flatten()
+
     def prepare_inputs(
         self, batch: list[tuple[CachedRequest, int]], context_len: int | None = None
     ) -> ModelInputs:
         """The step's tokens packed, in `batch`'s order: (a request, its tokens this step), the
         one-token ones first. Those are attended to in one call: a decoding request's token at
-        position p sees 0..p of its slot, and so does a prompt's one-token chunk. Each longer prompt
-        chunk is attended to in a call of its own."""
-        positions = torch.tensor(
-            [r.num_computed + i for r, n in batch for i in range(n)], device=self.device
-        )
-        slot_ids = torch.tensor([r.slot for r, n in batch for _ in range(n)], device=self.device)
+        position p sees 0..p of its blocks, and so does a prompt's one-token chunk. Each longer
+        prompt chunk is attended to in a call of its own."""
+        size, device = self.block_size, self.device
+        tokens = [(r, p) for r, n in batch for p in range(r.num_computed, r.num_computed + n)]
+        positions = torch.tensor([p for _, p in tokens], device=device)
         decodes = [r for r, n in batch if n == 1]
-        slots, contexts = [r.slot for r in decodes], [r.num_computed + 1 for r in decodes]
+        contexts = [r.num_computed + 1 for r in decodes]
         # A given context_len: cuda_graph_step's fixed shape, always masked.
         fixed_shape, context_len = context_len is not None, context_len or max(contexts, default=0)
-        first = slots[0] if slots else 0
         ends = list(itertools.accumulate(n for _, n in batch))  # where each request's rows end
         return ModelInputs(
             input_ids=torch.tensor(
                 [t for r, n in batch for t in r.token_ids[r.num_computed : r.num_computed + n]],
-                device=self.device,
+                device=device,
             ),
             positions=positions,
-            cache_rows=slot_ids * self.max_model_len + positions,
+            slot_mapping=torch.tensor(
+                [r.block_ids[p // size] * size + p % size for r, p in tokens], device=device
+            ),
             num_decodes=len(decodes),
-            slot_index=slice(first, first + len(slots))
-            if slots == list(range(first, first + len(slots)))
-            else torch.tensor(slots, device=self.device),
             context_len=context_len,
+            context_slots=self.context_slots(decodes, context_len),
             # all True where the contexts are one length
             attn_mask=None
             if not fixed_shape and len(set(contexts)) < 2
-            else torch.arange(context_len, device=self.device)
+            else torch.arange(context_len, device=device)
             <= positions[: len(decodes), None, None, None],
             # A chunk from position 0 is plain causal attention; a later one sees the cached
             # positions before it too.
             chunks=[
                 (
-                    r.slot,
+                    self.context_slots([r], r.num_computed + n),
                     r.num_computed,
                     n,
                     None
                     if r.num_computed == 0
-                    else torch.arange(r.num_computed + n, device=self.device)
+                    else torch.arange(r.num_computed + n, device=device)
                     <= positions[end - n : end, None],
                 )
                 for (r, n), end in zip(batch, ends)
@@ -729,25 +748,23 @@ class Worker:
                     if r.num_computed + n == len(r.token_ids)
                 ],
                 dtype=torch.long,
-                device=self.device,
+                device=device,
             ),
         )
 
     def cuda_graph_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
-        """A decode step at the one shape a CUDA graph replays: row i is slot i (a free one feeds
-        token 0 at position 0, which its next prefill rewrites), attention reads a power of two
-        of positions. The scheduled rows' logits."""
-        by_slot = {request.slot: request for request in scheduled}
-        rows = [
-            by_slot.get(slot) or CachedRequest([0], 0, slot, None, None)
-            for slot in range(self.max_num_seqs)
-        ]
+        """A decode step at the one shape a CUDA graph replays: max_num_seqs rows, the scheduled
+        requests' then pad rows (token 0 at position 0 of the null block, which no request reads
+        unmasked), attention reading a power of two of positions through block tables as wide.
+        The scheduled rows' logits."""
+        pad = CachedRequest([0], 0, [0], None, None)
+        rows = scheduled + [pad] * (self.max_num_seqs - len(scheduled))
         # + 1, this step's token: at most the power of two above
         longest = max(r.num_computed for r in scheduled)
         context_len = min(self.max_model_len, max(16, 1 << longest.bit_length()))
         inputs = self.prepare_inputs([(row, 1) for row in rows], context_len)
         if not self.capture_graphs:  # see init_kv_cache: run it as it is
-            return self.model(inputs, self.kv_caches)[[r.slot for r in scheduled]]
+            return self.model(inputs, self.kv_caches)[: len(scheduled)]
         # at a length's first step: every rank at the same step
         if inputs.context_len not in self.graphs:
             # warm-up (this very step): lazy initialization stays out of the graph
@@ -762,10 +779,10 @@ class Worker:
                 )
         graph, captured, logits = self.graphs[inputs.context_len]
         # the rest is the same every step
-        for name in ("input_ids", "positions", "cache_rows", "attn_mask"):
+        for name in ("input_ids", "positions", "slot_mapping", "context_slots", "attn_mask"):
             getattr(captured, name).copy_(getattr(inputs, name))
         graph.replay()
-        return logits[[r.slot for r in scheduled]]
+        return logits[: len(scheduled)]
 
     def sample(self, logits: torch.Tensor, scheduled: list[CachedRequest]) -> list[int]:
         """Every rank has the same logits (all-gathered) and seeded generators: all pick the same
@@ -785,10 +802,15 @@ class Worker:
         for request_id in scheduler_output.finished_ids:
             self.requests.pop(request_id, None)  # after an interrupted generate, maybe never sent
         for new in scheduler_output.new_requests:
-            generator = torch.Generator(self.device).manual_seed(new.seed)
-            self.requests[new.request_id] = CachedRequest(
-                list(new.prompt_token_ids), 0, new.slot, new.params, generator
-            )
+            request = self.requests.get(new.request_id)  # known: resumed after a preemption
+            if request is None:
+                generator = torch.Generator(self.device).manual_seed(new.seed)
+                request = self.requests[new.request_id] = CachedRequest(
+                    list(new.prompt_token_ids), 0, [], new.params, generator
+                )
+            request.num_computed, request.block_ids = new.num_computed_tokens, list(new.block_ids)
+        for request_id, block_ids in scheduler_output.new_block_ids.items():
+            self.requests[request_id].block_ids += block_ids
         counts = dict(zip(scheduler_output.scheduled_ids, scheduler_output.num_scheduled_tokens))
         # one-token rows first, the rest in order
         ids = sorted(counts, key=lambda request_id: counts[request_id] > 1)
