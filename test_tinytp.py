@@ -47,6 +47,7 @@ import transformers
 import checkpoints
 import model as model_code
 import tinytp
+import worker as worker_code
 from checkpoints import (
     REAL_MODEL_INSTALL,
     byte_level_tokenizer,
@@ -5211,6 +5212,7 @@ def big_reply(worker):  # run in the workers: a reply of many chunks
 def test_ctrl_c_while_the_driver_reads_a_long_reply_fails_the_next_call_in_one_line(mha_checkpoint):
     path, _ = mha_checkpoint
     with LLM(path, device="cpu", max_model_len=64) as llm:
+        llm.executor.driver = threading.get_ident()  # this test drives it; the engine loop idles
         replies = llm.executor.responses[0]
         real_ready, first_chunk, interrupted = replies.ready, replies.next_chunk, []
 
@@ -6689,3 +6691,153 @@ def test_server_reports_cached_prompt_tokens_and_vllms_metrics(tiny_server):
     assert set(samples) == {name + "_total" * (kind == "counter") for name, kind in types.items()}
     assert float(samples["vllm:prefix_cache_hits_total"]) >= 32
     assert float(samples["vllm:prefix_cache_queries_total"]) >= 82
+
+
+# --------------------------------------------------------------------------------------
+# Course, round 5: an exercise per idea (issue 43)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.quick
+def test_vllms_short_tp_flag_runs_in_tinytp_and_serve():
+    """`-tp 2` is vLLM's short form: a vLLM user's command line runs unchanged."""
+    import serve
+
+    for parse in (tinytp.parse_args, serve.parse_args):
+        for flag in ("-tp", "--tp", "--tensor-parallel-size"):
+            assert parse([flag, "2"]).tp == 2
+
+
+def rings_then_arrives(times: int):
+    """A fake doorbell and ready(): the message arrives, its ring with it, while the reader drains
+    the doorbell (the race the re-check is for). It records each sleep the reader takes."""
+    state = {"arrived": False, "rings": 0, "drains": 0, "slept_with_a_message": 0}
+
+    class Doorbell:
+        def acquire(self, block=True, timeout=None):
+            if not block:  # the drain: the writer's chunk and its ring land during it
+                state["drains"] += 1
+                if state["drains"] == times:
+                    state["arrived"], state["rings"] = True, state["rings"] + 1
+                if state["rings"]:
+                    state["rings"] -= 1
+                    return True
+                return False
+            state["slept_with_a_message"] += state["arrived"]
+            state["arrived"] = True  # the timeout's end: the reader looks again and finds it
+            return False
+
+    return Doorbell(), (lambda: state["arrived"]), state
+
+
+@pytest.mark.quick
+def test_a_ring_that_comes_during_the_drain_is_never_lost(monkeypatch):
+    """README, exercise 14: wait_until drains stale rings, then looks at ready() once more before it
+    sleeps. A message whose ring came during the drain is found by that look; without it the reader
+    sleeps by its message, DOORBELL_SLEEP (50 ms) a lost wake-up, and a step waits that long."""
+    monkeypatch.setattr(worker_code, "YIELD_SECONDS", 0.0)  # straight to the doorbell
+    for times in (1, 2):  # the ring comes at the drain's first look, or its second
+        doorbell, ready, state = rings_then_arrives(times)
+        worker_code.wait_until(ready, 5.0, "a message", doorbell=doorbell)
+        assert state["slept_with_a_message"] == 0, "the reader slept with its message waiting"
+
+
+def three_callers(llm: LLM, max_tokens: int) -> list[list[int]]:
+    """Three caller threads, each a generate of its own; the engine loop is held in a call until
+    all three have sent their request, so that they come in one step (README, exercise 12)."""
+    sent, results = threading.Barrier(4), [None] * 3
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    def caller(i: int) -> None:
+        sent.wait()
+        results[i] = llm.generate([PROMPTS[i]], params)[0].outputs[0].token_ids
+
+    def hold_the_loop() -> None:  # runs in the engine loop's thread, between two steps
+        sent.wait()
+        time.sleep(0.2)  # the three generates put their requests on the loop's queue meanwhile
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    llm.engine_client.call(hold_the_loop)
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
+
+
+def rank_in_group(worker):  # run in the workers
+    return worker.group.rank
+
+
+def test_three_caller_threads_share_every_step_and_only_the_loop_drives_the_executor(
+    mha_checkpoint,
+):
+    """README, exercise 12: three callers whose requests come before the first step share every
+    step: 20 tokens each, 20 steps (the first runs the three prompts and samples each one's first
+    token), 3 requests in each. A fourth thread may not call the executor itself: the engine loop's
+    thread drives it; LLM.collective_rpc runs the call there."""
+    path, _ = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        before = llm.stats()["steps"]
+        tokens = three_callers(llm, 20)
+        stats = llm.stats()
+        print(f"\nsteps: {stats['steps'] - before}, largest batch: {stats['largest_batch']}")
+        assert all(len(t) == 20 for t in tokens)
+        assert (stats["steps"] - before, stats["largest_batch"]) == (20, 3)
+        with pytest.raises(RuntimeError, match="one thread drives tinytp's executor"):
+            llm.executor.collective_rpc(rank_in_group)
+        assert llm.collective_rpc(rank_in_group) == [0]
+
+
+def test_async_scheduling_drops_the_token_after_an_end_and_counts_it(mha_checkpoint):
+    """README, exercise 16: a request that ends on a stop token (or end-of-sequence) is known to
+    have ended only when its step's answer comes; async, the next step is on its way by then, and
+    the token it samples for the request is dropped: llm.stats()["dropped_tokens"]. A request that
+    ends at max_tokens drops none: the scheduler never sends a token past it."""
+    path, _ = mha_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    dropped = {}
+    for async_scheduling in (False, True):
+        with LLM(path, device="cpu", max_model_len=64, async_scheduling=async_scheduling) as llm:
+            tokens = llm.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids
+            assert llm.stats()["dropped_tokens"] == 0  # ended at max_tokens
+            stop = replace(greedy, stop_token_ids=[tokens[5]])
+            ended = llm.generate([PROMPTS[0]], stop)[0].outputs[0]
+            assert ended.token_ids == tokens[: tokens.index(tokens[5]) + 1]
+            # generate returns at the end; the step after it may still be on its way: a next
+            # request's answer comes after that step's
+            llm.generate([PROMPTS[1]], replace(greedy, max_tokens=1))
+            dropped[async_scheduling] = llm.stats()["dropped_tokens"]
+    print(f"\ndropped tokens: sync {dropped[False]}, async {dropped[True]}")
+    assert dropped == {False: 0, True: 1}
+
+
+def sleep_in_the_worker(worker, seconds: float):  # run in the workers: a long call
+    time.sleep(seconds)
+
+
+def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_checkpoint):
+    """README, exercise 15, a worker's third ending: shutdown() while the workers run a call that
+    does not end (a long step, a stuck kernel). The engine loop gives up its wait at once, SHUTDOWN
+    waits in the queue behind the call, and after the 2 s grace the driver kills the worker
+    (SIGKILL: exit code -9) and frees the shared memory itself."""
+    path, _ = mha_checkpoint
+    llm = LLM(path, device="cpu", max_model_len=64)
+    worker, errors = llm.executor.workers[0], []
+
+    def call() -> None:
+        try:
+            llm.collective_rpc(sleep_in_the_worker, args=(60,))
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    time.sleep(1.0)  # the call is running in the worker by now
+    start = time.monotonic()
+    llm.shutdown()
+    took = time.monotonic() - start
+    caller.join(timeout=10)
+    print(f"\nshutdown took {took:.2f} s; rank 0's exit code {worker.exitcode}; {errors}")
+    assert worker.exitcode == -signal.SIGKILL and 2.0 <= took < hang_bound(2.0)
+    assert errors and "shut down" in errors[0] and not shm_entries()

@@ -263,9 +263,11 @@ class Executor:
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
         # call id: (its name, its answers by rank, how many due)
         self.awaited: dict[int, tuple[str, dict, int]] = {}
-        # One thread drives the executor (an LLM's engine loop); another may still shut it down, so
+        # One thread drives the executor: the one that made it, then an LLM's engine loop (given it
+        # by EngineClient; None: any, once the loop is gone). Another may still shut it down, so
         # sending is a critical section, and `closing` makes the driving thread give up its wait at
         # its next check.
+        self.driver: int | None = threading.get_ident()
         self.sending = threading.RLock()
         self.closing = threading.Event()
         self.broadcast = MessageQueue.create(num_readers=tp)
@@ -375,6 +377,11 @@ class Executor:
 
     def _send(self, call: RPCCall, timeout: float | None, name: str) -> int:
         """Number the call, broadcast it, and expect its answers; return its number."""
+        if self.driver not in (None, threading.get_ident()):  # README, exercise 12
+            raise RuntimeError(
+                f"{name}: one thread drives tinytp's executor, the engine loop's (two would take "
+                "each other's replies): call LLM.collective_rpc, which runs it there"
+            )
         with self.sending:
             if self.failure is None and any(q.cut_off for q in [self.broadcast, *self.responses]):
                 cut_off = "a message between us was cut off part-way, and its reader would misread"
@@ -653,6 +660,7 @@ class Scheduler:
         self.finished_ids: list[int] = []  # told to the workers with the next step
         # vLLM's counters (LLM.get_metrics): prompt tokens looked up and found in the prefix cache
         self.prefix_cache_queries = self.prefix_cache_hits = self.num_preemptions = 0
+        self.num_dropped_tokens = 0  # sampled for a request that had ended: README, exercise 16
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -783,8 +791,10 @@ class Scheduler:
             scheduler_output.scheduled_ids, runner_output.sampled_token_ids
         ):
             request = by_id.get(request_id)
-            # finished or aborted since it was sent; or part-way in its prompt
-            if request is None or token is None:
+            if request is None:  # finished or aborted since it was sent (async): dropped
+                self.num_dropped_tokens += token is not None
+                continue
+            if token is None:  # part-way in its prompt
                 continue
             request.num_in_flight -= 1
             request.output_token_ids.append(token)
@@ -1173,11 +1183,13 @@ class EngineClient:
         self.thread.start()
 
     def _run_engine(self) -> None:
+        self.engine.executor.driver = threading.get_ident()  # this thread drives it from now on
         try:
             self.engine.run_busy_loop(self.commands)
         finally:
             with self.lock:
                 self.stopped = True
+            self.engine.executor.driver = None  # stopped: EngineClient.call runs in its caller
             stopped = RuntimeError("this LLM was shut down")
             while not self.commands.empty():  # what came while the loop was stopping
                 verb, argument = self.commands.get()
@@ -1852,8 +1864,9 @@ class LLM:
         self.engine_client.call(self.executor.check_health)
 
     def stats(self) -> dict:
-        """The engine's counts so far: steps run, and the most requests one step has run."""
-        return dict(self.engine.stats)
+        """The engine's counts so far: steps run, the most requests one step has run, and the
+        tokens sampled for requests that had ended before their step's answer (async scheduling)."""
+        return {**self.engine.stats, "dropped_tokens": self.scheduler.num_dropped_tokens}
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's LLM.get_metrics(), for the KV cache and the queue: counters since the start,
