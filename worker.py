@@ -344,8 +344,9 @@ class MessageQueue:
     flag, so no chunk is overwritten while read. A reader checks its own *read* flag *before*
     *written*: a reset flag means the writer has already cleared *written* for this round, so
     *written* then truthfully says the chunk is complete (the other order can read a half-written
-    chunk). This needs each process's stores to become visible in program order, as on x86; ARM
-    would need a fence that Python cannot issue (vLLM's shm_broadcast has the same caveat)."""
+    chunk). This needs each process's stores, and its loads, kept in program order, as x86 keeps
+    them. ARM keeps neither, and Python has no fence: vLLM's memory_fence(), a lock taken and
+    released, is an acquire and a release there, not a fence (docs/exercises.md, "Why x86 only")."""
 
     def __init__(
         self, handle: QueueHandle, shm: shared_memory.SharedMemory, reader: int | None, owner: bool
