@@ -271,7 +271,7 @@ def last_logits(worker):
     return worker.last_logits.cpu()
 
 
-def q_rows(worker):  # README, exercise 7
+def q_rows(worker):  # README, exercise 5
     qkv = worker.model.layers[0].self_attn.qkv_proj
     weight = qkv.weight if qkv.packed_weight is None else qkv.packed_weight.to_dense()
     return weight[: qkv.weight.shards[0].size]  # q's rows come first (its shard), then k's and v's
@@ -727,7 +727,7 @@ def timelines(bad: list[tuple[str, list[tuple[str, str]]]]) -> str:
 @pytest.mark.quick
 def test_queue_flag_order_never_reads_a_half_written_chunk():
     """The argument in MessageQueue's docstring, checked: the orders come from the real
-    code, and every interleaving of the two sides is tried. README exercise 4: swap the two
+    code, and every interleaving of the two sides is tried. README exercise 6: swap the two
     checks in MessageQueue.ready and this test prints each bad interleaving."""
     writer = MessageQueue.create(num_readers=1, num_chunks=1, chunk_bytes=64)
     reader = MessageQueue.attach(writer.handle, reader=0)
@@ -1099,7 +1099,7 @@ class TestTp2MultiHeadAttention:
             assert torch.allclose(row, expected, atol=1e-4)
 
     def test_rank_1_holds_rows_32_to_63_of_q_proj(self, tp2, mha_checkpoint):
-        # README exercise 7: 2 of the 4 heads of 16; its weights can be looked at on every path,
+        # README exercise 5: 2 of the 4 heads of 16; its weights can be looked at on every path,
         # packed or not.
         q_proj = mha_checkpoint[1].model.layers[0].self_attn.q_proj.weight
         assert torch.equal(tp2.collective_rpc(q_rows)[1], q_proj[32:64])
@@ -1355,7 +1355,7 @@ class ThreadGroup(TPGroup):
 def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint):
     """The workers' own code (Worker.load_model, execute_model: prepare_inputs, forward,
     sample) for 2 ranks in 2 threads of this process: no processes, no queues, and a
-    breakpoint() anywhere in model.py stops in a rank (README, exercise 6)."""
+    breakpoint() anywhere in model.py stops in a rank (README, exercise 4)."""
     path, hf_model = mha_checkpoint
     barrier, parts = threading.Barrier(2), [None, None]
     prompt, tokens = [256, 72, 101, 108, 108, 111], {}
@@ -3638,7 +3638,7 @@ def metrics(llm: LLM) -> dict:
 
 @pytest.mark.quick
 def test_the_hash_chain_finds_a_block_only_after_the_same_tokens_before_it():
-    """README, exercise 11: blocks of 2, A = "ab cd e" computed and freed. A prompt whose first
+    """README, exercise 18: blocks of 2, A = "ab cd e" computed and freed. A prompt whose first
     block holds A's second block's tokens ("cd") must miss: those keys were computed at positions 2
     and 3, after "ab". One that begins as A does finds both full blocks, and one that is all of A's
     full blocks finds only the first: its last token is always computed."""
@@ -6732,7 +6732,7 @@ def rings_then_arrives(times: int):
 
 @pytest.mark.quick
 def test_a_ring_that_comes_during_the_drain_is_never_lost(monkeypatch):
-    """README, exercise 14: wait_until drains stale rings, then looks at ready() once more before it
+    """README, exercise 8: wait_until drains stale rings, then looks at ready() once more before it
     sleeps. A message whose ring came during the drain is found by that look; without it the reader
     sleeps by its message, DOORBELL_SLEEP (50 ms) a lost wake-up, and a step waits that long."""
     monkeypatch.setattr(worker_code, "YIELD_SECONDS", 0.0)  # straight to the doorbell
@@ -6744,7 +6744,7 @@ def test_a_ring_that_comes_during_the_drain_is_never_lost(monkeypatch):
 
 def three_callers(llm: LLM, max_tokens: int) -> list[list[int]]:
     """Three caller threads, each a generate of its own; the engine loop is held in a call until
-    all three have sent their request, so that they come in one step (README, exercise 12)."""
+    all three have sent their request, so that they come in one step (README, exercise 11)."""
     sent, results = threading.Barrier(4), [None] * 3
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -6772,7 +6772,7 @@ def rank_in_group(worker):  # run in the workers
 def test_three_caller_threads_share_every_step_and_only_the_loop_drives_the_executor(
     mha_checkpoint,
 ):
-    """README, exercise 12: three callers whose requests come before the first step share every
+    """README, exercise 11: three callers whose requests come before the first step share every
     step: 20 tokens each, 20 steps (the first runs the three prompts and samples each one's first
     token), 3 requests in each. A fourth thread may not call the executor itself: the engine loop's
     thread drives it; LLM.collective_rpc runs the call there."""
@@ -6790,7 +6790,7 @@ def test_three_caller_threads_share_every_step_and_only_the_loop_drives_the_exec
 
 
 def test_async_scheduling_drops_the_token_after_an_end_and_counts_it(mha_checkpoint):
-    """README, exercise 16: a request that ends on a stop token (or end-of-sequence) is known to
+    """README, exercise 14: a request that ends on a stop token (or end-of-sequence) is known to
     have ended only when its step's answer comes; async, the next step is on its way by then, and
     the token it samples for the request is dropped: llm.stats()["dropped_tokens"]. A request that
     ends at max_tokens drops none: the scheduler never sends a token past it."""
@@ -6817,7 +6817,7 @@ def sleep_in_the_worker(worker, seconds: float):  # run in the workers: a long c
 
 
 def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_checkpoint):
-    """README, exercise 15, a worker's third ending: shutdown() while the workers run a call that
+    """README, exercise 10, a worker's third ending: shutdown() while the workers run a call that
     does not end (a long step, a stuck kernel). The engine loop gives up its wait at once, SHUTDOWN
     waits in the queue behind the call, and after the 2 s grace the driver kills the worker
     (SIGKILL: exit code -9) and frees the shared memory itself."""

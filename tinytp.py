@@ -377,7 +377,7 @@ class Executor:
 
     def _send(self, call: RPCCall, timeout: float | None, name: str) -> int:
         """Number the call, broadcast it, and expect its answers; return its number."""
-        if self.driver not in (None, threading.get_ident()):  # README, exercise 12
+        if self.driver not in (None, threading.get_ident()):  # README, exercise 11
             raise RuntimeError(
                 f"{name}: one thread drives tinytp's executor, the engine loop's (two would take "
                 "each other's replies): call LLM.collective_rpc, which runs it there"
@@ -660,7 +660,7 @@ class Scheduler:
         self.finished_ids: list[int] = []  # told to the workers with the next step
         # vLLM's counters (LLM.get_metrics): prompt tokens looked up and found in the prefix cache
         self.prefix_cache_queries = self.prefix_cache_hits = self.num_preemptions = 0
-        self.num_dropped_tokens = 0  # sampled for a request that had ended: README, exercise 16
+        self.num_dropped_tokens = 0  # sampled for a request that had ended: README, exercise 14
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
