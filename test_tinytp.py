@@ -6198,8 +6198,11 @@ def run_every_attention_call(llm: LLM) -> list[list[list[int]]]:
     again on the fixed-shape decode step (masked, a row for every slot)."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     runs = []
+    kv = llm.scheduler.kv_cache_manager
     for prompts, budget, static in ((MIXED, 8, False), (ONE_LENGTH, 64, False), (MIXED, 8, True)):
-        llm.collective_rpc("init_kv_cache", args=(3, static))
+        # a fresh cache: the cached blocks forgotten
+        llm.collective_rpc("init_kv_cache", args=(kv.num_blocks, kv.block_size, 3, static))
+        assert llm.reset_prefix_cache()
         # (between calls: the engine loop is idle)
         llm.scheduler.max_num_batched_tokens = budget
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
