@@ -6456,16 +6456,12 @@ def test_server_guidellms_body_streams_usage_on_every_chunk_as_vllm(openai, tiny
     expected = tiny_llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8))[0]
     prompt_tokens = len(expected.prompt_token_ids)
     assert line.startswith("HTTP/1.0 200") and chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": 8,
-        "total_tokens": prompt_tokens + 8,
-    }
+    counted = {"prompt_tokens": prompt_tokens, "completion_tokens": 8}
+    counted["total_tokens"] = prompt_tokens + 8
+    # the prompt is shorter than a block: nothing of it can be cached
+    assert chunks[-1]["usage"] == counted | {"prompt_tokens_details": {"cached_tokens": 0}}
     so_far = [chunk["usage"] for chunk in chunks[:-1]]  # each chunk: its choice's usage so far
-    assert (
-        all(u["prompt_tokens"] == prompt_tokens for u in so_far)
-        and so_far[-1] == chunks[-1]["usage"]
-    )
+    assert all(u["prompt_tokens"] == prompt_tokens for u in so_far) and so_far[-1] == counted
     assert sorted(u["completion_tokens"] for u in so_far) == [
         u["completion_tokens"] for u in so_far
     ]
@@ -6825,6 +6821,7 @@ def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_check
     waits in the queue behind the call, and after the 2 s grace the driver kills the worker
     (SIGKILL: exit code -9) and frees the shared memory itself."""
     path, _ = mha_checkpoint
+    others = set(shm_entries())  # an LLM of a module's fixture may be alive in this process
     llm = LLM(path, device="cpu", max_model_len=64)
     worker, errors = llm.executor.workers[0], []
 
@@ -6843,4 +6840,4 @@ def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_check
     caller.join(timeout=10)
     print(f"\nshutdown took {took:.2f} s; rank 0's exit code {worker.exitcode}; {errors}")
     assert worker.exitcode == -signal.SIGKILL and 2.0 <= took < hang_bound(2.0)
-    assert errors and "shut down" in errors[0] and not shm_entries()
+    assert errors and "shut down" in errors[0] and set(shm_entries()) <= others
