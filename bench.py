@@ -514,7 +514,7 @@ class EngineBackend:
         self.prompts = prompts
         self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
         self.parameter_bytes = max(self.llm.collective_rpc(parameter_bytes))
-        # A tied head packed for the CPU has a copy of its own (pack_for_cpu): the table then
+        # A tied head packed for the CPU has a copy of its own (choose_cpu_kernels): the table then
         # serves only the embedding's few rows.
         tied = self.llm.config.tie_word_embeddings
         self.head_reads_table = tied and not all(self.llm.collective_rpc(lm_head_is_packed))

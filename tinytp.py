@@ -52,8 +52,8 @@ from model import (
     ModelConfig,
     TPGroup,
     cpu_has_native_bfloat16,
+    kernel_forced,
     kv_cache_shape,
-    packing_wanted,
     weight_bytes,
 )
 from worker import (
@@ -1655,7 +1655,7 @@ def check_engine_choices(device: str, cuda_graphs, load_format: str, async_sched
         )
     if type(async_scheduling) is not bool:
         raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
-    packing_wanted()  # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
+    kernel_forced()  # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
 
 
 def load_tokenizer(tokenizer: str | None, model_dir: str):
