@@ -488,6 +488,7 @@ DECODE_ROWS = (1, 8)
 # A kind's weights timed: enough layers' to come from memory, as in a step, not from the cache
 TIMED_BYTES = 64 * 2**20
 TRIES = 5  # each kernel's best try counts: another process's time slice only ever adds to one
+TRIES_SECONDS = 0.5  # but no more tries of a kind after this long: a busy CPU's start stays short
 
 
 def kernel_forced() -> bool | None:
@@ -539,8 +540,9 @@ def choose_cpu_kernels(model: nn.Module, forced: bool | None) -> str:
 
 
 def kernel_seconds(weights: list[torch.Tensor]) -> dict[str, float]:
-    """Each kernel's best time over TRIES for the first layers' weights of a kind, at every one of
-    DECODE_ROWS, the kernels taking turns (both see the same load)."""
+    """Each kernel's best time over TRIES (or those that fit in TRIES_SECONDS) for the first layers'
+    weights of a kind, at every one of DECODE_ROWS, the kernels taking turns (both see the same
+    load)."""
     timed = []
     for weight in weights:
         timed.append(weight)
@@ -552,6 +554,7 @@ def kernel_seconds(weights: list[torch.Tensor]) -> dict[str, float]:
     }
     x = torch.ones(max(DECODE_ROWS), timed[0].shape[1], dtype=timed[0].dtype)
     best = dict.fromkeys(kernels, math.inf)
+    began = time.perf_counter()
     for _ in range(TRIES):
         for name, (kernel, laid_out) in kernels.items():
             start = time.perf_counter()
@@ -559,6 +562,8 @@ def kernel_seconds(weights: list[torch.Tensor]) -> dict[str, float]:
                 for weight in laid_out:
                     kernel(x[:rows], weight)
             best[name] = min(best[name], time.perf_counter() - start)
+        if time.perf_counter() - began > TRIES_SECONDS:
+            break
     return best
 
 
