@@ -6766,3 +6766,21 @@ def test_kernel_seconds_times_both_kernels_on_the_first_layers_weights_up_to_tim
     x = torch.randn(8, 16)
     packed = model_code.onednn_pack(weights[0])
     assert torch.allclose(model_code.onednn_linear(x, packed), F.linear(x, weights[0]), atol=1e-6)
+
+
+def omp_wait_policy(worker):  # run in the workers: the environment their OpenMP runtime read
+    return os.environ.get("OMP_WAIT_POLICY")
+
+
+@pytest.mark.parametrize("caller", [None, "ACTIVE"])
+def test_workers_start_with_openmp_threads_that_sleep_unless_the_caller_chose(monkeypatch, caller):
+    """On a busy CPU a spinning OpenMP thread holds the core its peer needs: the workers start with
+    OMP_WAIT_POLICY=PASSIVE, a caller's own setting passed on instead, and the caller's
+    environment left as it was."""
+    if caller is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", caller)
+    with LLM(checkpoints.TINY_MODEL_DIR, tensor_parallel_size=2, device="cpu") as llm:
+        assert llm.collective_rpc(omp_wait_policy) == [caller or "PASSIVE"] * 2
+        assert os.environ.get("OMP_WAIT_POLICY") == caller

@@ -326,10 +326,19 @@ class Executor:
         # to the process group reaches the driver (when we unblock it) and never N workers
         # mid-import; worker_main then ignores both.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        # A thread done with its part of an OpenMP region waits for the others; spinning there (the
+        # runtime's default) holds a core that a descheduled peer, the driver or another process
+        # needs, and on a busy CPU each of a step's regions stalls: the workers' threads sleep
+        # instead (docs/performance.md, "A busy CPU"). The runtime reads this as torch loads, so
+        # it goes in the environment they start with; the caller's own setting stands.
+        caller_policy = os.environ.get("OMP_WAIT_POLICY")
+        os.environ["OMP_WAIT_POLICY"] = caller_policy or "PASSIVE"
         try:
             for process in self.workers:
                 process.start()
         finally:
+            if caller_policy is None:
+                del os.environ["OMP_WAIT_POLICY"]
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         forget_child_processes(self.workers)
 
