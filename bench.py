@@ -38,6 +38,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -514,7 +515,7 @@ class EngineBackend:
         self.prompts = prompts
         self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
         self.parameter_bytes = max(self.llm.collective_rpc(parameter_bytes))
-        # A tied head packed for the CPU has a copy of its own (pack_for_cpu): the table then
+        # A tied head packed for the CPU has a copy of its own (choose_cpu_kernels): the table then
         # serves only the embedding's few rows.
         tied = self.llm.config.tie_word_embeddings
         self.head_reads_table = tied and not all(self.llm.collective_rpc(lm_head_is_packed))
@@ -751,14 +752,15 @@ def run_latency(args) -> dict:
             backend.steps.clear()
             backend.count_next_steps(reset=True)
             latencies = []
-            for _ in tqdm(range(args.num_iters), desc="Profiling iterations"):
-                start = time.perf_counter()
-                lengths = backend.generate()
-                latencies.append(time.perf_counter() - start)
-                if set(lengths) != {args.output_len}:
-                    raise RuntimeError(
-                        f"generated {sorted(set(lengths))} tokens, not {args.output_len}"
-                    )
+            with cpu_hogs(args.hogs):
+                for _ in tqdm(range(args.num_iters), desc="Profiling iterations"):
+                    start = time.perf_counter()
+                    lengths = backend.generate()
+                    latencies.append(time.perf_counter() - start)
+                    if set(lengths) != {args.output_len}:
+                        raise RuntimeError(
+                            f"generated {sorted(set(lengths))} tokens, not {args.output_len}"
+                        )
             weight_bytes = decode_weight_bytes(
                 backend.parameter_bytes, config, args.tp, dtype, backend.head_reads_table
             )
@@ -1545,11 +1547,11 @@ def write_gguf(args) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def stream_over_http(port: int, prompt: list[int], output_len: int) -> list[float]:
-    """One client: its prompt streamed from /v1/completions, and when each of its tokens came (its
-    start first), as stream_token_times has them. An event carries text, not tokens: a token that
-    came with no text of its own (half a character) counts at the next text, so these times hold the
-    same gaps as the in-process ones."""
+def stream_over_http(port: int, prompt: list[int], output_len: int) -> tuple[list[float], str]:
+    """One client: its prompt streamed from /v1/completions, when each of its tokens came (its start
+    first), as stream_token_times has them, and its text. An event carries text, not tokens: a token
+    that came with no text of its own (half a character) counts at the next text, so these times
+    hold the same gaps as the in-process ones."""
     import http.client
 
     body = {
@@ -1561,7 +1563,7 @@ def stream_over_http(port: int, prompt: list[int], output_len: int) -> list[floa
         "stream_options": {"include_usage": True},
     }
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    times = [time.perf_counter()]
+    times, text = [time.perf_counter()], ""
     connection.request(
         "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
     )
@@ -1569,82 +1571,212 @@ def stream_over_http(port: int, prompt: list[int], output_len: int) -> list[floa
         event = json.loads(line[6:]) if line.startswith(b"data: {") else {}
         if event.get("choices") and event["choices"][0]["text"]:
             times.append(time.perf_counter())
+            text += event["choices"][0]["text"]
         if event.get("usage"):  # the last event: every token is in
             times += [times[-1]] * (event["usage"]["completion_tokens"] - (len(times) - 1))
     connection.close()
-    return times
+    return times, text
+
+
+def serving_round(port: int, prompts: list[list[int]], output_len: int) -> dict:
+    """One server's figures: the prompts one after another (1 client), then all at once (one client
+    each); and the texts of the first."""
+    start = time.perf_counter()
+    one_by_one = [stream_over_http(port, prompt, output_len) for prompt in prompts]
+    sequential = serving_figures([times for times, _ in one_by_one], time.perf_counter() - start)
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        at_once = list(
+            pool.map(lambda prompt: stream_over_http(port, prompt, output_len)[0], prompts)
+        )
+    concurrent_run = serving_figures(at_once, time.perf_counter() - start)
+    return {
+        "sequential": sequential,
+        "concurrent": concurrent_run,
+        "texts": [text for _, text in one_by_one],
+    }
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(server: subprocess.Popen, port: int, command: list[str]) -> None:
+    """Until GET /health answers 200 (a server that exits first: an error naming its command)."""
+    import http.client
+
+    while server.poll() is None:
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(
+        f"the server exited ({server.returncode}) before serving: {' '.join(command)}"
+    )
+
+
+def start_servers(args, model_dir: str) -> dict[str, tuple[subprocess.Popen, int, float]]:
+    """serve.py, and with --vllm-python vLLM's CPU build's OpenAI server beside it on the same
+    checkpoint and settings (its own defaults otherwise: threads bound to the cores, a compiled
+    graph): name -> (process, port, seconds from its start to its first 200 on /health)."""
+    settings = [  # the same for both: the same model and requests
+        *["--model", model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.concurrency)],
+        *["--max-model-len", str(args.input_len + args.output_len)],
+    ]
+    serve_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py")
+    commands = {
+        "tinytp": (
+            [
+                *[sys.executable, serve_py, *settings, "--tp", str(args.tp)],
+                *(["--device", args.device] if args.device else []),
+                *(["--async-scheduling"] if args.async_scheduling else []),
+            ],
+            {},
+        )
+    }
+    if args.vllm_python:  # VLLM_CPU_KVCACHE_SPACE: 1 GiB of KV cache, not a share of all memory
+        commands["vLLM"] = (
+            [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", *settings]
+            + ["--tensor-parallel-size", str(args.tp)],
+            {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        )
+    servers = {}
+    try:
+        for name, (command, env) in commands.items():  # one at a time: start-up is timed alone
+            port = free_port()
+            flag = ["--port", str(port)]
+            start = time.perf_counter()
+            server = subprocess.Popen(
+                command + flag,
+                env={**os.environ, **env},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            servers[name] = (server, port, math.nan)
+            wait_for_health(server, port, command + flag)
+            servers[name] = (server, port, time.perf_counter() - start)
+            print(f"{name} serving on port {port} after {servers[name][2]:.1f} s", flush=True)
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def stop_servers(servers: dict[str, tuple[subprocess.Popen, int, float]]) -> None:
+    for server, _, _ in servers.values():
+        server.send_signal(signal.SIGTERM)
+    for server, _, _ in servers.values():
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int):
+    """`count` processes that spin on a core each (Python's `while 1: pass`): a busy machine."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+SERVING_KEYS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 
 
 def run_serve(args) -> dict:
     """--serve --concurrency N: N streaming HTTP clients at once against the same N requests one
     after another, on one serve.py (greedy, --input-len random token ids, exactly --output-len
-    tokens each): run_concurrency's figures, with HTTP, JSON and the server's threads in the way."""
+    tokens each): run_concurrency's figures, with HTTP, JSON and the server's threads in the way.
+    With --vllm-python, vLLM's CPU server too, both alive, the same client on each in turn,
+    --rounds times (--hogs busy processes beside them), and each figure's ratio tinytp / vLLM."""
     model_dir = resolve_model(args.model)
     vocab = read_config(os.path.join(model_dir, "config.json")).vocab_size
     prompts = (
         np.random.default_rng(0).integers(vocab, size=(args.concurrency, args.input_len)).tolist()
     )
-    command = [
-        sys.executable,
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py"),
-        "--model",
-        model_dir,
-        "--tp",
-        str(args.tp),
-        "--port",
-        "0",
-        "--dtype",
-        args.dtype,
-        "--max-num-seqs",
-        str(args.concurrency),
-        "--max-model-len",
-        str(args.input_len + args.output_len),
-        *(["--device", args.device] if args.device else []),
-        *(["--async-scheduling"] if args.async_scheduling else []),
-    ]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    servers = start_servers(args, model_dir)
+    rounds = {name: [] for name in servers}
     try:
-        line = server.stdout.readline()
-        if not line.startswith("tinytp: serving"):
-            raise RuntimeError(f"serve.py did not start: {' '.join(command)}")
-        port = int(line.rstrip().rsplit(":", 1)[1].split("/")[0])
-        print(
-            f"serve.py, tp={args.tp}, {args.dtype}, {args.concurrency} HTTP clients, "
-            f"{'async' if args.async_scheduling else 'sync'} scheduling"
-        )
-        stream_over_http(port, prompts[0], 4)  # warm-up
-        start = time.perf_counter()
-        sequential = serving_figures(
-            [stream_over_http(port, prompt, args.output_len) for prompt in prompts],
-            time.perf_counter() - start,
-        )
-        start = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            at_once = list(
-                pool.map(lambda prompt: stream_over_http(port, prompt, args.output_len), prompts)
-            )
-        concurrent_run = serving_figures(at_once, time.perf_counter() - start)
+        for _, port, _ in servers.values():
+            stream_over_http(port, prompts[0], 4)  # warm-up
+        with cpu_hogs(args.hogs):
+            for _ in range(args.rounds if args.vllm_python else 1):
+                for name, (_, port, _) in servers.items():
+                    rounds[name].append(serving_round(port, prompts, args.output_len))
+                    tokens_per_second = rounds[name][-1]["concurrent"]["output_throughput"]
+                    print(f"{name}: {tokens_per_second:.1f} tok/s at once", flush=True)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
-    for name, figures in [("sequential", sequential), ("concurrent", concurrent_run)]:
-        print(
-            f"{name}: output token throughput {figures['output_throughput']:.1f} tok/s; "
-            f"TTFT median {figures['median_ttft_ms']:.1f} ms, p99 {figures['p99_ttft_ms']:.1f} ms; "
-            f"ITL median {figures['median_itl_ms']:.2f} ms, p99 {figures['p99_itl_ms']:.2f} ms"
-        )
-    speedup = concurrent_run["output_throughput"] / sequential["output_throughput"]
+        stop_servers(servers)
+    print(
+        f"serve.py, tp={args.tp}, {args.dtype}, {args.concurrency} HTTP clients, "
+        f"{'async' if args.async_scheduling else 'sync'} scheduling, {args.hogs} CPU hogs; "
+        f"medians of {len(rounds['tinytp'])} round(s)"
+    )
+    medians = {
+        name: {
+            clients: {
+                key: statistics.median(r[clients][key] for r in results) for key in SERVING_KEYS
+            }
+            for clients in ("sequential", "concurrent")
+        }
+        for name, results in rounds.items()
+    }
+    for name, figures in medians.items():
+        for clients, f in figures.items():
+            print(
+                f"{name} {clients}: output token throughput {f['output_throughput']:.1f} tok/s; "
+                f"TTFT median {f['median_ttft_ms']:.1f} ms, p99 {f['p99_ttft_ms']:.1f} ms; "
+                f"ITL median {f['median_itl_ms']:.2f} ms, p99 {f['p99_itl_ms']:.2f} ms"
+            )
+    tinytp_figures = medians["tinytp"]
+    speedup = (
+        tinytp_figures["concurrent"]["output_throughput"]
+        / tinytp_figures["sequential"]["output_throughput"]
+    )
     print(f"concurrency speedup: {speedup:.2f}x the sequential tokens per second")
-    return {
+    result = {
         "serve": True,
         "concurrency": args.concurrency,
         "tp": args.tp,
         "dtype": args.dtype,
         "async_scheduling": args.async_scheduling,
-        "sequential": sequential,
-        "concurrent": concurrent_run,
+        "hogs": args.hogs,
+        **tinytp_figures,
         "concurrency_speedup": speedup,
+        "startup_seconds": {name: start for name, (_, _, start) in servers.items()},
+        "rounds": rounds,
     }
+    if args.vllm_python:
+        # each round's own ratios (both servers saw that round's load), then their median
+        result["ratios"] = {
+            clients: {
+                key: statistics.median(
+                    t[clients][key] / v[clients][key]
+                    for t, v in zip(rounds["tinytp"], rounds["vLLM"])
+                )
+                for key in SERVING_KEYS
+            }
+            for clients in ("sequential", "concurrent")
+        }
+        same = sum(a == b for a, b in zip(rounds["tinytp"][0]["texts"], rounds["vLLM"][0]["texts"]))
+        result["same_text"] = f"{same}/{len(prompts)}"
+        for clients, ratios in result["ratios"].items():
+            print(
+                f"tinytp / vLLM, {clients}: "
+                + ", ".join(f"{key} {ratio:.2f}" for key, ratio in ratios.items())
+            )
+        print(f"the same greedy text on {result['same_text']} prompts")
+    return result
 
 
 # --------------------------------------------------------------------------------------
@@ -1767,7 +1899,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--rounds",
         type=int,
         default=3,
-        help="with --compare or --arrival-prompt-len: how many times to run them all in turn",
+        help="with --compare, --arrival-prompt-len or --vllm-python: how many times to run them "
+        "all in turn",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="with --serve: a Python with vLLM's CPU build (vllm-cpu), whose OpenAI server runs "
+        "beside serve.py for the same client (docs/performance.md)",
+    )
+    parser.add_argument(
+        "--hogs",
+        type=int,
+        default=0,
+        help="busy processes (a spinning Python each) beside the timed part of --serve or of a "
+        "latency run",
     )
     parser.add_argument(
         "--output-path",
@@ -1888,6 +2034,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             f"--concurrency must be at least 1, on --backend tinytp; got {args.concurrency} on "
             f"{args.backend}"
         )
+    if args.vllm_python and not args.serve:
+        parser.error("--vllm-python is --serve's: it starts vLLM's server beside serve.py")
+    if args.hogs < 0:
+        parser.error(f"--hogs must be at least 0, got {args.hogs}")
     if args.serve and not (args.model and args.concurrency):
         parser.error(
             "--serve needs --model (a checkpoint with a tokenizer: the server streams text) "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -148,8 +149,8 @@ def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """y = x W^T for x of shape [tokens, in], with W in oneDNN's layout where pack_for_cpu put
-    it."""
+    """y = x W^T for x of shape [tokens, in], with W in oneDNN's layout where choose_cpu_kernels
+    put it."""
     if layer.packed_weight is None:
         return F.linear(x, layer.weight)
     return onednn_linear(x, layer.packed_weight)
@@ -414,27 +415,6 @@ class LlamaForCausalLM(nn.Module):
 
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------
-def packing_wanted() -> bool:
-    """TINYTP_PACK_WEIGHTS=0 runs the plain F.linear path, to read or compare (1, the default,
-    packs)."""
-    if (value := os.environ.get("TINYTP_PACK_WEIGHTS", "1")) not in ("0", "1"):
-        raise ValueError(f"TINYTP_PACK_WEIGHTS must be 0 or 1, not {value!r}")
-    return value == "1"
-
-
-def pack_for_cpu(model: nn.Module) -> None:
-    """Lay out every matmul weight once in oneDNN's blocked layout, the CPU's fastest kernel at a
-    decode step's few rows, as torch.compile does on CPU (the same results but for rounding;
-    docs/performance.md). The packed copy replaces the plain one, except in a tied LM head, whose
-    table the embedding still reads."""
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-            weight = module.weight.detach()
-            module.packed_weight = onednn_pack(weight)
-            if module.weight is not model.embed_tokens.weight:
-                module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
-
-
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights, uniform in +-1e-3 as vLLM does (load_format "dummy"): real shapes and speed,
     no files."""
@@ -502,10 +482,95 @@ def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> di
     }
 
 
+# Each matmul's CPU kernel, chosen at load time by timing the candidates ------------------
+# A decode step's rows, at which the kernels race: one request, and a batch of a few.
+DECODE_ROWS = (1, 8)
+# A kind's weights timed: enough layers' to come from memory, as in a step, not from the cache
+TIMED_BYTES = 64 * 2**20
+TRIES = 5  # each kernel's best try counts: another process's time slice only ever adds to one
+TRIES_SECONDS = 0.5  # but no more tries of a kind after this long: a busy CPU's start stays short
+
+
+def kernel_forced() -> bool | None:
+    """TINYTP_PACK_WEIGHTS=1 runs every matmul on oneDNN's packed kernel, 0 every one on F.linear:
+    one kernel, to read, compare or test. Unset (the default), choose_cpu_kernels times both."""
+    value = os.environ.get("TINYTP_PACK_WEIGHTS")
+    if value not in (None, "0", "1"):
+        raise ValueError(f"TINYTP_PACK_WEIGHTS must be 0 or 1, not {value!r}")
+    return None if value is None else value == "1"
+
+
+def choose_cpu_kernels(model: nn.Module, forced: bool | None) -> str:
+    """Give each kind of matmul (qkv_proj, o_proj, ... : one shape in every layer) the faster of
+    two CPU kernels here, and say which (the line returned): F.linear on the weight as loaded, or
+    oneDNN's packed kernel on a copy in its blocked layout, as torch.compile does on CPU (the same
+    results but for rounding). Which wins depends on the CPU, the shape and the rows
+    (docs/performance.md), so both run this model's own weights, in turn, at a decode step's rows.
+    A weight keeps one layout (two would double the memory), so a prefill runs the decode's pick.
+    The packed copy replaces the plain one, but in a tied LM head: the embedding reads its table."""
+    start = time.perf_counter()
+    kinds: dict[str, list[nn.Module]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            kinds.setdefault(name.rsplit(".", 1)[-1], []).append(module)
+    chosen = []
+    for kind, modules in kinds.items():
+        if forced is None:
+            seconds = kernel_seconds([m.weight.detach() for m in modules])
+            pack = seconds["oneDNN"] < seconds["F.linear"]
+            speedup = max(seconds.values()) / min(seconds.values())
+            chosen.append(f"{kind} {'oneDNN' if pack else 'F.linear'} ({speedup:.2f}x)")
+        else:
+            pack = forced
+            chosen.append(f"{kind} {'oneDNN' if pack else 'F.linear'}")
+        for module in modules if pack else []:
+            weight = module.weight.detach()
+            module.packed_weight = onednn_pack(weight)
+            if module.weight is not model.embed_tokens.weight:
+                module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
+    why = (
+        f"TINYTP_PACK_WEIGHTS={int(forced)}"
+        if forced is not None
+        else f"the faster at {' and '.join(map(str, DECODE_ROWS))} rows on this CPU, "
+        "timed on the model's weights (how much faster)"
+    )
+    return (
+        f"tinytp: matmul kernels: {', '.join(chosen)}: {why}; {time.perf_counter() - start:.2f} s"
+    )
+
+
+def kernel_seconds(weights: list[torch.Tensor]) -> dict[str, float]:
+    """Each kernel's best time over TRIES (or those that fit in TRIES_SECONDS) for the first layers'
+    weights of a kind, at every one of DECODE_ROWS, the kernels taking turns (both see the same
+    load)."""
+    timed = []
+    for weight in weights:
+        timed.append(weight)
+        if sum(w.nbytes for w in timed) >= TIMED_BYTES:
+            break
+    kernels = {
+        "F.linear": (F.linear, timed),
+        "oneDNN": (onednn_linear, [onednn_pack(w) for w in timed]),
+    }
+    x = torch.ones(max(DECODE_ROWS), timed[0].shape[1], dtype=timed[0].dtype)
+    best = dict.fromkeys(kernels, math.inf)
+    began = time.perf_counter()
+    for _ in range(TRIES):
+        for name, (kernel, laid_out) in kernels.items():
+            start = time.perf_counter()
+            for rows in DECODE_ROWS:
+                for weight in laid_out:
+                    kernel(x[:rows], weight)
+            best[name] = min(best[name], time.perf_counter() - start)
+        if time.perf_counter() - began > TRIES_SECONDS:
+            break
+    return best
+
+
 # Not PyTorch's public API, in one place -------------------------------------------------
 # oneDNN's packed linear, as torch.compile's CPU backend (inductor) calls it: no public API packs a
-# weight once for oneDNN. The public path is F.linear, which TINYTP_PACK_WEIGHTS=0 runs
-# (pack_for_cpu); signatures as in torch 2.x.
+# weight once for oneDNN. The public path is F.linear, which choose_cpu_kernels times against it;
+# signatures as in torch 2.x.
 def cpu_has_native_bfloat16() -> bool:
     """Does oneDNN run bfloat16 natively on this CPU (AVX-512 BF16, AMX)? Nothing public says."""
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()

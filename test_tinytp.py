@@ -485,10 +485,12 @@ def operations_in_a_decode_step(worker: Worker) -> int:
 
 
 @pytest.mark.quick
-def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did():
+def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did(monkeypatch):
     """At batch 1 much of a decode step's time on a CPU goes to dispatching small operations
     rather than to arithmetic: a structural guard (not a timing) that their count does not
-    grow. A decoder layer's share is the step's count less the count with one layer fewer."""
+    grow. A decoder layer's share is the step's count less the count with one layer fewer. On
+    oneDNN's kernel everywhere: which kernel the load-time timing picks depends on the CPU."""
+    monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "1")
     worker = worker_in_process([PROMPTS[0]], decode_steps=1)
     whole = operations_in_a_decode_step(worker)
     worker.model.layers = worker.model.layers[:-1]
@@ -539,9 +541,9 @@ def matmul_layouts(worker: Worker) -> list[str]:
 
 
 def test_tinytp_pack_weights_0_keeps_the_loaded_layout_and_the_tokens(monkeypatch):
-    """pack_for_cpu is a CPU kernel's layout, not tensor parallelism: TINYTP_PACK_WEIGHTS=0
-    runs every matmul as F.linear on the weights as loaded. Either way the tokens match
-    transformers, and the two runs agree."""
+    """choose_cpu_kernels picks a CPU kernel's layout, not tensor parallelism: TINYTP_PACK_WEIGHTS=0
+    runs every matmul as F.linear on the weights as loaded, 1 every one on oneDNN's packed copy.
+    Either way the tokens match transformers, and the two runs agree."""
     tokens = {}
     for pack, layouts in (("1", ["oneDNN"] * 9), ("0", ["W"] * 9)):
         monkeypatch.setenv("TINYTP_PACK_WEIGHTS", pack)
@@ -1254,21 +1256,23 @@ class TestTp4ReplicatedKvHeads:
         check_greedy_against_hf(llm, hf_model, max_tokens=40)
 
     def test_explain_bytes_per_rank_are_what_the_workers_hold(self, tp4):
-        # Plus, on CPU, the tied LM head's packed copy (pack_for_cpu): 65 vocab rows (258 padded to
-        # 260, over 4) x 64.
+        # Plus, on CPU, the tied LM head's packed copy where choose_cpu_kernels packed it: 65 vocab
+        # rows (258 padded to 260, over 4) x 64.
         import bench
 
         _, _, llm = tp4
         printed = re.findall(
             r"rank (\d) holds ([\d,]+) bytes", bench.explain(llm.config, 4, "float32")
         )
-        head_copy = 65 * 64 * 4
-        assert [int(n.replace(",", "")) + head_copy for _, n in printed] == llm.collective_rpc(
-            bench.parameter_bytes
-        )
+        head_copies = [
+            65 * 64 * 4 * packed for packed in llm.collective_rpc(bench.lm_head_is_packed)
+        ]
+        assert [
+            int(n.replace(",", "")) + head_copy for (_, n), head_copy in zip(printed, head_copies)
+        ] == llm.collective_rpc(bench.parameter_bytes)
 
 
-def packed_weight_dtypes(worker):  # run in the workers: what pack_for_cpu made of each matmul
+def packed_weight_dtypes(worker):  # run in the workers: what was packed of each matmul
     layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
     return [
         m.packed_weight is not None and m.packed_weight.dtype
@@ -1277,13 +1281,17 @@ def packed_weight_dtypes(worker):  # run in the workers: what pack_for_cpu made 
     ]
 
 
-def test_tp2_bfloat16_tied_packed_tokens_within_tolerance_of_transformers_bfloat16(tmp_path):
-    """bfloat16 on CPU: every matmul packed for oneDNN where it can, the tied LM head too,
+def test_tp2_bfloat16_tied_packed_tokens_within_tolerance_of_transformers_bfloat16(
+    tmp_path, monkeypatch
+):
+    """bfloat16 on CPU: every matmul packed for oneDNN where it can (TINYTP_PACK_WEIGHTS=1, not
+    timed), the tied LM head too,
     and each greedy token within 1/32 of transformers' best logit, both in bfloat16 and
     teacher-forced. These logits lie within +-2, where bfloat16 moves in steps of 1/128:
     the two sum in different orders, and 2 of 200 tokens measured 2 steps (1/64) apart."""
     make_checkpoint(tmp_path, heads=4, kv_heads=2, tied=True)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "1")
     with LLM(
         str(tmp_path), tensor_parallel_size=2, device="cpu", dtype="bfloat16", max_model_len=128
     ) as llm:
@@ -6841,3 +6849,92 @@ def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_check
     print(f"\nshutdown took {took:.2f} s; rank 0's exit code {worker.exitcode}; {errors}")
     assert worker.exitcode == -signal.SIGKILL and 2.0 <= took < hang_bound(2.0)
     assert errors and "shut down" in errors[0] and set(shm_entries()) <= others
+
+
+# CPU kernels chosen at load time (issue 44) ---------------------------------------------------
+def test_each_kind_of_matmul_gets_the_kernel_timed_fastest_and_the_tokens_stay_transformers(
+    monkeypatch, capsys
+):
+    """Unforced, choose_cpu_kernels packs a kind of matmul for oneDNN exactly where oneDNN timed
+    faster: a mixed choice (the timings stubbed) runs each layer on the kernel chosen for its kind,
+    says so in one line, and gives transformers' tokens, as do the two kernels forced alone."""
+    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+    faster = {"qkv_proj": "oneDNN", "o_proj": "F.linear", "gate_up_proj": "F.linear"}
+    faster |= {"down_proj": "oneDNN", "lm_head": "oneDNN"}
+    kinds = iter(faster.values())  # choose_cpu_kernels asks in the model's order: its first layer
+
+    def timed(weights):
+        assert weights  # every layer's weight of one kind
+        winner = next(kinds)
+        return (
+            {"F.linear": 2.0, "oneDNN": 1.0}
+            if winner == "oneDNN"
+            else {"F.linear": 1.0, "oneDNN": 3.0}
+        )
+
+    with mock.patch.object(model_code, "kernel_seconds", side_effect=timed):
+        worker = worker_in_process([PROMPTS[3]], decode_steps=10)
+    said = capsys.readouterr().err
+    assert said.count("tinytp: matmul kernels:") == 1
+    assert (
+        "qkv_proj oneDNN (2.00x), o_proj F.linear (3.00x), gate_up_proj F.linear (3.00x), "
+        "down_proj oneDNN (2.00x), lm_head oneDNN (2.00x): the faster at 1 and 8 rows" in said
+    ), said
+    # 4 per layer (qkv, o, gate_up, down), then the LM head
+    assert matmul_layouts(worker) == ["oneDNN", "W", "W", "oneDNN"] * 2 + ["oneDNN"]
+    tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
+    assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)
+
+
+def test_kernel_seconds_times_both_kernels_on_the_first_layers_weights_up_to_timed_bytes(
+    monkeypatch,
+):
+    """Each kernel timed on the first layers' weights that make TIMED_BYTES (here 3 of 5),
+    at every one of DECODE_ROWS, in TRIES turns; their outputs those of F.linear."""
+    # 32 x 16 float32 weights: 2 and a bit of them; and every try, however slow the CPU is now
+    monkeypatch.setattr(model_code, "TIMED_BYTES", 2 * 32 * 16 * 4 + 1)
+    monkeypatch.setattr(model_code, "TRIES_SECONDS", math.inf)
+    weights = [torch.randn(32, 16) for _ in range(5)]
+    calls = collections.Counter()
+
+    def counted(kernel):
+        def run(x, weight):
+            calls[kernel.__name__, len(x)] += 1
+            return kernel(x, weight)
+
+        return run
+
+    with (
+        mock.patch.object(model_code.F, "linear", counted(F.linear)),
+        mock.patch.object(model_code, "onednn_linear", counted(model_code.onednn_linear)),
+    ):
+        seconds = model_code.kernel_seconds(weights)
+    assert set(seconds) == {"F.linear", "oneDNN"} and all(t > 0 for t in seconds.values())
+    expected = 3 * model_code.TRIES
+    assert calls == {
+        (name, rows): expected
+        for name in ("linear", "onednn_linear")
+        for rows in model_code.DECODE_ROWS
+    }
+    x = torch.randn(8, 16)
+    packed = model_code.onednn_pack(weights[0])
+    assert torch.allclose(model_code.onednn_linear(x, packed), F.linear(x, weights[0]), atol=1e-6)
+
+
+def omp_wait_policy(worker):  # run in the workers: the environment their OpenMP runtime read
+    return os.environ.get("OMP_WAIT_POLICY")
+
+
+@pytest.mark.parametrize("caller", [None, "ACTIVE"])
+def test_workers_start_with_openmp_threads_that_sleep_unless_the_caller_chose(monkeypatch, caller):
+    """On a busy CPU a spinning OpenMP thread holds the core its peer needs: the workers start with
+    OMP_WAIT_POLICY=PASSIVE, a caller's own setting passed on instead, and the caller's
+    environment left as it was."""
+    if caller is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", caller)
+    with LLM(checkpoints.TINY_MODEL_DIR, tensor_parallel_size=2, device="cpu") as llm:
+        assert llm.collective_rpc(omp_wait_policy) == [caller or "PASSIVE"] * 2
+        assert os.environ.get("OMP_WAIT_POLICY") == caller

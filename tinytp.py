@@ -52,8 +52,8 @@ from model import (
     ModelConfig,
     TPGroup,
     cpu_has_native_bfloat16,
+    kernel_forced,
     kv_cache_shape,
-    packing_wanted,
     weight_bytes,
 )
 from worker import (
@@ -328,10 +328,19 @@ class Executor:
         # to the process group reaches the driver (when we unblock it) and never N workers
         # mid-import; worker_main then ignores both.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        # A thread done with its part of an OpenMP region waits for the others; spinning there (the
+        # runtime's default) holds a core that a descheduled peer, the driver or another process
+        # needs, and on a busy CPU each of a step's regions stalls: the workers' threads sleep
+        # instead (docs/performance.md, "A busy CPU"). The runtime reads this as torch loads, so
+        # it goes in the environment they start with; the caller's own setting stands.
+        caller_policy = os.environ.get("OMP_WAIT_POLICY")
+        os.environ["OMP_WAIT_POLICY"] = caller_policy or "PASSIVE"
         try:
             for process in self.workers:
                 process.start()
         finally:
+            if caller_policy is None:
+                del os.environ["OMP_WAIT_POLICY"]
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         forget_child_processes(self.workers)
 
@@ -1667,7 +1676,7 @@ def check_engine_choices(device: str, cuda_graphs, load_format: str, async_sched
         )
     if type(async_scheduling) is not bool:
         raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
-    packing_wanted()  # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
+    kernel_forced()  # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
 
 
 def load_tokenizer(tokenizer: str | None, model_dir: str):

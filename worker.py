@@ -34,12 +34,12 @@ from model import (
     ModelConfig,
     ModelInputs,
     TPGroup,
+    choose_cpu_kernels,
     cpu_has_native_bfloat16,
     init_dummy_weights,
+    kernel_forced,
     kv_cache_shape,
     load_checkpoint,
-    pack_for_cpu,
-    packing_wanted,
 )
 
 
@@ -662,8 +662,10 @@ class Worker:
             torch.float32: torch.backends.mkldnn.is_available(),
             torch.bfloat16: cpu_has_native_bfloat16(),
         }
-        if self.device.type == "cpu" and packable.get(self.dtype) and packing_wanted():
-            pack_for_cpu(self.model)
+        if self.device.type == "cpu" and packable.get(self.dtype):
+            said = choose_cpu_kernels(self.model, kernel_forced())
+            if self.group.rank == 0:
+                print(said, file=sys.stderr)
 
     def init_kv_cache(
         self, num_blocks: int, block_size: int, max_num_seqs: int, cuda_graphs: bool = False
