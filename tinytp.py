@@ -75,7 +75,7 @@ from worker import (
     worker_main,
 )
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
 # transformers is imported in functions: spawned workers re-import this module and need neither it
 # nor its seconds.
@@ -83,17 +83,24 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 # Requests and outputs, in vLLM's shape -----------------------------------------------
 @dataclass
+class Logprob:  # vLLM's: one token's log-probability at a position
+    logprob: float
+    rank: int | None = None  # 1: the likeliest token there
+    decoded_token: str | None = None  # its text alone (tokenizer.decode([id]), as vLLM's)
+
+
+@dataclass
 class CompletionOutput:  # one sample of a prompt's completion
     index: int  # which of the prompt's n samples
     text: str  # the text of token_ids, special tokens left out, ending before a stop string
     token_ids: list[int]  # the generated tokens (the one that ended the sequence included)
     finish_reason: str  # "stop" (an end-of-sequence token, a stop token or string) or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # vLLM's other fields, as vLLM leaves them when they were not asked for: tinytp has none of
-    # these.
+    # SamplingParams.logprobs asked: the sum of its tokens' log-probabilities, and for each token
+    # {token id: Logprob}, the sampled token first, then the k likeliest (k + 1 entries, or k)
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
-    lora_request: None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    lora_request: None = None  # vLLM's, as vLLM leaves it when none was asked for
 
 
 @dataclass
@@ -103,9 +110,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # the n samples, in index order
     finished: bool = True
-    # vLLM's other fields, as vLLM leaves them when they were not asked for: tinytp has none of
-    # these, but num_cached_tokens (its prompt tokens the prefix cache held, in the first sample).
-    prompt_logprobs: list | None = None
+    # SamplingParams.prompt_logprobs asked: None for the first token, then for each {token id:
+    # Logprob}, the prompt's token first, then the k likeliest. vLLM's other fields, as vLLM leaves
+    # them when they were not asked for: tinytp has none of these, but num_cached_tokens (its
+    # prompt tokens the prefix cache held, in the first sample).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: None = None
     lora_request: None = None
     encoder_prompt: str | None = None
@@ -156,6 +165,10 @@ class Request:
     num_cached_tokens: int = -1
     # the hash of each of its full blocks, chained (KVCacheManager): kept while it is preempted
     block_hashes: list[bytes] = field(default_factory=list)
+    # the workers' logprobs_of entries, where asked: one per output token; one per prompt token
+    # but the first
+    logprobs: list[tuple] = field(default_factory=list)
+    prompt_logprobs: list[tuple] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:  # vLLM's: its prompt and the tokens sampled so far
@@ -530,10 +543,15 @@ class KVCacheManager:
         """The share of blocks held by requests (vLLM's kv_cache_usage_perc, a fraction)."""
         return 1 - len(self.free_block_queue) / (self.num_blocks - 1)
 
+    def reads_cache(self, request: Request) -> bool:
+        """A request asking for prompt logprobs computes its whole prompt (vLLM's choice): a cached
+        block has keys and values, not logits. Its blocks are cached all the same."""
+        return self.enable_caching and request.params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of cached blocks its tokens begin with, short of its last token: that
         one is always computed, for its logits."""
-        if not self.enable_caching:
+        if not self.reads_cache(request):
             return []
         self.hash_full_blocks(request)
         hits = []
@@ -686,7 +704,16 @@ class Scheduler:
             return None
         new_requests = [
             NewRequest(
-                r.request_id, r.prompt_token_ids, blocks, r.params, r.seed, r.num_computed_tokens
+                r.request_id,
+                r.prompt_token_ids,
+                blocks,
+                r.params,
+                r.seed,
+                r.num_computed_tokens,
+                # vLLM's: the end-of-sequence tokens too, whatever ignore_eos says
+                sorted(self.eos_token_ids | {*r.params.stop_token_ids})
+                if r.params.min_tokens
+                else [],
             )
             for r, _, blocks in scheduled[len(scheduled) - len(new) :]
         ]
@@ -724,7 +751,7 @@ class Scheduler:
             # its first admission (vLLM counts a resumed one's hits apart)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
-                if self.kv_cache_manager.enable_caching:
+                if self.kv_cache_manager.reads_cache(request):
                     self.prefix_cache_queries += request.num_tokens
                     self.prefix_cache_hits += num_computed
             request.num_computed_tokens = num_computed
@@ -783,11 +810,15 @@ class Scheduler:
             scheduler_output.scheduled_ids, runner_output.sampled_token_ids
         ):
             request = by_id.get(request_id)
+            if request is not None:  # (not finished or aborted since the step was sent)
+                request.prompt_logprobs += runner_output.prompt_logprobs.get(request_id, [])
             # finished or aborted since it was sent; or part-way in its prompt
             if request is None or token is None:
                 continue
             request.num_in_flight -= 1
             request.output_token_ids.append(token)
+            if request.params.logprobs is not None:
+                request.logprobs.append(runner_output.logprobs[request_id])
             updated.append(request)
             # An end-of-sequence or stop token ends it here; a stop string, a matter of text, is
             # found by the front end (OutputProcessor), which then aborts the request.
@@ -938,19 +969,14 @@ class EngineCore:
 # output processing (vLLM's OutputProcessor) makes the reports into RequestOutputs. LLM is the
 # thin layer over the three that a vLLM script calls.
 def default_sampling_params(model_dir: str) -> SamplingParams:
-    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens
-    from the checkpoint's generation_config.json, vLLM's defaults for the rest (do_sample is not
-    read, as in vLLM)."""
+    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p, repetition_penalty
+    and max_new_tokens from the checkpoint's generation_config.json, vLLM's defaults for the rest
+    (do_sample is not read, as in vLLM)."""
     path = os.path.join(model_dir, "generation_config.json")
     config = read_json_object(path) if os.path.exists(path) else {}
     try:
-        if config.get("repetition_penalty", 1.0) != 1.0:
-            raise ValueError(
-                f"repetition_penalty={config['repetition_penalty']}: "
-                "tinytp does not support penalties"
-            )
         config["max_tokens"] = config.get("max_new_tokens")  # transformers' name for it
-        keys = ("temperature", "top_p", "top_k", "min_p", "max_tokens")
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
         return SamplingParams(**{key: config[key] for key in keys if config.get(key) is not None})
     except ValueError as e:  # a value SamplingParams refuses
         raise ValueError(f"{path}: {e}") from None
@@ -1042,6 +1068,7 @@ class Processor:
                 "allows at most max_model_len - 1"
             )
         self.check_vocabulary(params.stop_token_ids, "stop_token_ids")
+        self.check_vocabulary(list(params.logit_bias or {}), "logit_bias's")
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids"
@@ -1239,8 +1266,8 @@ class IncrementalText:
     characters before it that a stop string could begin in (the longest one's length, less one);
     and the text shown holds back as many, while a stop string could still begin there."""
 
-    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str]):
-        self.detokenize, self.stop = detokenize, stop
+    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str], min_tokens: int):
+        self.detokenize, self.stop, self.min_tokens = detokenize, stop, min_tokens
         self.hold = max(map(len, stop), default=1) - 1
         self.start = self.shown = 0  # the window, and where its decoded part ends
         self.decoded = ""  # the text of the tokens before `shown`
@@ -1257,7 +1284,7 @@ class IncrementalText:
             self.detokenize(token_ids[self.start : self.shown]) if self.shown > self.start else ""
         )
         new = window[len(before) :]
-        if self.stop:
+        if self.stop and end > self.min_tokens:  # vLLM's: no stop string within min_tokens
             text = self.decoded + new
             begin = max(0, len(self.decoded) - self.hold)
             found = [(i, stop) for stop in self.stop if (i := text.find(stop, begin)) >= 0]
@@ -1279,20 +1306,41 @@ class IncrementalText:
 
 class RequestState:
     """One sample as the front end follows it (vLLM's RequestState): its text as its tokens come,
-    and its CompletionOutput so far. A stop string found in the text ends it here."""
+    its logprobs where asked, and its CompletionOutput so far. A stop string found in the text
+    ends it here."""
 
-    def __init__(self, request: Request, index: int, detokenize: Callable[[list[int]], str]):
+    def __init__(self, request: Request, index: int, output_processor: OutputProcessor):
         self.request, self.index = request, index
-        self.text = IncrementalText(detokenize, request.params.stop)
+        self.decode_token = output_processor.decode_token
+        params = request.params
+        self.text = IncrementalText(output_processor.detokenize, params.stop, params.min_tokens)
         self.num_tokens = 0  # the tokens taken in so far
         self.completion = CompletionOutput(index, "", [], None)
         self.finished = False
+        self.logprobs: list[dict[int, Logprob]] = []  # one per token taken in, where asked
+        self.prompt_logprobs: list | None = None  # made at the first report, where asked: all in
+
+    def logprob_dict(self, entry: tuple) -> dict[int, Logprob]:
+        """A position's {token id: Logprob} from the workers' entry (logprobs_of): the given token
+        first, then the k likeliest, ranked 1 to k (one entry fewer if the given is among them)."""
+        token_ids, logprobs, rank = entry
+        ranks = [rank, *range(1, len(token_ids))]
+        return {
+            token_id: Logprob(logprob, rank, self.decode_token(token_id))
+            for token_id, logprob, rank in zip(token_ids, logprobs, ranks)
+        }
 
     def update(self, num_tokens: int, finished: bool) -> bool:
         """Take in the engine's report: the request had `num_tokens` tokens then (the engine may
         have appended more since), and maybe finished. False while its text ends in half of a
         multi-byte character: nothing new to show yet."""
         request, text = self.request, self.text
+        if request.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None, *map(self.logprob_dict, request.prompt_logprobs)]
+        if request.params.logprobs is not None:
+            self.logprobs += map(
+                self.logprob_dict, request.logprobs[len(self.logprobs) : num_tokens]
+            )
         # The engine ends a request with "stop" at an end-of-sequence or stop token only: kept in
         # token_ids, left out of the text, as vLLM does.
         end = num_tokens - 1 if finished and request.finish_reason == "stop" else num_tokens
@@ -1320,6 +1368,11 @@ class RequestState:
         self.completion = CompletionOutput(
             self.index, text.text(self.finished), token_ids, reason, stop_reason
         )
+        if request.params.logprobs is not None:
+            self.completion.logprobs = self.logprobs[:num_tokens]
+            self.completion.cumulative_logprob = sum(
+                entry[1][0] for entry in request.logprobs[:num_tokens]
+            )
         return True
 
 
@@ -1337,6 +1390,10 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def decode_token(self, token_id: int) -> str | None:
+        """A token's text alone, special tokens written out: vLLM's Logprob.decoded_token."""
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
     def follow(
         self, groups: list[list[Request]], client: EngineClient, stream: bool
     ) -> Iterator[tuple[int, RequestState]]:
@@ -1344,7 +1401,7 @@ class OutputProcessor:
         number, the state of its sample) whenever a completion changed. Leaving early (an
         exception, Ctrl-C, a stream closed) aborts the requests not finished."""
         states = {
-            r.request_id: (number, RequestState(r, index, self.detokenize))
+            r.request_id: (number, RequestState(r, index, self))
             for number, group in enumerate(groups)
             for index, r in enumerate(group)
         }
@@ -1381,12 +1438,15 @@ class GroupOutputs:
             for group in groups
         ]
         self.num_finished = [0] * len(groups)
+        self.prompt_logprobs = [None] * len(groups)  # its first sample's (all have the same)
         self.outputs = [self.request_output(number) for number in range(len(groups))]
         self.changed: set[int] = set()  # the groups whose RequestOutput is out of date
 
     def update(self, number: int, state: RequestState) -> None:
         self.completions[number][state.index] = state.completion
         self.num_finished[number] += state.finished
+        if state.index == 0:
+            self.prompt_logprobs[number] = state.prompt_logprobs
         self.changed.add(number)
 
     def current(self) -> list[RequestOutput]:
@@ -1405,6 +1465,7 @@ class GroupOutputs:
             first.prompt_token_ids,
             list(completions),
             finished,
+            self.prompt_logprobs[number],
             num_cached_tokens=first.num_cached_tokens,
         )
 

@@ -87,6 +87,8 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
 
 # Messages between the driver and the workers ------------------------------------------
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a lower temperature other than 0 is raised to it
+MAX_LOGPROBS = 20  # vLLM's max_logprobs default: the most log-probabilities a token may ask for
+LOGPROBS_WORDS = f"None or an integer from 0 to {MAX_LOGPROBS} (vLLM's max_logprobs)"
 
 
 @dataclass(kw_only=True)  # keywords only: vLLM's positional order differs
@@ -94,7 +96,9 @@ class SamplingParams:
     """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy,
     sampling_probabilities applies the rest; n samples per prompt, repeatable with a seed. A
     sequence ends at an end-of-sequence token (unless ignore_eos), one of stop_token_ids, a stop
-    string (the text ends before it) or after max_tokens."""
+    string (the text ends before it) or after max_tokens, never before min_tokens. Before all that,
+    adjusted_logits adds logit_bias and applies the penalties. logprobs, prompt_logprobs: the k
+    likeliest tokens' log-probabilities (and the chosen one's) at each generated, prompt token."""
 
     n: int = 1
     temperature: float = 1.0
@@ -106,9 +110,22 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: as many as max_model_len leaves, as in vLLM
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id: a number added to its logit
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether adjusted_logits changes anything for it."""
+        penalties = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+        return bool(self.logit_bias or self.min_tokens or penalties)
 
     def __new__(cls, *args, **kwargs):
-        # vLLM's other fields (beam search, penalties, logprobs, ...) and typos: a ValueError naming
+        # vLLM's other fields (beam search, guided decoding, ...) and typos: a ValueError naming
         # the field, not a TypeError, and never accepted, even at vLLM's default.
         for name in kwargs.keys() - {f.name for f in fields(cls)}:
             raise ValueError(
@@ -141,6 +158,36 @@ class SamplingParams:
                 "None or an integer in [0, 2**64)",
             ),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
+            ("min_tokens", is_integer(self.min_tokens) and self.min_tokens >= 0, "an integer >= 0"),
+            *(
+                (name, is_number(value) and -2 <= value <= 2, "a number in [-2, 2]")
+                for name, value in [
+                    ("presence_penalty", self.presence_penalty),
+                    ("frequency_penalty", self.frequency_penalty),
+                ]
+            ),
+            (
+                "repetition_penalty",
+                is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+                "a number > 0",
+            ),
+            *(
+                (name, k is None or is_integer(k) and 0 <= k <= MAX_LOGPROBS, LOGPROBS_WORDS)
+                for name, k in [
+                    ("logprobs", self.logprobs),
+                    ("prompt_logprobs", self.prompt_logprobs),
+                ]
+            ),
+            (
+                "logit_bias",
+                self.logit_bias is None
+                or isinstance(self.logit_bias, dict)
+                and all(
+                    is_integer(t) and t >= 0 and is_number(b) and math.isfinite(b)
+                    for t, b in self.logit_bias.items()
+                ),
+                "None or a dict of token ids to finite numbers",
+            ),
         ]:
             if not valid:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
@@ -153,6 +200,10 @@ class SamplingParams:
         self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")
         if self.max_tokens is not None:
             check_count("max_tokens", self.max_tokens)
+            if self.min_tokens > self.max_tokens:
+                raise ValueError(
+                    f"min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}"
+                )
         # 1 / temperature would overflow the logits into NaN
         if 0 < self.temperature < MIN_TEMPERATURE:
             print(
@@ -178,6 +229,8 @@ class NewRequest:
     seed: int  # always set: every rank seeds the same generator, so all sample alike
     # tokens whose keys and values its first blocks already hold (prefix caching)
     num_computed_tokens: int = 0
+    # the tokens that min_tokens holds back (end-of-sequence and stop tokens); none without it
+    min_tokens_stop_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -201,6 +254,10 @@ class ModelRunnerOutput:
     # one per scheduled request, in its order; None: a prompt part-way done
     sampled_token_ids: list[int | None]
     execute_seconds: float  # time inside the worker, to measure the executor's overhead
+    # for the requests that asked, by id (logprobs_of's entries): the sampled token's, and each of
+    # the prompt's tokens scored this step (in order); empty when none asked
+    logprobs: dict[int, tuple] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[tuple]] = field(default_factory=dict)
 
 
 @dataclass
@@ -571,6 +628,53 @@ def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
     return probs
 
 
+def adjusted_logits(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:
+    """One request's row of logits as vLLM's sampler adjusts it, greedy or not, in its order:
+    logit_bias added; the end-of-sequence and stop tokens ruled out below min_tokens; then the
+    penalties: repetition over the prompt's and output's tokens (a positive logit divided by it,
+    a negative one multiplied, as transformers' RepetitionPenaltyLogitsProcessor), frequency
+    (times each token's count) and presence (once per token) over the output's, as OpenAI's."""
+    params, device = request.params, logits.device
+    output = request.token_ids[request.num_prompt_tokens :]
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=device)
+        logits = logits.index_add(0, ids, torch.tensor([*params.logit_bias.values()]).to(logits))
+    if len(output) < params.min_tokens:
+        logits = logits.index_fill(
+            0, torch.tensor(request.min_tokens_stop_ids, device=device), -math.inf
+        )
+    if params.repetition_penalty != 1:
+        seen, penalty = (
+            torch.tensor(request.token_ids, device=device).unique(),
+            params.repetition_penalty,
+        )
+        scores = logits[seen]
+        logits = logits.index_copy(
+            0, seen, torch.where(scores > 0, scores / penalty, scores * penalty)
+        )
+    if params.frequency_penalty or params.presence_penalty:
+        counts = torch.bincount(
+            torch.tensor(output, dtype=torch.long, device=device), minlength=logits.numel()
+        )
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+    return logits
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: list[int], num_logprobs: list[int]) -> list[tuple]:
+    """For each row of logits: its log-softmax (of the raw logits, before penalties, temperature
+    and top-k/p: vLLM's default, raw_logprobs), as (the given token, then the k likeliest: their
+    ids, their log-probabilities, the given token's rank). A rank counts the tokens at least as
+    likely, as vLLM's: 1 is the likeliest."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    tokens = torch.tensor(token_ids, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, tokens)
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    top = logprobs.topk(max(num_logprobs), dim=-1)
+    ids = torch.cat([tokens, top.indices], dim=1).tolist()
+    values = torch.cat([chosen, top.values], dim=1).tolist()
+    return [(i[: k + 1], v[: k + 1], r) for i, v, r, k in zip(ids, values, ranks, num_logprobs)]
+
+
 # The worker: one rank's model, KV cache and copy of every running request -------------
 @dataclass
 class CachedRequest:
@@ -581,6 +685,18 @@ class CachedRequest:
     block_ids: list[int]  # its block table: position p is at offset p % block_size of block p // it
     params: SamplingParams
     generator: torch.Generator
+    num_prompt_tokens: int = 0
+    min_tokens_stop_ids: list[int] = field(default_factory=list)
+    # the first prompt position whose logits have not scored its next token yet (prompt_logprobs:
+    # a preempted request computes its prompt again, and each position is sent once)
+    prompt_logprobs_from: int = 0
+
+    def prompt_logprob_positions(self, num_tokens: int) -> range:
+        """The positions among this step's num_tokens whose logits score the next prompt token."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        end = min(self.num_computed + num_tokens, self.num_prompt_tokens - 1)
+        return range(max(self.num_computed, self.prompt_logprobs_from), end)
 
 
 def choose_cuda_attention_backends() -> None:
@@ -741,11 +857,17 @@ class Worker:
                 for (r, n), end in zip(batch, ends)
                 if n > 1
             ],
-            last_index=torch.tensor(
+            # the sampled rows, then those whose prompt logprobs were asked for (each request's)
+            logits_indices=torch.tensor(
                 [
                     end - 1
                     for (r, n), end in zip(batch, ends)
                     if r.num_computed + n == len(r.token_ids)
+                ]
+                + [
+                    end - n - r.num_computed + p
+                    for (r, n), end in zip(batch, ends)
+                    for p in r.prompt_logprob_positions(n)
                 ],
                 dtype=torch.long,
                 device=device,
@@ -757,7 +879,7 @@ class Worker:
         requests' then pad rows (token 0 at position 0 of the null block, which no request reads
         unmasked), attention reading a power of two of positions through block tables as wide.
         The scheduled rows' logits."""
-        pad = CachedRequest([0], 0, [0], None, None)
+        pad = CachedRequest([0], 0, [0], SamplingParams(), None)
         rows = scheduled + [pad] * (self.max_num_seqs - len(scheduled))
         # + 1, this step's token: at most the power of two above
         longest = max(r.num_computed for r in scheduled)
@@ -786,14 +908,44 @@ class Worker:
 
     def sample(self, logits: torch.Tensor, scheduled: list[CachedRequest]) -> list[int]:
         """Every rank has the same logits (all-gathered) and seeded generators: all pick the same
-        tokens, unspoken."""
+        tokens, unspoken. A request with penalties, min_tokens or logit_bias has its row adjusted
+        first (the same on every rank); the others cost nothing more."""
         logits = logits.float()
+        if any(request.params.adjusts_logits for request in scheduled):  # new rows: the raw ones
+            logits = torch.stack(  # score logprobs (Worker.logprobs)
+                [
+                    adjusted_logits(row, request) if request.params.adjusts_logits else row
+                    for row, request in zip(logits, scheduled)
+                ]
+            )
         tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
         for i, request in enumerate(scheduled):
             if request.params.temperature > 0:
                 probs = sampling_probabilities(logits[i], request.params)
                 tokens[i] = torch.multinomial(probs, 1, generator=request.generator).item()
         return tokens
+
+    def logprobs(
+        self, logits: torch.Tensor, ids: list[int], batch: list[tuple], tokens: dict[int, int]
+    ) -> tuple[dict, dict]:
+        """The step's log-probabilities for the requests that asked (ModelRunnerOutput's): of the
+        sampled tokens (the first rows of logits, one per token) and of the prompts' tokens (the
+        rows after them, in prepare_inputs' order), in one call."""
+        asked = [
+            (row, i) for row, i in enumerate(tokens) if self.requests[i].params.logprobs is not None
+        ]
+        prompts = [(i, r, r.prompt_logprob_positions(n)) for i, (r, n) in zip(ids, batch)]
+        prompts = [(i, r, positions) for i, r, positions in prompts if positions]
+        targets = [tokens[i] for _, i in asked]
+        targets += [r.token_ids[p + 1] for _, r, positions in prompts for p in positions]
+        if not targets:
+            return {}, {}
+        num_logprobs = [self.requests[i].params.logprobs for _, i in asked]
+        num_logprobs += [r.params.prompt_logprobs for _, r, positions in prompts for _ in positions]
+        rows = [row for row, _ in asked] + list(range(len(tokens), len(logits)))
+        entries = iter(logprobs_of(logits[rows], targets, num_logprobs))
+        sampled = {i: next(entries) for _, i in asked}
+        return sampled, {i: [next(entries) for _ in positions] for i, _, positions in prompts}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step: update the requests from the deltas, run the model, sample, append the tokens
@@ -808,6 +960,8 @@ class Worker:
                 request = self.requests[new.request_id] = CachedRequest(
                     list(new.prompt_token_ids), 0, [], new.params, generator
                 )
+                request.num_prompt_tokens = len(new.prompt_token_ids)
+                request.min_tokens_stop_ids = new.min_tokens_stop_ids
             request.num_computed, request.block_ids = new.num_computed_tokens, list(new.block_ids)
         for request_id, block_ids in scheduler_output.new_block_ids.items():
             self.requests[request_id].block_ids += block_ids
@@ -827,13 +981,18 @@ class Worker:
                 else self.model(self.prepare_inputs(batch), self.kv_caches)
             )
         # .tolist() waits for the GPU
-        tokens = dict(zip(sampling, self.sample(logits, list(sampling.values()))))
+        tokens = dict(zip(sampling, self.sample(logits[: len(sampling)], list(sampling.values()))))
+        # rank 0 alone answers, so it alone computes what was asked
+        logprobs = self.logprobs(logits, ids, batch, tokens) if self.group.rank == 0 else ({}, {})
         for request, count in batch:
             request.num_computed += count
+            request.prompt_logprobs_from = max(request.prompt_logprobs_from, request.num_computed)
         for request_id, token in tokens.items():
             self.requests[request_id].token_ids.append(token)
         return ModelRunnerOutput(
-            [tokens.get(i) for i in scheduler_output.scheduled_ids], time.perf_counter() - start
+            [tokens.get(i) for i in scheduler_output.scheduled_ids],
+            time.perf_counter() - start,
+            *logprobs,
         )
 
     def close(self, unlink_collective_block: bool = False) -> None:
