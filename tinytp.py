@@ -124,6 +124,60 @@ class RequestOutput:
     kv_transfer_params: dict | None = None
 
 
+# OpenAI's shapes of the outputs (serve.py's: they need no HTTP) ---------------------
+def counts(prompt: int, completion: int) -> dict:
+    total = prompt + completion
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+
+
+def usage(final: list[RequestOutput]) -> dict:
+    prompt = sum(len(output.prompt_token_ids) for output in final)  # once, whatever n is
+    total = counts(prompt, sum(len(c.token_ids) for output in final for c in output.outputs))
+    cached = sum(output.num_cached_tokens or 0 for output in final)  # found in the prefix cache
+    return total | {"prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def choice(number: int, c: CompletionOutput, text: str, logprobs, chat: bool, stream: bool) -> dict:
+    """A choice in a response (its text), or in a stream's chunk (the new text)."""
+    content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    if chat and stream:
+        content = {"delta": {"content": text} if text else {}}
+    ends = {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    return {"index": number, **content, "logprobs": logprobs, **ends}
+
+
+def logprob_value(logprob: Logprob) -> float:
+    return max(logprob.logprob, -9999.0)  # JSON has no infinity: a -inf is OpenAI's -9999.0
+
+
+def chat_logprobs(tokens: list[int], entries: list[dict[int, Logprob]], k: int) -> dict:
+    """The chat's: each token's text, log-probability, UTF-8 bytes and the k likeliest's."""
+
+    def item(logprob: Logprob) -> dict:
+        text = logprob.decoded_token
+        return {"token": text, "logprob": logprob_value(logprob), "bytes": list(text.encode())}
+
+    ranked = [sorted(entry.values(), key=lambda logprob: logprob.rank)[:k] for entry in entries]
+    content = [
+        {**item(e[t]), "top_logprobs": [*map(item, top)]}
+        for t, e, top in zip(tokens, entries, ranked)
+    ]
+    return {"content": content}
+
+
+def completion_logprobs(tokens: list[int], entries: list, offset: int, tokenizer) -> dict:
+    """The completions': each token's text and where it begins (from offset), its log-probability
+    and the likeliest ones' by text (with the sampled one, as vLLM's: k + 1 or k); an entry None
+    (the prompt's first token) is null, its text the tokenizer's."""
+    texts = [
+        tokenizer.decode([t]) if e is None else e[t].decoded_token for t, e in zip(tokens, entries)
+    ]
+    offsets = list(itertools.accumulate(map(len, texts), initial=offset))[: len(texts)]
+    values = [e and logprob_value(e[t]) for t, e in zip(tokens, entries)]
+    tops = [e and {lp.decoded_token: logprob_value(lp) for lp in e.values()} for e in entries]
+    return {"text_offset": offsets, "token_logprobs": values, "tokens": texts, "top_logprobs": tops}
+
+
 @dataclass
 class Metric:  # vLLM's vllm.v1.metrics.reader: what LLM.get_metrics() returns
     name: str
@@ -1068,7 +1122,7 @@ class Processor:
                 "allows at most max_model_len - 1"
             )
         self.check_vocabulary(params.stop_token_ids, "stop_token_ids")
-        self.check_vocabulary(list(params.logit_bias or {}), "logit_bias's")
+        self.check_vocabulary(list(params.logit_bias or {}), "logit_bias")
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids"
@@ -2068,9 +2122,14 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; the exit code says how it ended (2: the user's mistake)."""
+    return exit_code(lambda: run(parse_args(argv)))
+
+
+def exit_code(run: Callable[[], int | None]) -> int:
+    """Run a command line (tinytp.py's, serve.py's); the exit code says how it ended (its own, 0,
+    or 2: the user's mistake)."""
     try:
-        run(parse_args(argv))
+        return run() or 0
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2
@@ -2085,7 +2144,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tinytp: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -138,6 +138,14 @@ class SamplingParams:
         # Checked for type as well as range, here in the driver: a NaN or a float count that
         # reached the workers would fail inside a step and take every request with it.
         check_count("n", self.n)
+
+        def within(value, low: float, high: float) -> bool:  # (a NaN is in no range)
+            return is_number(value) and low <= value <= high
+
+        def up_to_max_logprobs(k) -> bool:
+            return k is None or is_integer(k) and 0 <= k <= MAX_LOGPROBS
+
+        bias, repetition = self.logit_bias, self.repetition_penalty
         for name, valid, allowed in [
             (
                 "temperature",
@@ -159,32 +167,21 @@ class SamplingParams:
             ),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
             ("min_tokens", is_integer(self.min_tokens) and self.min_tokens >= 0, "an integer >= 0"),
-            *(
-                (name, is_number(value) and -2 <= value <= 2, "a number in [-2, 2]")
-                for name, value in [
-                    ("presence_penalty", self.presence_penalty),
-                    ("frequency_penalty", self.frequency_penalty),
-                ]
-            ),
+            ("presence_penalty", within(self.presence_penalty, -2, 2), "a number in [-2, 2]"),
+            ("frequency_penalty", within(self.frequency_penalty, -2, 2), "a number in [-2, 2]"),
             (
                 "repetition_penalty",
-                is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
+                within(repetition, 0, math.inf) and repetition > 0,
                 "a number > 0",
             ),
-            *(
-                (name, k is None or is_integer(k) and 0 <= k <= MAX_LOGPROBS, LOGPROBS_WORDS)
-                for name, k in [
-                    ("logprobs", self.logprobs),
-                    ("prompt_logprobs", self.prompt_logprobs),
-                ]
-            ),
+            ("logprobs", up_to_max_logprobs(self.logprobs), LOGPROBS_WORDS),
+            ("prompt_logprobs", up_to_max_logprobs(self.prompt_logprobs), LOGPROBS_WORDS),
             (
                 "logit_bias",
-                self.logit_bias is None
-                or isinstance(self.logit_bias, dict)
+                bias is None
+                or isinstance(bias, dict)
                 and all(
-                    is_integer(t) and t >= 0 and is_number(b) and math.isfinite(b)
-                    for t, b in self.logit_bias.items()
+                    is_integer(t) and is_number(b) and math.isfinite(b) for t, b in bias.items()
                 ),
                 "None or a dict of token ids to finite numbers",
             ),
@@ -634,28 +631,21 @@ def adjusted_logits(logits: torch.Tensor, request: CachedRequest) -> torch.Tenso
     penalties: repetition over the prompt's and output's tokens (a positive logit divided by it,
     a negative one multiplied, as transformers' RepetitionPenaltyLogitsProcessor), frequency
     (times each token's count) and presence (once per token) over the output's, as OpenAI's."""
-    params, device = request.params, logits.device
+    params, ids = request.params, functools.partial(torch.tensor, device=logits.device)
     output = request.token_ids[request.num_prompt_tokens :]
     if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=device)
-        logits = logits.index_add(0, ids, torch.tensor([*params.logit_bias.values()]).to(logits))
+        biases = ids([*params.logit_bias.values()], dtype=logits.dtype)
+        logits = logits.index_add(0, ids([*params.logit_bias]), biases)
     if len(output) < params.min_tokens:
-        logits = logits.index_fill(
-            0, torch.tensor(request.min_tokens_stop_ids, device=device), -math.inf
-        )
-    if params.repetition_penalty != 1:
-        seen, penalty = (
-            torch.tensor(request.token_ids, device=device).unique(),
-            params.repetition_penalty,
-        )
+        logits = logits.index_fill(0, ids(request.min_tokens_stop_ids), -math.inf)
+    if (penalty := params.repetition_penalty) != 1:
+        seen = ids(request.token_ids).unique()
         scores = logits[seen]
         logits = logits.index_copy(
             0, seen, torch.where(scores > 0, scores / penalty, scores * penalty)
         )
     if params.frequency_penalty or params.presence_penalty:
-        counts = torch.bincount(
-            torch.tensor(output, dtype=torch.long, device=device), minlength=logits.numel()
-        )
+        counts = torch.bincount(ids(output, dtype=torch.long), minlength=logits.numel())
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
     return logits
 
