@@ -47,10 +47,9 @@ FLAGS = ("stream", "echo", "add_generation_prompt", "add_special_tokens", "retur
 FIELD_TYPES = {"model": str, "user": str, "stream_options": dict, **dict.fromkeys(FLAGS, bool)}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 TYPE_WORDS = {str: "a string", dict: "an object", bool: "true or false"}
-SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"max_tokens", "logit_bias"}
-SAMPLING_FIELDS -= {"logprobs", "prompt_logprobs"}  # (the endpoints' own: generate maps these)
+# (SamplingParams' own; the endpoints set max_tokens, logprobs and prompt_logprobs themselves)
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"max_tokens", "prompt_logprobs"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "user", *SAMPLING_FIELDS}
-COMMON_FIELDS |= {"logit_bias", "logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "add_generation_prompt"}
 CHAT_FIELDS |= {"top_logprobs"}
@@ -240,6 +239,10 @@ class Handler(BaseHTTPRequestHandler):
         for name, value in body.items():
             if fault := field_fault(name, value, honoured):
                 raise APIError(400, fault, name)
+        if isinstance(bias := body.get("logit_bias"), dict):  # OpenAI's: token ids as strings
+            if not all(key.isascii() and key.isdigit() for key in bias):
+                raise APIError(400, f"logit_bias's keys are token ids: {bias!s:.60}", "logit_bias")
+            body["logit_bias"] = {int(key): value for key, value in bias.items()}
         options = {k: v for k, v in body.get("stream_options", {}).items() if v is not None}
         flags = options.keys() <= STREAM_OPTIONS and all(type(v) is bool for v in options.values())
         if options and not (flags and body.get("stream")):
@@ -358,10 +361,6 @@ class Handler(BaseHTTPRequestHandler):
             max_tokens = max(1, min(limit if unset else defaults.max_tokens, limit - longest))
         try:  # every value checked as SamplingParams checks it, and every prompt before any runs
             sampling = {name: body[name] for name in SAMPLING_FIELDS & body.keys()}
-            bias = body.get("logit_bias", {})  # OpenAI's keys: token ids as strings
-            if not (isinstance(bias, dict) and all(k.isascii() and k.isdigit() for k in bias)):
-                raise ValueError(f"logit_bias maps token ids (as strings) to numbers: {bias!s:.60}")
-            sampling["logit_bias"] = {int(key): value for key, value in bias.items()}
             k = self.top_logprobs  # (SamplingParams checks it)
             sampling |= {"logprobs": k, "prompt_logprobs": k if self.echo else None}
             params = replace(defaults, max_tokens=max_tokens, **sampling)

@@ -895,7 +895,7 @@ def test_a_request_ends_at_its_stop_condition(params, tokens, ended):
         [3], max_model_len=8, eos_token_ids=[7], **{"max_tokens": 3, **params}
     )
     request = scheduler.waiting[0]
-    state = tinytp.RequestState(request, 0, letters)
+    state = tinytp.RequestState(request, 0, letters, None)
     for count, token in enumerate(tokens, start=1):
         finished = bool(run_step(scheduler, [token])[1])
         state.update(len(request.output_token_ids), finished)
@@ -5746,7 +5746,7 @@ def test_server_errors_are_openais_shapes_and_classes(openai, tiny_server):
     for change, message in [
         ({"logprobs": 21}, r"logprobs must be None or an integer from 0 to 20 \(vLLM's"),
         ({"echo": "yes"}, "echo must be true or false"),
-        ({"logit_bias": {"A": 1}}, r"logit_bias maps token ids \(as strings\) to numbers"),
+        ({"logit_bias": {"A": 1}}, "logit_bias's keys are token ids"),
         ({"logit_bias": {"300": 1}}, r"logit_bias \[300\] are outside the vocabulary"),
         ({"best_of": 2}, "tinytp does not support best_of"),
         ({"frequency_penalty": 2.5}, r"frequency_penalty must be a number in \[-2, 2\]"),
@@ -6004,7 +6004,7 @@ def test_stop_strings_found_in_new_text_match_a_search_of_the_whole_text():
         stops = rng.choice([[some], [some, some[:1]], [some[:2], some], [text[:2]], ["zz"]])
         expected = stop_by_whole_text(decode, tokens, stops)
         request = tinytp.Request(0, None, [1], SamplingParams(stop=stops, max_tokens=99), 0)
-        state = tinytp.RequestState(request, 0, decode)
+        state = tinytp.RequestState(request, 0, decode, None)
         for end, token in enumerate(tokens, start=1):
             request.output_token_ids.append(token)
             if state.update(end, finished=end == len(tokens)) and state.finished:
@@ -6983,3 +6983,101 @@ def test_server_logprobs_echo_and_chat_logprobs_in_openais_shapes(tiny_server, t
     assert all(len(c["top_logprobs"]) == 2 for c in content)
     streamed = served_json(tiny_server, "/v1/chat/completions", {**asked, "stream": True})
     assert joined_chunks(streamed, chat=True) == (chat.text, {"content": content})
+
+
+# lm-evaluation-harness, in a process of its own (offline, its datasets cache in the test's
+# directory): each run's metrics and per-document responses, by task, as one line of JSON.
+LM_EVAL_RUNS = """
+import json, sys
+import lm_eval
+from lm_eval.tasks import TaskManager
+
+manager, answers = TaskManager(include_path=sys.argv[1]), []
+for model, model_args, tasks, chat in json.loads(sys.argv[2]):
+    out = lm_eval.simple_evaluate(
+        model=model, model_args=model_args, tasks=tasks, task_manager=manager,
+        log_samples=True, apply_chat_template=chat, batch_size=1,
+    )
+    samples = {task: sorted(out["samples"][task], key=lambda s: s["doc_id"]) for task in tasks}
+    answers.append({
+        task: [out["results"][task], [s["filtered_resps"] for s in samples[task]]] for task in tasks
+    })
+print(json.dumps(answers))
+"""
+LM_EVAL_CHOICES = [  # a multiple-choice task: each choice's log-likelihood after the question
+    {"question": "The capital of France is", "choices": ["Paris", "London", "Rome"], "answer": 0},
+    {"question": "Two plus two equals", "choices": ["seven", "four", "ten"], "answer": 1},
+    {"question": "The opposite of hot is", "choices": ["blue", "fast", "cold"], "answer": 2},
+    {"question": "A baby cat is called a", "choices": ["kitten", "puppy", "calf"], "answer": 0},
+]
+LM_EVAL_ANSWERS = [  # a generate-until task: greedy text up to a full stop
+    {"question": "The capital of France is", "answer": "Paris"},
+    {"question": "Two plus two is", "answer": "four"},
+]
+LM_EVAL_TASKS = {
+    "tinytp_choice": """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: acc
+""",
+    "tinytp_answer": """output_type: generate_until
+doc_to_text: "{{question}}"
+doc_to_target: " {{answer}}"
+generation_kwargs: {until: ["."], max_gen_toks: 10, do_sample: false}
+metric_list:
+  - metric: exact_match
+""",
+}
+
+
+def test_lm_eval_scores_the_server_as_its_hf_backend_scores_transformers(smollm2, tmp_path):
+    """lm-evaluation-harness against serve.py, as people judge a vLLM server: `local-completions`
+    (log-likelihoods from echo=True, logprobs=1: the prompt's logprobs) and its generations equal
+    its `hf` backend's on the same checkpoint (log-likelihoods within 1e-3, the same accuracy);
+    `local-chat-completions` runs the generate-until task to its end. Local JSON tasks, offline."""
+    if importlib.util.find_spec("lm_eval") is None:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(
+            "the lm-eval test needs lm-eval: pip install 'lm-eval[api]'"
+        )
+    path, _ = smollm2
+    for (task, config), documents in zip(LM_EVAL_TASKS.items(), [LM_EVAL_CHOICES, LM_EVAL_ANSWERS]):
+        data = tmp_path / f"{task}.jsonl"
+        data.write_text("".join(json.dumps(document) + "\n" for document in documents))
+        where = f"dataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\n"
+        (tmp_path / f"{task}.yaml").write_text(f"task: {task}\n{where}test_split: test\n{config}")
+    served = Served(tmp_path, "--model", path, "--dtype", "float32", "--max-model-len", "512")
+    url = f"model={served.name},base_url={served.url}"
+    runs = [
+        ["hf", f"pretrained={path},dtype=float32,device=cpu", [*LM_EVAL_TASKS], False],
+        [
+            "local-completions",
+            f"{url}/completions,tokenizer={path},tokenizer_backend=huggingface",
+            [*LM_EVAL_TASKS],
+            False,
+        ],
+        ["local-chat-completions", f"{url}/chat/completions", ["tinytp_answer"], True],
+    ]
+    offline = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    environment = {**os.environ, **offline, "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", LM_EVAL_RUNS, str(tmp_path), json.dumps(runs)],
+            capture_output=True,
+            text=True,
+            env=environment,
+            timeout=900,
+        )
+        assert run.returncode == 0, run.stderr[-4000:]
+    finally:
+        assert served.stop() == 0
+    hf, completions, chat = json.loads(run.stdout.splitlines()[-1])
+    (hf_metrics, hf_choices), (metrics, choices) = hf["tinytp_choice"], completions["tinytp_choice"]
+    assert metrics["acc,none"] == hf_metrics["acc,none"] >= 0.75  # SmolLM2 knows these
+    for ours, theirs in zip(choices, hf_choices, strict=True):
+        assert [pytest.approx(ll, abs=1e-3) for ll, _ in theirs] == [ll for ll, _ in ours]
+    texts = completions["tinytp_answer"][1]
+    assert texts == hf["tinytp_answer"][1] and all(text[0].strip() for text in texts)
+    assert len(chat["tinytp_answer"][1]) == 2
+    assert all(isinstance(text[0], str) and text[0] for text in chat["tinytp_answer"][1])

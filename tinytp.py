@@ -1320,7 +1320,7 @@ class IncrementalText:
     characters before it that a stop string could begin in (the longest one's length, less one);
     and the text shown holds back as many, while a stop string could still begin there."""
 
-    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str], min_tokens: int):
+    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str], min_tokens=0):
         self.detokenize, self.stop, self.min_tokens = detokenize, stop, min_tokens
         self.hold = max(map(len, stop), default=1) - 1
         self.start = self.shown = 0  # the window, and where its decoded part ends
@@ -1363,11 +1363,10 @@ class RequestState:
     its logprobs where asked, and its CompletionOutput so far. A stop string found in the text
     ends it here."""
 
-    def __init__(self, request: Request, index: int, output_processor: OutputProcessor):
-        self.request, self.index = request, index
-        self.decode_token = output_processor.decode_token
-        params = request.params
-        self.text = IncrementalText(output_processor.detokenize, params.stop, params.min_tokens)
+    def __init__(self, request: Request, index: int, detokenize: Callable, decode_token: Callable):
+        """detokenize: a text's tokens to text; decode_token: one token's text (Logprob's)."""
+        self.request, self.index, self.decode_token = request, index, decode_token
+        self.text = IncrementalText(detokenize, request.params.stop, request.params.min_tokens)
         self.num_tokens = 0  # the tokens taken in so far
         self.completion = CompletionOutput(index, "", [], None)
         self.finished = False
@@ -1455,7 +1454,7 @@ class OutputProcessor:
         number, the state of its sample) whenever a completion changed. Leaving early (an
         exception, Ctrl-C, a stream closed) aborts the requests not finished."""
         states = {
-            r.request_id: (number, RequestState(r, index, self))
+            r.request_id: (number, RequestState(r, index, self.detokenize, self.decode_token))
             for number, group in enumerate(groups)
             for index, r in enumerate(group)
         }
@@ -2125,11 +2124,11 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code(lambda: run(parse_args(argv)))
 
 
-def exit_code(run: Callable[[], int | None]) -> int:
+def exit_code(command: Callable[[], int | None]) -> int:
     """Run a command line (tinytp.py's, serve.py's); the exit code says how it ended (its own, 0,
     or 2: the user's mistake)."""
     try:
-        return run() or 0
+        return command() or 0
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2

@@ -91,6 +91,57 @@ MAX_LOGPROBS = 20  # vLLM's max_logprobs default: the most log-probabilities a t
 LOGPROBS_WORDS = f"None or an integer from 0 to {MAX_LOGPROBS} (vLLM's max_logprobs)"
 
 
+def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
+    """SamplingParams' values checked for type as well as range: (a field, whether it is valid,
+    what it must be)."""
+
+    def within(value, low: float, high: float) -> bool:  # (a NaN is in no range)
+        return is_number(value) and low <= value <= high
+
+    def up_to_max_logprobs(k) -> bool:
+        return k is None or is_integer(k) and 0 <= k <= MAX_LOGPROBS
+
+    bias, repetition = params.logit_bias, params.repetition_penalty
+    return [
+        (
+            "temperature",
+            is_number(params.temperature) and 0 <= params.temperature < math.inf,
+            "a number >= 0",
+        ),
+        ("top_p", is_number(params.top_p) and 0 < params.top_p <= 1, "a number in (0, 1]"),
+        (
+            "top_k",
+            is_integer(params.top_k) and params.top_k >= -1,
+            "an integer >= 1, or 0 or -1 for all tokens",
+        ),
+        ("min_p", is_number(params.min_p) and 0 <= params.min_p <= 1, "a number in [0, 1]"),
+        # what torch takes
+        (
+            "seed",
+            params.seed is None or is_integer(params.seed) and 0 <= params.seed < 2**64,
+            "None or an integer in [0, 2**64)",
+        ),
+        ("ignore_eos", isinstance(params.ignore_eos, bool), "True or False"),
+        ("min_tokens", is_integer(params.min_tokens) and params.min_tokens >= 0, "an integer >= 0"),
+        ("presence_penalty", within(params.presence_penalty, -2, 2), "a number in [-2, 2]"),
+        ("frequency_penalty", within(params.frequency_penalty, -2, 2), "a number in [-2, 2]"),
+        (
+            "repetition_penalty",
+            within(repetition, 0, math.inf) and repetition > 0,
+            "a number > 0",
+        ),
+        ("logprobs", up_to_max_logprobs(params.logprobs), LOGPROBS_WORDS),
+        ("prompt_logprobs", up_to_max_logprobs(params.prompt_logprobs), LOGPROBS_WORDS),
+        (
+            "logit_bias",
+            bias is None
+            or isinstance(bias, dict)
+            and all(is_integer(t) and is_number(b) and math.isfinite(b) for t, b in bias.items()),
+            "None or a dict of token ids to finite numbers",
+        ),
+    ]
+
+
 @dataclass(kw_only=True)  # keywords only: vLLM's positional order differs
 class SamplingParams:
     """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy,
@@ -120,7 +171,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether adjusted_logits changes anything for it."""
+        """Whether adjusted_row changes anything for it."""
         penalties = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
         return bool(self.logit_bias or self.min_tokens or penalties)
 
@@ -138,54 +189,7 @@ class SamplingParams:
         # Checked for type as well as range, here in the driver: a NaN or a float count that
         # reached the workers would fail inside a step and take every request with it.
         check_count("n", self.n)
-
-        def within(value, low: float, high: float) -> bool:  # (a NaN is in no range)
-            return is_number(value) and low <= value <= high
-
-        def up_to_max_logprobs(k) -> bool:
-            return k is None or is_integer(k) and 0 <= k <= MAX_LOGPROBS
-
-        bias, repetition = self.logit_bias, self.repetition_penalty
-        for name, valid, allowed in [
-            (
-                "temperature",
-                is_number(self.temperature) and 0 <= self.temperature < math.inf,
-                "a number >= 0",
-            ),
-            ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            (
-                "top_k",
-                is_integer(self.top_k) and self.top_k >= -1,
-                "an integer >= 1, or 0 or -1 for all tokens",
-            ),
-            ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
-            # what torch takes
-            (
-                "seed",
-                self.seed is None or is_integer(self.seed) and 0 <= self.seed < 2**64,
-                "None or an integer in [0, 2**64)",
-            ),
-            ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
-            ("min_tokens", is_integer(self.min_tokens) and self.min_tokens >= 0, "an integer >= 0"),
-            ("presence_penalty", within(self.presence_penalty, -2, 2), "a number in [-2, 2]"),
-            ("frequency_penalty", within(self.frequency_penalty, -2, 2), "a number in [-2, 2]"),
-            (
-                "repetition_penalty",
-                within(repetition, 0, math.inf) and repetition > 0,
-                "a number > 0",
-            ),
-            ("logprobs", up_to_max_logprobs(self.logprobs), LOGPROBS_WORDS),
-            ("prompt_logprobs", up_to_max_logprobs(self.prompt_logprobs), LOGPROBS_WORDS),
-            (
-                "logit_bias",
-                bias is None
-                or isinstance(bias, dict)
-                and all(
-                    is_integer(t) and is_number(b) and math.isfinite(b) for t, b in bias.items()
-                ),
-                "None or a dict of token ids to finite numbers",
-            ),
-        ]:
+        for name, valid, allowed in checked_fields(self):
             if not valid:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
         stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
@@ -625,7 +629,20 @@ def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
     return probs
 
 
-def adjusted_logits(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:
+def adjusted_logits(logits: torch.Tensor, scheduled: list[CachedRequest]) -> torch.Tensor:
+    """The rows of the requests with penalties, min_tokens or logit_bias adjusted (adjusted_row),
+    in new rows: the raw ones still score logprobs (step_logprobs). The others cost nothing more."""
+    if not any(request.params.adjusts_logits for request in scheduled):
+        return logits
+    return torch.stack(
+        [
+            adjusted_row(row, r) if r.params.adjusts_logits else row
+            for row, r in zip(logits, scheduled)
+        ]
+    )
+
+
+def adjusted_row(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:
     """One request's row of logits as vLLM's sampler adjusts it, greedy or not, in its order:
     logit_bias added; the end-of-sequence and stop tokens ruled out below min_tokens; then the
     penalties: repetition over the prompt's and output's tokens (a positive logit divided by it,
@@ -681,12 +698,53 @@ class CachedRequest:
     # a preempted request computes its prompt again, and each position is sent once)
     prompt_logprobs_from: int = 0
 
+    @classmethod
+    def new(cls, new: NewRequest, device: torch.device) -> CachedRequest:
+        """A new request's copy, its generator seeded alike on every rank."""
+        generator = torch.Generator(device).manual_seed(new.seed)
+        token_ids, stop_ids = list(new.prompt_token_ids), new.min_tokens_stop_ids
+        return cls(token_ids, 0, [], new.params, generator, len(token_ids), stop_ids)
+
     def prompt_logprob_positions(self, num_tokens: int) -> range:
         """The positions among this step's num_tokens whose logits score the next prompt token."""
         if self.params.prompt_logprobs is None:
             return range(0)
         end = min(self.num_computed + num_tokens, self.num_prompt_tokens - 1)
         return range(max(self.num_computed, self.prompt_logprobs_from), end)
+
+
+def logits_rows(batch: list[tuple[CachedRequest, int]], ends: list[int]) -> list[int]:
+    """The rows of a step (each request's end where its rows end) whose logits are computed:
+    those sampled (a decode's, a chunk's last where it ends its prompt), then those that score a
+    prompt's next token, for the requests that asked (prompt_logprobs)."""
+    pairs = list(zip(batch, ends))
+    sampled = [end - 1 for (r, n), end in pairs if r.num_computed + n == len(r.token_ids)]
+    scoring = [
+        end - n - r.num_computed + p for (r, n), end in pairs for p in r.prompt_logprob_positions(n)
+    ]
+    return sampled + scoring
+
+
+def step_logprobs(
+    logits: torch.Tensor, ids: list[int], batch: list[tuple], tokens: dict[int, int]
+) -> tuple[dict, dict]:
+    """A step's log-probabilities for the requests that asked (ModelRunnerOutput's), rank 0's:
+    of the sampled tokens (the first rows of logits, one per token) and of the prompts' tokens
+    (the rows after them, as logits_rows orders them), in one call of logprobs_of."""
+    requests = {i: r for i, (r, _) in zip(ids, batch)}
+    asked = [(row, i) for row, i in enumerate(tokens) if requests[i].params.logprobs is not None]
+    prompts = [(i, r, r.prompt_logprob_positions(n)) for i, (r, n) in zip(ids, batch)]
+    prompts = [(i, r, positions) for i, r, positions in prompts if positions]
+    targets = [tokens[i] for _, i in asked]
+    targets += [r.token_ids[p + 1] for _, r, positions in prompts for p in positions]
+    if not targets:
+        return {}, {}
+    num_logprobs = [requests[i].params.logprobs for _, i in asked]
+    num_logprobs += [r.params.prompt_logprobs for _, r, positions in prompts for _ in positions]
+    rows = [row for row, _ in asked] + list(range(len(tokens), len(logits)))
+    entries = iter(logprobs_of(logits[rows], targets, num_logprobs))
+    sampled = {i: next(entries) for _, i in asked}
+    return sampled, {i: [next(entries) for _ in positions] for i, _, positions in prompts}
 
 
 def choose_cuda_attention_backends() -> None:
@@ -847,21 +905,7 @@ class Worker:
                 for (r, n), end in zip(batch, ends)
                 if n > 1
             ],
-            # the sampled rows, then those whose prompt logprobs were asked for (each request's)
-            logits_indices=torch.tensor(
-                [
-                    end - 1
-                    for (r, n), end in zip(batch, ends)
-                    if r.num_computed + n == len(r.token_ids)
-                ]
-                + [
-                    end - n - r.num_computed + p
-                    for (r, n), end in zip(batch, ends)
-                    for p in r.prompt_logprob_positions(n)
-                ],
-                dtype=torch.long,
-                device=device,
-            ),
+            logits_indices=torch.tensor(logits_rows(batch, ends), dtype=torch.long, device=device),
         )
 
     def cuda_graph_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
@@ -898,44 +942,14 @@ class Worker:
 
     def sample(self, logits: torch.Tensor, scheduled: list[CachedRequest]) -> list[int]:
         """Every rank has the same logits (all-gathered) and seeded generators: all pick the same
-        tokens, unspoken. A request with penalties, min_tokens or logit_bias has its row adjusted
-        first (the same on every rank); the others cost nothing more."""
-        logits = logits.float()
-        if any(request.params.adjusts_logits for request in scheduled):  # new rows: the raw ones
-            logits = torch.stack(  # score logprobs (Worker.logprobs)
-                [
-                    adjusted_logits(row, request) if request.params.adjusts_logits else row
-                    for row, request in zip(logits, scheduled)
-                ]
-            )
+        tokens, unspoken, having adjusted them alike (penalties, min_tokens, logit_bias)."""
+        logits = adjusted_logits(logits.float(), scheduled)
         tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
         for i, request in enumerate(scheduled):
             if request.params.temperature > 0:
                 probs = sampling_probabilities(logits[i], request.params)
                 tokens[i] = torch.multinomial(probs, 1, generator=request.generator).item()
         return tokens
-
-    def logprobs(
-        self, logits: torch.Tensor, ids: list[int], batch: list[tuple], tokens: dict[int, int]
-    ) -> tuple[dict, dict]:
-        """The step's log-probabilities for the requests that asked (ModelRunnerOutput's): of the
-        sampled tokens (the first rows of logits, one per token) and of the prompts' tokens (the
-        rows after them, in prepare_inputs' order), in one call."""
-        asked = [
-            (row, i) for row, i in enumerate(tokens) if self.requests[i].params.logprobs is not None
-        ]
-        prompts = [(i, r, r.prompt_logprob_positions(n)) for i, (r, n) in zip(ids, batch)]
-        prompts = [(i, r, positions) for i, r, positions in prompts if positions]
-        targets = [tokens[i] for _, i in asked]
-        targets += [r.token_ids[p + 1] for _, r, positions in prompts for p in positions]
-        if not targets:
-            return {}, {}
-        num_logprobs = [self.requests[i].params.logprobs for _, i in asked]
-        num_logprobs += [r.params.prompt_logprobs for _, r, positions in prompts for _ in positions]
-        rows = [row for row, _ in asked] + list(range(len(tokens), len(logits)))
-        entries = iter(logprobs_of(logits[rows], targets, num_logprobs))
-        sampled = {i: next(entries) for _, i in asked}
-        return sampled, {i: [next(entries) for _ in positions] for i, _, positions in prompts}
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step: update the requests from the deltas, run the model, sample, append the tokens
@@ -946,12 +960,7 @@ class Worker:
         for new in scheduler_output.new_requests:
             request = self.requests.get(new.request_id)  # known: resumed after a preemption
             if request is None:
-                generator = torch.Generator(self.device).manual_seed(new.seed)
-                request = self.requests[new.request_id] = CachedRequest(
-                    list(new.prompt_token_ids), 0, [], new.params, generator
-                )
-                request.num_prompt_tokens = len(new.prompt_token_ids)
-                request.min_tokens_stop_ids = new.min_tokens_stop_ids
+                request = self.requests[new.request_id] = CachedRequest.new(new, self.device)
             request.num_computed, request.block_ids = new.num_computed_tokens, list(new.block_ids)
         for request_id, block_ids in scheduler_output.new_block_ids.items():
             self.requests[request_id].block_ids += block_ids
@@ -973,7 +982,7 @@ class Worker:
         # .tolist() waits for the GPU
         tokens = dict(zip(sampling, self.sample(logits[: len(sampling)], list(sampling.values()))))
         # rank 0 alone answers, so it alone computes what was asked
-        logprobs = self.logprobs(logits, ids, batch, tokens) if self.group.rank == 0 else ({}, {})
+        logprobs = step_logprobs(logits, ids, batch, tokens) if self.group.rank == 0 else ({}, {})
         for request, count in batch:
             request.num_computed += count
             request.prompt_logprobs_from = max(request.prompt_logprobs_from, request.num_computed)
