@@ -1316,45 +1316,42 @@ def run_output_path(args) -> dict:
 # --------------------------------------------------------------------------------------
 
 
-def decode_step_seconds(llm: tinytp.LLM, prompts: list[list[int]], params: SamplingParams) -> float:
-    """A decode step's wall time, prefill apart: the prompts run to 1 token, then to
-    params.max_tokens, and the difference shared among the steps between."""
-    start = time.perf_counter()
-    llm.generate(prompts, replace(params, max_tokens=1), use_tqdm=False)
-    one = time.perf_counter() - start
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outputs)
-    return (time.perf_counter() - start - one) / (params.max_tokens - 1)
-
-
 def run_logprobs(args) -> dict:
     """--logprobs K: --batch-size requests of --output-len tokens each, all asking for K logprobs
     per token, against the same requests asking for none, on one LLM, in --rounds interleaved
-    rounds: a decode step's median time each way (the workers' log-softmax and top-k, the reply,
-    the front end's Logprobs) and their ratio."""
+    rounds: each round's median decode step, timed in the driver (the step, rank 0's log-softmax
+    and top-k, its reply) and in the worker, and the ratio of the driver's."""
+    steps: list[Step] = []
+    executor = timed(tinytp.Executor, steps)
     with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
         length = args.input_len + args.output_len
-        llm, prompts, _, device, dtype, _ = batch_llm(args, workdir, args.batch_size, length)
+        llm, prompts, _, device, dtype, _ = batch_llm(
+            args, workdir, args.batch_size, length, distributed_executor_backend=executor
+        )
         greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         kinds = {
             "none": greedy,
             f"logprobs={args.logprobs}": replace(greedy, logprobs=args.logprobs),
         }
+        rounds = {name: [] for name in kinds}
         with llm:
-            for params in kinds.values():  # warm-up
-                decode_step_seconds(llm, prompts, params)
-            rounds = {name: [] for name in kinds}
-            for _ in range(args.rounds):
+            for warm_up in [True] + [False] * args.rounds:
                 for name, params in kinds.items():
-                    rounds[name].append(decode_step_seconds(llm, prompts, params))
+                    steps.clear()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    decodes = [step for step in steps if not step.prefill]
+                    median = [statistics.median(s.seconds for s in decodes)]
+                    median.append(statistics.median(s.worker_seconds for s in decodes))
+                    rounds[name] += [] if warm_up else [median]
     (plain, asked), (none, some) = rounds.values(), kinds
-    ratios = [a / p for p, a in zip(plain, asked)]
+    ratios = [a[0] / p[0] for p, a in zip(plain, asked)]
+    for name, medians in rounds.items():
+        step, worker = (statistics.median(m[i] for m in medians) * 1e3 for i in range(2))
+        print(f"{name:>12}: a decode step {step:.2f} ms (in the worker {worker:.2f} ms)")
     print(
-        f"tp={args.tp}, {device}, {dtype}, batch {args.batch_size}: a decode step "
-        f"{statistics.median(plain) * 1e3:.2f} ms with {none}, "
-        f"{statistics.median(asked) * 1e3:.2f} ms with {some}: {statistics.median(ratios):.3f}x "
-        f"(medians of {args.rounds}; rounds: {', '.join(f'{r:.3f}' for r in ratios)})"
+        f"tp={args.tp}, {device}, {dtype}, batch {args.batch_size}: {some} / {none}: "
+        f"{statistics.median(ratios):.3f}x (the median of {args.rounds} rounds' ratios: "
+        f"{', '.join(f'{r:.3f}' for r in ratios)})"
     )
     return {"rounds": rounds, "ratios": ratios}
 
