@@ -14,6 +14,7 @@
     python bench.py --output-path 6000 --beside-prompts 1500  # text made per new token
     python bench.py --chat-history-len 900 --model smollm2   # turn 2's TTFT, prefix caching on/off
     python bench.py --capacity-len 500 --kv-cache-memory-bytes 1073741824  # requests held at once
+    python bench.py --logprobs 5 --model smollm2  # a decode step with logprobs=5 against none
     python bench.py --device cuda --tp 2 --config llama-3.1-8b-instruct.json  # 8B, random weights
 
 The latency mode speaks the language of vLLM's benchmarks/benchmark_latency.py: the same options and
@@ -1068,20 +1069,27 @@ def trace_timeline(
     return header + "\n\n".join("\n".join(block) for block in blocks)
 
 
+def batch_llm(args, workdir: str, count: int, max_model_len: int, **engine) -> tuple:
+    """An LLM for --batch-size requests at once on bench_inputs' checkpoint (more of its arguments
+    in `engine`), and bench_inputs' `count` prompts, config, device, dtype and load format."""
+    model_dir, load_format, config, device, dtype, prompts = bench_inputs(args, workdir, count)
+    llm = tinytp.LLM(
+        model_dir,
+        args.tp,
+        device,
+        dtype,
+        max_num_seqs=args.batch_size,
+        max_model_len=max_model_len,
+        load_format=load_format,
+        **engine,
+    )
+    return llm, prompts, config, device, dtype, load_format
+
+
 def run_trace(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
-        model_dir, load_format, _, device, dtype, prompts = bench_inputs(
-            args, workdir, args.batch_size
-        )
-        with tinytp.LLM(
-            model_dir,
-            args.tp,
-            device,
-            dtype,
-            max_num_seqs=args.batch_size,
-            max_model_len=args.input_len + 2,
-            load_format=load_format,
-        ) as llm:
+        llm, prompts, *_ = batch_llm(args, workdir, args.batch_size, args.input_len + 2)
+        with llm:
             report = trace_decode_step(llm, prompts)
     print(
         f"One decode step of {args.batch_size} sequences, tp={args.tp} (times from the driver's "
@@ -1126,8 +1134,10 @@ def run_arrival(args) -> dict:
         "one step": args.arrival_prompt_len + args.batch_size,
     }
     with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
-        model_dir, load_format, config, device, dtype, streams = bench_inputs(
-            args, workdir, args.batch_size - 1
+        max_model_len = max(args.input_len + args.output_len, args.arrival_prompt_len + 1)
+        budget = max(budgets.values())
+        llm, streams, config, device, dtype, load_format = batch_llm(
+            args, workdir, args.batch_size - 1, max_model_len, max_num_batched_tokens=budget
         )
         arrival = (
             np.random.default_rng(1)
@@ -1135,17 +1145,7 @@ def run_arrival(args) -> dict:
             .tolist()
         )
         params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
-        max_model_len = max(args.input_len + args.output_len, args.arrival_prompt_len + 1)
-        with tinytp.LLM(
-            model_dir,
-            args.tp,
-            device,
-            dtype,
-            max_num_seqs=args.batch_size,
-            max_model_len=max_model_len,
-            load_format=load_format,
-            max_num_batched_tokens=max(budgets.values()),
-        ) as llm:
+        with llm:
             print(
                 f"tinytp, tp={args.tp}, {device}, {dtype}, {load_format} weights: {len(streams)} "
                 "streams of "
@@ -1311,6 +1311,51 @@ def run_output_path(args) -> dict:
             "the median alone)"
         )
     return {"long_stream": long, "beside": beside, "beside_prompts": args.beside_prompts}
+
+
+# --------------------------------------------------------------------------------------
+# What asking for logprobs costs a decode step
+# --------------------------------------------------------------------------------------
+
+
+def run_logprobs(args) -> dict:
+    """--logprobs K: --batch-size requests of --output-len tokens each, all asking for K logprobs
+    per token, against the same requests asking for none, on one LLM, in --rounds interleaved
+    rounds: each round's median decode step, timed in the driver (the step, rank 0's log-softmax
+    and top-k, its reply) and in the worker, and the ratio of the driver's."""
+    steps: list[Step] = []
+    executor = timed(tinytp.Executor, steps)
+    with tempfile.TemporaryDirectory(prefix="tinytp-bench-") as workdir:
+        length = args.input_len + args.output_len
+        llm, prompts, _, device, dtype, _ = batch_llm(
+            args, workdir, args.batch_size, length, distributed_executor_backend=executor
+        )
+        greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        kinds = {
+            "none": greedy,
+            f"logprobs={args.logprobs}": replace(greedy, logprobs=args.logprobs),
+        }
+        rounds = {name: [] for name in kinds}
+        with llm:
+            for warm_up in [True] + [False] * args.rounds:
+                for name, params in kinds.items():
+                    steps.clear()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    decodes = [step for step in steps if not step.prefill]
+                    median = [statistics.median(s.seconds for s in decodes)]
+                    median.append(statistics.median(s.worker_seconds for s in decodes))
+                    rounds[name] += [] if warm_up else [median]
+    (plain, asked), (none, some) = rounds.values(), kinds
+    ratios = [a[0] / p[0] for p, a in zip(plain, asked)]
+    for name, medians in rounds.items():
+        step, worker = (statistics.median(m[i] for m in medians) * 1e3 for i in range(2))
+        print(f"{name:>12}: a decode step {step:.2f} ms (in the worker {worker:.2f} ms)")
+    print(
+        f"tp={args.tp}, {device}, {dtype}, batch {args.batch_size}: {some} / {none}: "
+        f"{statistics.median(ratios):.3f}x (the median of {args.rounds} rounds' ratios: "
+        f"{', '.join(f'{r:.3f}' for r in ratios)})"
+    )
+    return {"rounds": rounds, "ratios": ratios}
 
 
 # --------------------------------------------------------------------------------------
@@ -2004,6 +2049,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="N",
         help="N callers at once, one prompt each, against the same prompts one after another",
     )
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="a decode step with this many logprobs for every request, against none",
+    )
     parser.add_argument("--output-json", default=None, help="write the results to this file")
     args = parser.parse_args(argv)
     for name, least in [
@@ -2084,6 +2135,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_chat(args)
         elif args.capacity_len:
             result = run_capacity(args)
+        elif args.logprobs is not None:
+            result = run_logprobs(args)
         else:
             result = run_latency(args)
     except (ValueError, FileNotFoundError, subprocess.CalledProcessError) as e:

@@ -205,8 +205,9 @@ class ModelInputs:
     # mask: [tokens, first position + tokens] of the keys each of its tokens sees (None from
     # position 0: causal)
     chunks: list[tuple[torch.Tensor, int, int, torch.Tensor | None]]
-    # the rows sampled: each decode's, and each chunk's last where it ends its prompt
-    last_index: torch.Tensor
+    # the rows whose logits are computed: those sampled (each decode's, and each chunk's last
+    # where it ends its prompt), then those that score a prompt's next token (prompt_logprobs)
+    logits_indices: torch.Tensor
 
 
 class RMSNorm(nn.Module):
@@ -411,7 +412,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_table[:, inputs.positions]  # each [N, 1, 2, hd / 2]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, inputs)
-        return self.lm_head(self.norm(x[inputs.last_index]))  # only these tokens are sampled
+        return self.lm_head(
+            self.norm(x[inputs.logits_indices])
+        )  # only these tokens' logits are used
 
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------

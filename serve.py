@@ -20,12 +20,13 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import replace
+from dataclasses import fields, replace
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
 
 import tinytp
-from tinytp import LLM, CompletionOutput, Counter, RequestOutput, SamplingParams
+from tinytp import LLM, Counter, SamplingParams
 
 MAX_BODY_BYTES = 16 << 20  # a larger request body is refused (413) without being read
 SOCKET_TIMEOUT = 60.0  # a client that neither sends nor reads for this long is dropped
@@ -42,21 +43,20 @@ ACA = "Access-Control-Allow-"  # the CORS headers' names begin so
 
 # The request fields honoured, as OpenAI and vLLM define them: SamplingParams checks the sampling
 # ones, the endpoints prompt, messages, tokens; the rest have their types here (user: unused).
-FLAGS = ("stream", "add_generation_prompt", "add_special_tokens", "return_token_strs")
+FLAGS = ("stream", "echo", "add_generation_prompt", "add_special_tokens", "return_token_strs")
 FIELD_TYPES = {"model": str, "user": str, "stream_options": dict, **dict.fromkeys(FLAGS, bool)}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 TYPE_WORDS = {str: "a string", dict: "an object", bool: "true or false"}
-SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids"}
-SAMPLING_FIELDS |= {"ignore_eos"}
+# (SamplingParams' own; the endpoints set max_tokens, logprobs and prompt_logprobs themselves)
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"max_tokens", "prompt_logprobs"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "user", *SAMPLING_FIELDS}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "add_generation_prompt"}
-TOKENIZE_FIELDS = {"model", "prompt", "messages", *FLAGS[1:]}  # (FLAGS but stream)
+CHAT_FIELDS |= {"top_logprobs"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", *FLAGS[2:]}  # (FLAGS but stream, echo)
 # Fields that would change the output, accepted only at the value that changes nothing. Any other
 # field is refused by name too: exact or refuse. (A null is OpenAI's "not given" for every field.)
-NEUTRAL_VALUES = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1}
-NEUTRAL_VALUES |= {"logprobs": False, "top_logprobs": 0, "echo": False, "logit_bias": {}}
-NEUTRAL_VALUES |= {"suffix": "", "tools": [], "response_format": {"type": "text"}, "min_tokens": 0}
+NEUTRAL_VALUES = {"suffix": "", "tools": [], "response_format": {"type": "text"}}
 # path: {method: (the Handler method that answers, the body fields it honours; None: no body)}
 ROUTES = {
     "/v1/models": {"GET": ("models", None)},
@@ -88,36 +88,13 @@ class APIError(Exception):
 def field_fault(name: str, value, honoured: set[str]) -> str | None:
     """What is wrong with a request's field, if anything: exact or refuse."""
     if name in NEUTRAL_VALUES:
-        neutral = NEUTRAL_VALUES[name]  # (0 is not False here)
-        if value != neutral or isinstance(value, bool) != isinstance(neutral, bool):
+        if value != (neutral := NEUTRAL_VALUES[name]):
             only = f"only {json.dumps(neutral)}, which changes nothing"
             return f"{name}={json.dumps(value)}: tinytp does not support {name} ({only})"
     elif name not in honoured:
         return f"tinytp does not support {name}; it honours {', '.join(sorted(honoured))}"
     elif not isinstance(value, FIELD_TYPES.get(name, object)):
         return f"{name} must be {TYPE_WORDS[FIELD_TYPES[name]]}, got {json.dumps(value)}"
-
-
-def counts(prompt: int, completion: int) -> dict:
-    total = prompt + completion
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
-
-
-def usage(final: list[RequestOutput]) -> dict:
-    prompt = sum(len(output.prompt_token_ids) for output in final)  # once, whatever n is
-    total = counts(prompt, sum(len(c.token_ids) for output in final for c in output.outputs))
-    cached = sum(output.num_cached_tokens or 0 for output in final)  # found in the prefix cache
-    return total | {"prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def choice(index: int, completion: CompletionOutput, chat: bool, piece: str | None = None) -> dict:
-    """A choice in a response (piece None: the whole text) or a stream's chunk (the new piece)."""
-    message = {"role": "assistant", "content": completion.text}
-    text = {"message": message} if chat else {"text": completion.text}
-    if piece is not None:
-        text = {"delta": {"content": piece} if piece else {}} if chat else {"text": piece}
-    ends = {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-    return {"index": index, **text, "logprobs": None, **ends}
 
 
 def engine_fault(llm: LLM) -> str | None:
@@ -137,6 +114,8 @@ class Handler(BaseHTTPRequestHandler):
     # an answer before the request line is understood (a 414) has a status line too
     default_request_version = request_version = "HTTP/1.0"
     server: Server
+    # the request's logprobs (k, or None: not asked) and echo (and max_tokens 0: the prompt alone)
+    top_logprobs, echo, echo_only = None, False, False
 
     def handle_one_request(self) -> None:
         """Every step of a request in one error boundary: a client's mistake is OpenAI's JSON error
@@ -260,6 +239,10 @@ class Handler(BaseHTTPRequestHandler):
         for name, value in body.items():
             if fault := field_fault(name, value, honoured):
                 raise APIError(400, fault, name)
+        if isinstance(bias := body.get("logit_bias"), dict):  # OpenAI's: token ids as strings
+            if not all(key.isascii() and key.isdigit() for key in bias):
+                raise APIError(400, f"logit_bias's keys are token ids: {bias!s:.60}", "logit_bias")
+            body["logit_bias"] = {int(key): value for key, value in bias.items()}
         options = {k: v for k, v in body.get("stream_options", {}).items() if v is not None}
         flags = options.keys() <= STREAM_OPTIONS and all(type(v) is bool for v in options.values())
         if options and not (flags and body.get("stream")):
@@ -307,10 +290,17 @@ class Handler(BaseHTTPRequestHandler):
         for i, p in enumerate(prompts):
             if isinstance(p, str) and p and (tokenizer := self.server.llm.tokenizer):
                 prompts[i] = {"prompt": p, "prompt_token_ids": tokenizer(p).input_ids}
-        self.generate(body, prompts, body.get("max_tokens", COMPLETIONS_MAX_TOKENS), chat=False)
+        # echo: the prompt's text (and logprobs) first; max_tokens 0: alone (vLLM samples one token)
+        max_tokens, self.echo = body.get("max_tokens", COMPLETIONS_MAX_TOKENS), body.get("echo", 0)
+        self.echo_only, self.top_logprobs = self.echo and max_tokens == 0, body.get("logprobs")
+        self.generate(body, prompts, 1 if self.echo_only else max_tokens, chat=False)
 
     def chat(self, body: dict) -> None:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        asked, k = body.get("logprobs", False), body.get("top_logprobs")
+        if type(asked) is not bool or k is not None and not asked:
+            raise APIError(400, "logprobs must be a boolean (true for top_logprobs)", "logprobs")
+        self.top_logprobs = (k or 0) if asked else None
         self.generate(body, [self.chat_prompt(body)], max_tokens, chat=True)
 
     def chat_prompt(self, body: dict) -> dict:
@@ -370,8 +360,10 @@ class Handler(BaseHTTPRequestHandler):
             unset = defaults.max_tokens == SamplingParams().max_tokens
             max_tokens = max(1, min(limit if unset else defaults.max_tokens, limit - longest))
         try:  # every value checked as SamplingParams checks it, and every prompt before any runs
-            fields = {name: body[name] for name in SAMPLING_FIELDS & body.keys()}
-            params = replace(defaults, max_tokens=max_tokens, **fields)
+            sampling = {name: body[name] for name in SAMPLING_FIELDS & body.keys()}
+            k = self.top_logprobs  # (SamplingParams checks it)
+            sampling |= {"logprobs": k, "prompt_logprobs": k if self.echo else None}
+            params = replace(defaults, max_tokens=max_tokens, **sampling)
             # refused as vLLM does (a prompt past it: by the engine)
             if longest < limit < longest + max_tokens:
                 context = f"this model's context is {limit} tokens and a prompt has {longest}"
@@ -389,7 +381,7 @@ class Handler(BaseHTTPRequestHandler):
         kind = "text_completion" if not chat else f"chat.completion{'.chunk' * stream}"
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind}
         head |= {"created": int(time.time()), "model": body["model"]}
-        # each prompt's latest output; a stream's choices (index * n + sample): characters, end sent
+        # each prompt's latest output; what each choice (index * n + sample) has sent (choices)
         final, sent = [], {}
         # on the way out: a client gone (client_left, a write failed) aborts what still runs
         with contextlib.closing(outputs):
@@ -403,39 +395,51 @@ class Handler(BaseHTTPRequestHandler):
                 for final in outputs:
                     if self.client_left():  # within a step of its leaving, streamed or not
                         raise ConnectionResetError
-                    if stream:
-                        self.send_new_text(head, final, sent, params.n, chat)
+                    for piece in self.choices(final, sent, params.n, chat, True) if stream else []:
+                        self.send_chunk(head, *piece)
             # the workers died, or the server stops (it shuts the engine down)
             except RuntimeError as e:
                 stopping = self.server.stopping.is_set() and "the server is shutting down"
                 raise APIError(503, self.server.failure or stopping or str(e)) from None
         # logged before the answer ends: a client that has it finds it in the log
-        out, stats = usage(final)["completion_tokens"], self.server.llm.stats()
+        out, stats = tinytp.usage(final)["completion_tokens"], self.server.llm.stats()
         numbers = len(prompts), out, stats["steps"], stats["largest_batch"]
         self.log_message(GENERATED, self.requestline, *numbers)
         if stream:
             if self.usage_in_chunks:
-                self.send_event({**head, "choices": [], "usage": usage(final)})
+                self.send_event({**head, "choices": [], "usage": tinytp.usage(final)})
             self.send_event("[DONE]")
         else:
-            pairs = [(i, c) for i, output in enumerate(final) for c in output.outputs]
-            choices = [choice(i * params.n + c.index, c, chat) for i, c in pairs]
-            self.send_body(200, {**head, "choices": choices, "usage": usage(final)})
+            choices = [piece for piece, _, _ in self.choices(final, {}, params.n, chat, False)]
+            self.send_body(200, {**head, "choices": choices, "usage": tinytp.usage(final)})
 
-    def send_new_text(self, head: dict, outputs: list, sent: dict, n: int, chat: bool) -> None:
-        """A chunk per choice whose text grew or that ended since the last."""
+    def choices(self, outputs: list, sent: dict, n: int, chat: bool, stream: bool) -> Iterator:
+        """Each choice whose text grew or that ended since `sent` (characters, end, tokens sent, by
+        number; updated): its new text and logprobs, its prompt's and its own tokens."""
         for index, output in enumerate(outputs):
             for c in output.outputs:
+                text, tokens, entries = c.text, c.token_ids, c.logprobs or []
+                if self.echo_only:  # (a token was generated: vLLM's way to score a prompt)
+                    text, tokens, entries = "", [], []
+                if self.echo:  # the prompt's first (given as ids: its text decoded)
+                    prompt = output.prompt or self.tokenizer().decode(output.prompt_token_ids)
+                    text, tokens = prompt + text, output.prompt_token_ids + tokens
+                    entries = [*(output.prompt_logprobs or []), *entries]
                 number = index * n + c.index
-                shown, ended = sent.get(number, (0, None))
-                if (len(c.text), c.finish_reason) != (shown, ended):
-                    piece = choice(number, c, chat, c.text[shown:])
-                    self.send_chunk(head, piece, len(output.prompt_token_ids), len(c.token_ids))
-                    sent[number] = len(c.text), c.finish_reason
+                characters, ended, num_tokens = sent.get(number, (0, None, 0))
+                if (len(text), c.finish_reason) != (characters, ended):
+                    new, logprobs = (tokens[num_tokens:], entries[num_tokens:]), None
+                    if self.top_logprobs is not None and chat:
+                        logprobs = tinytp.chat_logprobs(*new, self.top_logprobs)
+                    elif self.top_logprobs is not None:
+                        logprobs = tinytp.completion_logprobs(*new, characters, self.tokenizer())
+                    piece = tinytp.choice(number, c, text[characters:], logprobs, chat, stream)
+                    sent[number] = len(text), c.finish_reason, len(tokens)
+                    yield piece, len(output.prompt_token_ids), len(c.token_ids)
 
     def send_chunk(self, head: dict, piece: dict, prompt_tokens: int, tokens: int) -> None:
         """A stream's chunk of one choice, with the usage asked for (usage_in_chunks)."""
-        so_far = counts(prompt_tokens, tokens) if self.usage_in_chunks == "so far" else None
+        so_far = tinytp.counts(prompt_tokens, tokens) if self.usage_in_chunks == "so far" else None
         usage_field = {"usage": so_far} if self.usage_in_chunks else {}
         self.send_event({**head, "choices": [piece], **usage_field})
 
@@ -580,18 +584,13 @@ def main(argv: list[str] | None = None) -> int:
         reason = getattr(e, "strerror", None) or e
         print(f"tinytp: error: cannot listen at {args.host}:{args.port}: {reason}", file=sys.stderr)
         return 2
-    try:
+
+    def load_and_serve() -> int:
         with LLM(args.model, **tinytp.engine_arguments(args)) as llm:
             return server.serve(llm)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"tinytp: error: {e}", file=sys.stderr)
-        return 2
-    except (RuntimeError, OSError) as e:  # a worker died loading, /dev/shm full: not the user's
-        print(f"tinytp: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("tinytp: interrupted", file=sys.stderr)
-        return 130
+
+    try:  # a worker dead while loading, /dev/shm full: 1, not the user's doing (tinytp.exit_code)
+        return tinytp.exit_code(load_and_serve)
     finally:
         server.server_close()
 

@@ -898,7 +898,7 @@ def test_a_request_ends_at_its_stop_condition(params, tokens, ended):
         [3], max_model_len=8, eos_token_ids=[7], **{"max_tokens": 3, **params}
     )
     request = scheduler.waiting[0]
-    state = tinytp.RequestState(request, 0, letters)
+    state = tinytp.RequestState(request, 0, letters, None)
     for count, token in enumerate(tokens, start=1):
         finished = bool(run_step(scheduler, [token])[1])
         state.update(len(request.output_token_ids), finished)
@@ -2497,22 +2497,20 @@ def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
 @pytest.mark.parametrize(
     "name, value",
     [
-        ("logprobs", 5),
-        ("prompt_logprobs", 1),
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", 0.5),
-        ("repetition_penalty", 1.1),
         ("best_of", 2),
         ("use_beam_search", True),
         ("guided_decoding", {"json": {}}),
-        ("min_tokens", 4),
+        ("allowed_token_ids", [4]),
+        ("bad_words", ["x"]),
         ("include_stop_str_in_output", True),
         ("temprature", 0.5),
     ],
 )  # and a typo
 def test_vllm_fields_tinytp_does_not_have_are_refused_by_name(name, value):
     what_it_has = (
-        "n, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, max_tokens"
+        "n, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, max_tokens, "
+        "min_tokens, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, "
+        "logprobs, prompt_logprobs"
     )
     with pytest.raises(
         ValueError,
@@ -2649,11 +2647,8 @@ class TestVllmAPI:
             assert tp1.get_default_sampling_params() == SamplingParams(
                 temperature=0.6, top_p=0.9, top_k=20, max_tokens=30
             )
-        with generation_config_with(mha_checkpoint[0], repetition_penalty=1.1):
-            with pytest.raises(
-                ValueError, match=r"generation_config.json: repetition_penalty=1.1: tinytp does not"
-            ):
-                tp1.get_default_sampling_params()
+        with generation_config_with(mha_checkpoint[0], repetition_penalty=1.1):  # vLLM's too
+            assert tp1.get_default_sampling_params() == SamplingParams(repetition_penalty=1.1)
         with generation_config_with(mha_checkpoint[0], top_k=-5):
             with pytest.raises(
                 ValueError, match=r"generation_config.json: top_k must be an integer"
@@ -5759,10 +5754,12 @@ def test_server_errors_are_openais_shapes_and_classes(openai, tiny_server):
     client = tiny_server.client(openai)
     base = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 2}
     for change, message in [
-        ({"logprobs": 2}, "logprobs=2: tinytp does not support logprobs"),
-        ({"echo": True}, "tinytp does not support echo"),
+        ({"logprobs": 21}, r"logprobs must be None or an integer from 0 to 20 \(vLLM's"),
+        ({"echo": "yes"}, "echo must be true or false"),
+        ({"logit_bias": {"A": 1}}, "logit_bias's keys are token ids"),
+        ({"logit_bias": {"300": 1}}, r"logit_bias \[300\] are outside the vocabulary"),
         ({"best_of": 2}, "tinytp does not support best_of"),
-        ({"frequency_penalty": 0.5}, "tinytp does not support frequency_penalty"),
+        ({"frequency_penalty": 2.5}, r"frequency_penalty must be a number in \[-2, 2\]"),
         ({"suffix": "x"}, "tinytp does not support suffix"),
         ({"temperature": -1}, "temperature must be a number >= 0, got -1"),
         ({"n": 0}, "n must be an integer >= 1, got 0"),
@@ -5781,7 +5778,8 @@ def test_server_errors_are_openais_shapes_and_classes(openai, tiny_server):
     for change, message in [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "does not support tools"),
         ({"response_format": {"type": "json_object"}}, "does not support response_format"),
-        ({"top_logprobs": 2}, "does not support top_logprobs"),
+        ({"top_logprobs": 2}, r"logprobs must be a boolean \(true for top_logprobs\)"),
+        ({"logprobs": 1}, "logprobs must be a boolean"),
         ({"messages": "Hi"}, "messages must be a non-empty list"),
     ]:
         with pytest.raises(openai.BadRequestError, match=message):
@@ -6016,7 +6014,7 @@ def test_stop_strings_found_in_new_text_match_a_search_of_the_whole_text():
         stops = rng.choice([[some], [some, some[:1]], [some[:2], some], [text[:2]], ["zz"]])
         expected = stop_by_whole_text(decode, tokens, stops)
         request = tinytp.Request(0, None, [1], SamplingParams(stop=stops, max_tokens=99), 0)
-        state = tinytp.RequestState(request, 0, decode)
+        state = tinytp.RequestState(request, 0, decode, None)
         for end, token in enumerate(tokens, start=1):
             request.output_token_ids.append(token)
             if state.update(end, finished=end == len(tokens)) and state.finished:
@@ -6938,3 +6936,396 @@ def test_workers_start_with_openmp_threads_that_sleep_unless_the_caller_chose(mo
     with LLM(checkpoints.TINY_MODEL_DIR, tensor_parallel_size=2, device="cpu") as llm:
         assert llm.collective_rpc(omp_wait_policy) == [caller or "PASSIVE"] * 2
         assert os.environ.get("OMP_WAIT_POLICY") == caller
+
+
+# Log-probabilities and the sampler's other fields (issue 40)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_checkpoint(tmp_path_factory):
+    """259 tokens: no tp of 2 or 4 divides the vocabulary, so the LM head's last slice is padded
+    and the log-softmax must leave the padding out."""
+    path = str(tmp_path_factory.mktemp("odd_vocab"))
+    return path, make_checkpoint(path, heads=4, kv_heads=2, vocab=259, seed=4)
+
+
+def assert_logprobs_equal_transformers(entry: dict, row: torch.Tensor, token: int, k: int):
+    """One position's {token id: Logprob} against transformers' log-softmax there: the given token
+    first, then the k likeliest (ids, values within 1e-4 in float32, ranks as vLLM counts them)."""
+    logprobs = row.log_softmax(dim=-1)
+    top = logprobs.topk(k)
+    assert list(entry)[0] == token and set(entry) == {token, *top.indices.tolist()}
+    for token_id, logprob in entry.items():
+        assert abs(logprob.logprob - logprobs[token_id].item()) < 1e-4
+        if token_id != token or token in top.indices.tolist():
+            assert logprob.rank == top.indices.tolist().index(token_id) + 1
+        else:
+            assert logprob.rank == (logprobs >= logprobs[token_id]).sum().item() > k
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_logprobs_and_prompt_logprobs_equal_transformers_log_softmax(odd_vocab_checkpoint, tp):
+    """logprobs=5 on every generated token and prompt_logprobs=3 on every prompt token but the
+    first, at a budget of 8 tokens a step (the 31-token prompt's positions come chunk by chunk),
+    against transformers' log-softmax of the same tokens; asked again, the prompts skip the
+    prefix cache and score the same."""
+    path, hf_model = odd_vocab_checkpoint
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    params = replace(params, prompt_logprobs=3)
+    arguments = {"max_num_seqs": 4, "max_num_batched_tokens": 8, "block_size": 4}
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=64, **arguments) as llm:
+        first, again = llm.generate(PROMPTS, params), llm.generate(PROMPTS, params)
+        plain = llm.generate(PROMPTS, replace(params, prompt_logprobs=None))
+    for prompt, output, repeat, cached in zip(PROMPTS, first, again, plain):
+        completion = output.outputs[0]
+        tokens = completion.token_ids
+        rows = teacher_forced_logits(hf_model, prompt + tokens)
+        assert len(completion.logprobs) == len(tokens) == 6
+        for i, (token, entry) in enumerate(zip(tokens, completion.logprobs)):
+            assert_logprobs_equal_transformers(entry, rows[len(prompt) + i - 1], token, 5)
+        expected = sum(entry[t].logprob for t, entry in zip(tokens, completion.logprobs))
+        assert completion.cumulative_logprob == pytest.approx(expected)
+        assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
+        for i, entry in enumerate(output.prompt_logprobs[1:]):
+            assert_logprobs_equal_transformers(entry, rows[i], prompt[i + 1], 3)
+        assert repeat.num_cached_tokens == 0 and repeat.outputs[0].token_ids == tokens
+        assert [list(e) for e in repeat.prompt_logprobs[1:]] == [
+            list(e) for e in output.prompt_logprobs[1:]
+        ]
+        assert cached.prompt_logprobs is None and cached.outputs[0].token_ids == tokens
+    assert plain[2].num_cached_tokens > 0  # the cache was there to be skipped
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_asking_for_logprobs_never_changes_the_tokens(odd_vocab_checkpoint, async_scheduling):
+    """Greedy and seeded n=2 sampling at tp 2, with and without logprobs (and prompt logprobs):
+    the same tokens, and one logprobs entry per token, the sampled one first; a stop string cuts
+    the logprobs with the tokens."""
+    path, _ = odd_vocab_checkpoint
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.9, n=2, seed=7, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=8, ignore_eos=True, stop=["~"]),
+    ]
+    with LLM(
+        path,
+        tensor_parallel_size=2,
+        device="cpu",
+        max_model_len=64,
+        async_scheduling=async_scheduling,
+    ) as llm:
+        for params in kinds:
+            plain = llm.generate(PROMPTS, params)
+            asked = llm.generate(PROMPTS, replace(params, logprobs=2, prompt_logprobs=0))
+            assert [[c.token_ids for c in o.outputs] for o in plain] == [
+                [c.token_ids for c in o.outputs] for o in asked
+            ]
+            for output in asked:
+                assert all(len(entry) == 1 for entry in output.prompt_logprobs[1:])
+                for c in output.outputs:
+                    assert len(c.logprobs) == len(c.token_ids)
+                    assert [list(entry)[0] for entry in c.logprobs] == c.token_ids
+                    assert all(2 <= len(entry) <= 3 for entry in c.logprobs)
+            assert all(c.logprobs is None for o in plain for c in o.outputs)
+
+
+class OpenAIPenalties(transformers.LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens (transformers has
+    none): a logit less frequency x its token's count, less presence if it occurred at all."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float):
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        counts = torch.bincount(input_ids[0, self.prompt_length :], minlength=scores.shape[-1])
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+@torch.no_grad()
+def hf_greedy_with(hf_model, prompt: list[int], processors: list, max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens after a prompt, each step's logits through `processors` in
+    their order; an end-of-sequence token (257) ends it."""
+    ids = torch.tensor([prompt])
+    for _ in range(max_new_tokens):
+        scores = hf_model(ids).logits[:, -1].float()
+        for processor in processors:
+            scores = processor(ids, scores)
+        ids = torch.cat([ids, scores.argmax(dim=-1, keepdim=True)], dim=1)
+        if ids[0, -1] == 257:
+            break
+    return ids[0, len(prompt) :].tolist()
+
+
+PENALTY_CASES = {  # SamplingParams' fields, and transformers' processors for a prompt's length
+    "repetition": (
+        {"repetition_penalty": 1.8},
+        lambda length: [transformers.RepetitionPenaltyLogitsProcessor(1.8)],
+    ),
+    "presence_frequency": (
+        {"presence_penalty": 1.5, "frequency_penalty": 0.8},
+        lambda length: [OpenAIPenalties(length, 1.5, 0.8)],
+    ),
+    "logit_bias_min_tokens": (  # the bias makes the end-of-sequence token the likeliest
+        {"logit_bias": {257: 8.0, 65: -2.5}, "min_tokens": 4},
+        lambda length: [
+            transformers.SequenceBiasLogitsProcessor([[[257], 8.0], [[65], -2.5]]),
+            transformers.MinNewTokensLengthLogitsProcessor(length, 4, 257),
+        ],
+    ),
+    "all, in vLLM's order": (
+        {"logit_bias": {257: 3.0}, "min_tokens": 3, "repetition_penalty": 0.7},
+        lambda length: [
+            transformers.SequenceBiasLogitsProcessor([[[257], 3.0]]),
+            transformers.MinNewTokensLengthLogitsProcessor(length, 3, 257),
+            transformers.RepetitionPenaltyLogitsProcessor(0.7),
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_penalties_min_tokens_and_logit_bias_equal_transformers_processors(
+    odd_vocab_checkpoint, tp
+):
+    """Greedy tokens with each of the sampler's other fields equal transformers' greedy tokens
+    through its processors (RepetitionPenalty, MinNewTokensLength, SequenceBias; OpenAI's
+    penalties written here), and differ from plain greedy: each field changes something."""
+    path, hf_model = odd_vocab_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=64) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], greedy)]
+        for name, (fields, processors) in PENALTY_CASES.items():
+            outputs = llm.generate(PROMPTS[:4], replace(greedy, **fields))
+            tokens = [o.outputs[0].token_ids for o in outputs]
+            expected = [hf_greedy_with(hf_model, p, processors(len(p)), 10) for p in PROMPTS[:4]]
+            assert tokens == expected, name
+            assert tokens != plain, name
+            if name == "logit_bias_min_tokens":  # the end-of-sequence token, once it may come
+                assert all(len(t) == 5 and t[-1] == 257 for t in tokens)
+
+
+def test_seeded_sampling_is_unchanged_by_a_neutral_penalty_or_bias(odd_vocab_checkpoint):
+    """A zero bias and neutral penalties run the adjusting path (logit_bias given) and change
+    no draw of a seeded sample; a real penalty does."""
+    path, _ = odd_vocab_checkpoint
+    seeded = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=12, ignore_eos=True)
+    neutral = {"logit_bias": {65: 0.0}, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+    with LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        tokens = [
+            [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params)]
+            for params in (seeded, replace(seeded, **neutral), replace(seeded, frequency_penalty=2))
+        ]
+    assert tokens[0] == tokens[1] != tokens[2]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            {"logprobs": 21},
+            r"logprobs must be None or an integer from 0 to 20 \(vLLM's max_logprobs\)",
+        ),
+        ({"logprobs": -1}, "logprobs must be None or an integer from 0 to 20"),
+        ({"prompt_logprobs": 1.0}, "prompt_logprobs must be None or an integer from 0 to 20"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
+        ({"frequency_penalty": "1"}, r"frequency_penalty must be a number in \[-2, 2\]"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0, got 0"),
+        ({"min_tokens": -1}, "min_tokens must be an integer >= 0, got -1"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens=5 must be at most max_tokens=4"),
+        ({"logit_bias": {"65": 1.0}}, "logit_bias must be None or a dict of token ids to finite"),
+        ({"logit_bias": {65: math.nan}}, "logit_bias must be None or a dict of token ids"),
+    ],
+)
+def test_logprobs_penalties_and_bias_out_of_range_are_refused_in_one_line(fields, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        SamplingParams(**fields)
+
+
+def served_json(server: Served, path: str, body: dict):
+    """A request's answer: its JSON, or a stream's chunks."""
+    status, _, text = raw_http(server.port, post(path, json.dumps(body).encode()))
+    assert status.startswith("HTTP/1.0 200"), text
+    return sse_chunks(text) if body.get("stream") else json.loads(text)
+
+
+def joined_chunks(chunks: list[dict], chat: bool) -> tuple[str, dict]:
+    """A stream's text and logprobs, its chunks' put together."""
+    pieces = [c["choices"][0] for c in chunks if c["choices"]]
+    text = "".join(p["delta"].get("content", "") if chat else p["text"] for p in pieces)
+    logprobs = [p["logprobs"] for p in pieces if p["logprobs"]]
+    if chat:
+        return text, {"content": [item for lp in logprobs for item in lp["content"]]}
+    return text, {key: [v for lp in logprobs for v in lp[key]] for key in logprobs[0]}
+
+
+def test_server_logprobs_echo_and_chat_logprobs_in_openais_shapes(tiny_server, tiny_llm):
+    """/v1/completions' logprobs (tokens, token_logprobs, top_logprobs with the sampled token,
+    text_offset), with echo (the prompt's first, its first token null; max_tokens 0: the prompt
+    alone), and /v1/chat/completions' content list: the engine's values, streamed alike."""
+    tokenizer, prompt = tiny_llm.tokenizer, "Logprobs, please"
+    ids = tokenizer(prompt).input_ids
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    engine = tiny_llm.generate([ids], replace(greedy, prompt_logprobs=2))[0]
+    generated = engine.outputs[0]
+    base = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    def expected(tokens: list[int], entries: list, offset: int = 0) -> dict:
+        texts = [tokenizer.decode([t]) for t in tokens]
+        return {
+            "text_offset": list(itertools.accumulate(map(len, texts), initial=offset))[:-1],
+            "token_logprobs": [
+                e and pytest.approx(e[t].logprob, abs=1e-5) for t, e in zip(tokens, entries)
+            ],
+            "tokens": texts,
+            "top_logprobs": [
+                e and {lp.decoded_token: pytest.approx(lp.logprob, abs=1e-5) for lp in e.values()}
+                for e in entries
+            ],
+        }
+
+    plain = served_json(tiny_server, "/v1/completions", {**base, "logprobs": 2})["choices"][0]
+    assert plain["text"] == generated.text
+    assert plain["logprobs"] == expected(generated.token_ids, generated.logprobs)
+    assert all(len(top) <= 3 for top in plain["logprobs"]["top_logprobs"])
+    echoed = served_json(tiny_server, "/v1/completions", {**base, "logprobs": 2, "echo": True})
+    whole = expected(ids + generated.token_ids, [*engine.prompt_logprobs, *generated.logprobs])
+    assert echoed["choices"][0]["text"] == prompt + generated.text
+    assert echoed["choices"][0]["logprobs"] == whole and whole["token_logprobs"][0] is None
+    scored = {**base, "max_tokens": 0, "logprobs": 1, "echo": True}  # lm-eval's loglikelihood
+    alone = served_json(tiny_server, "/v1/completions", scored)["choices"][0]
+    assert alone["text"] == prompt and alone["logprobs"]["tokens"] == whole["tokens"][: len(ids)]
+    assert alone["logprobs"]["token_logprobs"] == whole["token_logprobs"][: len(ids)]
+    streamed = served_json(
+        tiny_server, "/v1/completions", {**base, "logprobs": 2, "echo": True, "stream": True}
+    )
+    text, logprobs = joined_chunks(streamed, chat=False)
+    # (a chunk's text_offset begins where the text sent so far ends, as vLLM's)
+    assert text == prompt + generated.text and logprobs.pop("text_offset")[0] == 0
+    assert logprobs == {key: whole[key] for key in whole if key != "text_offset"}
+    assert served_json(tiny_server, "/v1/completions", base)["choices"][0]["logprobs"] is None
+
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = tiny_llm.generate([tiny_llm.chat_prompt(messages)], greedy)[0].outputs[0]
+
+    def item(lp) -> dict:
+        token = lp.decoded_token
+        return {
+            "token": token,
+            "logprob": pytest.approx(lp.logprob, abs=1e-5),
+            "bytes": list(token.encode()),
+        }
+
+    content = [
+        {
+            **item(e[t]),
+            "top_logprobs": [item(lp) for lp in sorted(e.values(), key=lambda lp: lp.rank)[:2]],
+        }
+        for t, e in zip(chat.token_ids, chat.logprobs)
+    ]
+    asked = {"messages": messages, **base, "logprobs": True, "top_logprobs": 2}
+    del asked["prompt"]
+    answer = served_json(tiny_server, "/v1/chat/completions", asked)["choices"][0]
+    assert answer["message"]["content"] == chat.text and answer["logprobs"] == {"content": content}
+    assert all(len(c["top_logprobs"]) == 2 for c in content)
+    streamed = served_json(tiny_server, "/v1/chat/completions", {**asked, "stream": True})
+    assert joined_chunks(streamed, chat=True) == (chat.text, {"content": content})
+
+
+# lm-evaluation-harness, in a process of its own (offline, its datasets cache in the test's
+# directory): each run's metrics and per-document responses, by task, as one line of JSON.
+LM_EVAL_RUNS = """
+import json, sys
+import lm_eval
+from lm_eval.tasks import TaskManager
+
+manager, answers = TaskManager(include_path=sys.argv[1]), []
+for model, model_args, tasks, chat in json.loads(sys.argv[2]):
+    out = lm_eval.simple_evaluate(
+        model=model, model_args=model_args, tasks=tasks, task_manager=manager,
+        log_samples=True, apply_chat_template=chat, batch_size=1,
+    )
+    samples = {task: sorted(out["samples"][task], key=lambda s: s["doc_id"]) for task in tasks}
+    answers.append({
+        task: [out["results"][task], [s["filtered_resps"] for s in samples[task]]] for task in tasks
+    })
+print(json.dumps(answers))
+"""
+LM_EVAL_CHOICES = [  # a multiple-choice task: each choice's log-likelihood after the question
+    {"question": "The capital of France is", "choices": ["Paris", "London", "Rome"], "answer": 0},
+    {"question": "Two plus two equals", "choices": ["seven", "four", "ten"], "answer": 1},
+    {"question": "The opposite of hot is", "choices": ["blue", "fast", "cold"], "answer": 2},
+    {"question": "A baby cat is called a", "choices": ["kitten", "puppy", "calf"], "answer": 0},
+]
+LM_EVAL_ANSWERS = [  # a generate-until task: greedy text up to a full stop
+    {"question": "The capital of France is", "answer": "Paris"},
+    {"question": "Two plus two is", "answer": "four"},
+]
+LM_EVAL_TASKS = {
+    "tinytp_choice": """output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
+metric_list:
+  - metric: acc
+""",
+    "tinytp_answer": """output_type: generate_until
+doc_to_text: "{{question}}"
+doc_to_target: " {{answer}}"
+generation_kwargs: {until: ["."], max_gen_toks: 10, do_sample: false}
+metric_list:
+  - metric: exact_match
+""",
+}
+
+
+def test_lm_eval_scores_the_server_as_its_hf_backend_scores_transformers(smollm2, tmp_path):
+    """lm-evaluation-harness against serve.py, as people judge a vLLM server: `local-completions`
+    (log-likelihoods from echo=True, logprobs=1: the prompt's logprobs) and its generations equal
+    its `hf` backend's on the same checkpoint (log-likelihoods within 1e-3, the same accuracy);
+    `local-chat-completions` runs the generate-until task to its end. Local JSON tasks, offline."""
+    if importlib.util.find_spec("lm_eval") is None:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(
+            "the lm-eval test needs lm-eval: pip install 'lm-eval[api]'"
+        )
+    path, _ = smollm2
+    for (task, config), documents in zip(LM_EVAL_TASKS.items(), [LM_EVAL_CHOICES, LM_EVAL_ANSWERS]):
+        data = tmp_path / f"{task}.jsonl"
+        data.write_text("".join(json.dumps(document) + "\n" for document in documents))
+        where = f"dataset_path: json\ndataset_kwargs: {{data_files: {{test: {data}}}}}\n"
+        (tmp_path / f"{task}.yaml").write_text(f"task: {task}\n{where}test_split: test\n{config}")
+    served = Served(tmp_path, "--model", path, "--dtype", "float32", "--max-model-len", "512")
+    url = f"model={served.name},base_url={served.url}"
+    runs = [
+        ["hf", f"pretrained={path},dtype=float32,device=cpu", [*LM_EVAL_TASKS], False],
+        [
+            "local-completions",
+            f"{url}/completions,tokenizer={path},tokenizer_backend=huggingface",
+            [*LM_EVAL_TASKS],
+            False,
+        ],
+        ["local-chat-completions", f"{url}/chat/completions", ["tinytp_answer"], True],
+    ]
+    offline = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    environment = {**os.environ, **offline, "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    try:
+        run = subprocess.run(
+            [sys.executable, "-c", LM_EVAL_RUNS, str(tmp_path), json.dumps(runs)],
+            capture_output=True,
+            text=True,
+            env=environment,
+            timeout=900,
+        )
+        assert run.returncode == 0, run.stderr[-4000:]
+    finally:
+        assert served.stop() == 0
+    hf, completions, chat = json.loads(run.stdout.splitlines()[-1])
+    (hf_metrics, hf_choices), (metrics, choices) = hf["tinytp_choice"], completions["tinytp_choice"]
+    assert metrics["acc,none"] == hf_metrics["acc,none"] >= 0.75  # SmolLM2 knows these
+    for ours, theirs in zip(choices, hf_choices, strict=True):
+        assert [pytest.approx(ll, abs=1e-3) for ll, _ in theirs] == [ll for ll, _ in ours]
+    texts = completions["tinytp_answer"][1]
+    assert texts == hf["tinytp_answer"][1] and all(text[0].strip() for text in texts)
+    assert len(chat["tinytp_answer"][1]) == 2
+    assert all(isinstance(text[0], str) and text[0] for text in chat["tinytp_answer"][1])

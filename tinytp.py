@@ -75,7 +75,7 @@ from worker import (
     worker_main,
 )
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
 # transformers is imported in functions: spawned workers re-import this module and need neither it
 # nor its seconds.
@@ -83,17 +83,24 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 # Requests and outputs, in vLLM's shape -----------------------------------------------
 @dataclass
+class Logprob:  # vLLM's: one token's log-probability at a position
+    logprob: float
+    rank: int | None = None  # 1: the likeliest token there
+    decoded_token: str | None = None  # its text alone (tokenizer.decode([id]), as vLLM's)
+
+
+@dataclass
 class CompletionOutput:  # one sample of a prompt's completion
     index: int  # which of the prompt's n samples
     text: str  # the text of token_ids, special tokens left out, ending before a stop string
     token_ids: list[int]  # the generated tokens (the one that ended the sequence included)
     finish_reason: str  # "stop" (an end-of-sequence token, a stop token or string) or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # vLLM's other fields, as vLLM leaves them when they were not asked for: tinytp has none of
-    # these.
+    # SamplingParams.logprobs asked: the sum of its tokens' log-probabilities, and for each token
+    # {token id: Logprob}, the sampled token first, then the k likeliest (k + 1 entries, or k)
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
-    lora_request: None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    lora_request: None = None  # vLLM's, as vLLM leaves it when none was asked for
 
 
 @dataclass
@@ -103,9 +110,11 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # the n samples, in index order
     finished: bool = True
-    # vLLM's other fields, as vLLM leaves them when they were not asked for: tinytp has none of
-    # these, but num_cached_tokens (its prompt tokens the prefix cache held, in the first sample).
-    prompt_logprobs: list | None = None
+    # SamplingParams.prompt_logprobs asked: None for the first token, then for each {token id:
+    # Logprob}, the prompt's token first, then the k likeliest. vLLM's other fields, as vLLM leaves
+    # them when they were not asked for: tinytp has none of these, but num_cached_tokens (its
+    # prompt tokens the prefix cache held, in the first sample).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: None = None
     lora_request: None = None
     encoder_prompt: str | None = None
@@ -113,6 +122,60 @@ class RequestOutput:
     num_cached_tokens: int | None = None
     multi_modal_placeholders: dict | None = None
     kv_transfer_params: dict | None = None
+
+
+# OpenAI's shapes of the outputs (serve.py's: they need no HTTP) ---------------------
+def counts(prompt: int, completion: int) -> dict:
+    total = prompt + completion
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+
+
+def usage(final: list[RequestOutput]) -> dict:
+    prompt = sum(len(output.prompt_token_ids) for output in final)  # once, whatever n is
+    total = counts(prompt, sum(len(c.token_ids) for output in final for c in output.outputs))
+    cached = sum(output.num_cached_tokens or 0 for output in final)  # found in the prefix cache
+    return total | {"prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def choice(number: int, c: CompletionOutput, text: str, logprobs, chat: bool, stream: bool) -> dict:
+    """A choice in a response (its text), or in a stream's chunk (the new text)."""
+    content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    if chat and stream:
+        content = {"delta": {"content": text} if text else {}}
+    ends = {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    return {"index": number, **content, "logprobs": logprobs, **ends}
+
+
+def logprob_value(logprob: Logprob) -> float:
+    return max(logprob.logprob, -9999.0)  # JSON has no infinity: a -inf is OpenAI's -9999.0
+
+
+def chat_logprobs(tokens: list[int], entries: list[dict[int, Logprob]], k: int) -> dict:
+    """The chat's: each token's text, log-probability, UTF-8 bytes and the k likeliest's."""
+
+    def item(logprob: Logprob) -> dict:
+        text = logprob.decoded_token
+        return {"token": text, "logprob": logprob_value(logprob), "bytes": list(text.encode())}
+
+    ranked = [sorted(entry.values(), key=lambda logprob: logprob.rank)[:k] for entry in entries]
+    content = [
+        {**item(e[t]), "top_logprobs": [*map(item, top)]}
+        for t, e, top in zip(tokens, entries, ranked)
+    ]
+    return {"content": content}
+
+
+def completion_logprobs(tokens: list[int], entries: list, offset: int, tokenizer) -> dict:
+    """The completions': each token's text and where it begins (from offset), its log-probability
+    and the likeliest ones' by text (with the sampled one, as vLLM's: k + 1 or k); an entry None
+    (the prompt's first token) is null, its text the tokenizer's."""
+    texts = [
+        tokenizer.decode([t]) if e is None else e[t].decoded_token for t, e in zip(tokens, entries)
+    ]
+    offsets = list(itertools.accumulate(map(len, texts), initial=offset))[: len(texts)]
+    values = [e and logprob_value(e[t]) for t, e in zip(tokens, entries)]
+    tops = [e and {lp.decoded_token: logprob_value(lp) for lp in e.values()} for e in entries]
+    return {"text_offset": offsets, "token_logprobs": values, "tokens": texts, "top_logprobs": tops}
 
 
 @dataclass
@@ -156,6 +219,10 @@ class Request:
     num_cached_tokens: int = -1
     # the hash of each of its full blocks, chained (KVCacheManager): kept while it is preempted
     block_hashes: list[bytes] = field(default_factory=list)
+    # the workers' logprobs_of entries, where asked: one per output token; one per prompt token
+    # but the first
+    logprobs: list[tuple] = field(default_factory=list)
+    prompt_logprobs: list[tuple] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:  # vLLM's: its prompt and the tokens sampled so far
@@ -546,10 +613,15 @@ class KVCacheManager:
         """The share of blocks held by requests (vLLM's kv_cache_usage_perc, a fraction)."""
         return 1 - len(self.free_block_queue) / (self.num_blocks - 1)
 
+    def reads_cache(self, request: Request) -> bool:
+        """A request asking for prompt logprobs computes its whole prompt (vLLM's choice): a cached
+        block has keys and values, not logits. Its blocks are cached all the same."""
+        return self.enable_caching and request.params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of cached blocks its tokens begin with, short of its last token: that
         one is always computed, for its logits."""
-        if not self.enable_caching:
+        if not self.reads_cache(request):
             return []
         self.hash_full_blocks(request)
         hits = []
@@ -703,7 +775,16 @@ class Scheduler:
             return None
         new_requests = [
             NewRequest(
-                r.request_id, r.prompt_token_ids, blocks, r.params, r.seed, r.num_computed_tokens
+                r.request_id,
+                r.prompt_token_ids,
+                blocks,
+                r.params,
+                r.seed,
+                r.num_computed_tokens,
+                # vLLM's: the end-of-sequence tokens too, whatever ignore_eos says
+                sorted(self.eos_token_ids | {*r.params.stop_token_ids})
+                if r.params.min_tokens
+                else [],
             )
             for r, _, blocks in scheduled[len(scheduled) - len(new) :]
         ]
@@ -741,7 +822,7 @@ class Scheduler:
             # its first admission (vLLM counts a resumed one's hits apart)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
-                if self.kv_cache_manager.enable_caching:
+                if self.kv_cache_manager.reads_cache(request):
                     self.prefix_cache_queries += request.num_tokens
                     self.prefix_cache_hits += num_computed
             request.num_computed_tokens = num_computed
@@ -803,10 +884,13 @@ class Scheduler:
             if request is None:  # finished or aborted since it was sent (async): dropped
                 self.num_dropped_tokens += token is not None
                 continue
+            request.prompt_logprobs += runner_output.prompt_logprobs.get(request_id, [])
             if token is None:  # part-way in its prompt
                 continue
             request.num_in_flight -= 1
             request.output_token_ids.append(token)
+            if request.params.logprobs is not None:
+                request.logprobs.append(runner_output.logprobs[request_id])
             updated.append(request)
             # An end-of-sequence or stop token ends it here; a stop string, a matter of text, is
             # found by the front end (OutputProcessor), which then aborts the request.
@@ -957,19 +1041,14 @@ class EngineCore:
 # output processing (vLLM's OutputProcessor) makes the reports into RequestOutputs. LLM is the
 # thin layer over the three that a vLLM script calls.
 def default_sampling_params(model_dir: str) -> SamplingParams:
-    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p and max_new_tokens
-    from the checkpoint's generation_config.json, vLLM's defaults for the rest (do_sample is not
-    read, as in vLLM)."""
+    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p, repetition_penalty
+    and max_new_tokens from the checkpoint's generation_config.json, vLLM's defaults for the rest
+    (do_sample is not read, as in vLLM)."""
     path = os.path.join(model_dir, "generation_config.json")
     config = read_json_object(path) if os.path.exists(path) else {}
     try:
-        if config.get("repetition_penalty", 1.0) != 1.0:
-            raise ValueError(
-                f"repetition_penalty={config['repetition_penalty']}: "
-                "tinytp does not support penalties"
-            )
         config["max_tokens"] = config.get("max_new_tokens")  # transformers' name for it
-        keys = ("temperature", "top_p", "top_k", "min_p", "max_tokens")
+        keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
         return SamplingParams(**{key: config[key] for key in keys if config.get(key) is not None})
     except ValueError as e:  # a value SamplingParams refuses
         raise ValueError(f"{path}: {e}") from None
@@ -1061,6 +1140,7 @@ class Processor:
                 "allows at most max_model_len - 1"
             )
         self.check_vocabulary(params.stop_token_ids, "stop_token_ids")
+        self.check_vocabulary(list(params.logit_bias or {}), "logit_bias")
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids"
@@ -1260,8 +1340,8 @@ class IncrementalText:
     characters before it that a stop string could begin in (the longest one's length, less one);
     and the text shown holds back as many, while a stop string could still begin there."""
 
-    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str]):
-        self.detokenize, self.stop = detokenize, stop
+    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str], min_tokens=0):
+        self.detokenize, self.stop, self.min_tokens = detokenize, stop, min_tokens
         self.hold = max(map(len, stop), default=1) - 1
         self.start = self.shown = 0  # the window, and where its decoded part ends
         self.decoded = ""  # the text of the tokens before `shown`
@@ -1278,7 +1358,7 @@ class IncrementalText:
             self.detokenize(token_ids[self.start : self.shown]) if self.shown > self.start else ""
         )
         new = window[len(before) :]
-        if self.stop:
+        if self.stop and end > self.min_tokens:  # vLLM's: no stop string within min_tokens
             text = self.decoded + new
             begin = max(0, len(self.decoded) - self.hold)
             found = [(i, stop) for stop in self.stop if (i := text.find(stop, begin)) >= 0]
@@ -1300,20 +1380,40 @@ class IncrementalText:
 
 class RequestState:
     """One sample as the front end follows it (vLLM's RequestState): its text as its tokens come,
-    and its CompletionOutput so far. A stop string found in the text ends it here."""
+    its logprobs where asked, and its CompletionOutput so far. A stop string found in the text
+    ends it here."""
 
-    def __init__(self, request: Request, index: int, detokenize: Callable[[list[int]], str]):
-        self.request, self.index = request, index
-        self.text = IncrementalText(detokenize, request.params.stop)
+    def __init__(self, request: Request, index: int, detokenize: Callable, decode_token: Callable):
+        """detokenize: a text's tokens to text; decode_token: one token's text (Logprob's)."""
+        self.request, self.index, self.decode_token = request, index, decode_token
+        self.text = IncrementalText(detokenize, request.params.stop, request.params.min_tokens)
         self.num_tokens = 0  # the tokens taken in so far
         self.completion = CompletionOutput(index, "", [], None)
         self.finished = False
+        self.logprobs: list[dict[int, Logprob]] = []  # one per token taken in, where asked
+        self.prompt_logprobs: list | None = None  # made at the first report, where asked: all in
+
+    def logprob_dict(self, entry: tuple) -> dict[int, Logprob]:
+        """A position's {token id: Logprob} from the workers' entry (logprobs_of): the given token
+        first, then the k likeliest, ranked 1 to k (one entry fewer if the given is among them)."""
+        token_ids, logprobs, rank = entry
+        ranks = [rank, *range(1, len(token_ids))]
+        return {
+            token_id: Logprob(logprob, rank, self.decode_token(token_id))
+            for token_id, logprob, rank in zip(token_ids, logprobs, ranks)
+        }
 
     def update(self, num_tokens: int, finished: bool) -> bool:
         """Take in the engine's report: the request had `num_tokens` tokens then (the engine may
         have appended more since), and maybe finished. False while its text ends in half of a
         multi-byte character: nothing new to show yet."""
         request, text = self.request, self.text
+        if request.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None, *map(self.logprob_dict, request.prompt_logprobs)]
+        if request.params.logprobs is not None:
+            self.logprobs += map(
+                self.logprob_dict, request.logprobs[len(self.logprobs) : num_tokens]
+            )
         # The engine ends a request with "stop" at an end-of-sequence or stop token only: kept in
         # token_ids, left out of the text, as vLLM does.
         end = num_tokens - 1 if finished and request.finish_reason == "stop" else num_tokens
@@ -1341,6 +1441,11 @@ class RequestState:
         self.completion = CompletionOutput(
             self.index, text.text(self.finished), token_ids, reason, stop_reason
         )
+        if request.params.logprobs is not None:
+            self.completion.logprobs = self.logprobs[:num_tokens]
+            self.completion.cumulative_logprob = sum(
+                entry[1][0] for entry in request.logprobs[:num_tokens]
+            )
         return True
 
 
@@ -1358,6 +1463,10 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def decode_token(self, token_id: int) -> str | None:
+        """A token's text alone, special tokens written out: vLLM's Logprob.decoded_token."""
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
     def follow(
         self, groups: list[list[Request]], client: EngineClient, stream: bool
     ) -> Iterator[tuple[int, RequestState]]:
@@ -1365,7 +1474,7 @@ class OutputProcessor:
         number, the state of its sample) whenever a completion changed. Leaving early (an
         exception, Ctrl-C, a stream closed) aborts the requests not finished."""
         states = {
-            r.request_id: (number, RequestState(r, index, self.detokenize))
+            r.request_id: (number, RequestState(r, index, self.detokenize, self.decode_token))
             for number, group in enumerate(groups)
             for index, r in enumerate(group)
         }
@@ -1402,12 +1511,15 @@ class GroupOutputs:
             for group in groups
         ]
         self.num_finished = [0] * len(groups)
+        self.prompt_logprobs = [None] * len(groups)  # its first sample's (all have the same)
         self.outputs = [self.request_output(number) for number in range(len(groups))]
         self.changed: set[int] = set()  # the groups whose RequestOutput is out of date
 
     def update(self, number: int, state: RequestState) -> None:
         self.completions[number][state.index] = state.completion
         self.num_finished[number] += state.finished
+        if state.index == 0:
+            self.prompt_logprobs[number] = state.prompt_logprobs
         self.changed.add(number)
 
     def current(self) -> list[RequestOutput]:
@@ -1426,6 +1538,7 @@ class GroupOutputs:
             first.prompt_token_ids,
             list(completions),
             finished,
+            self.prompt_logprobs[number],
             num_cached_tokens=first.num_cached_tokens,
         )
 
@@ -2029,9 +2142,14 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; the exit code says how it ended (2: the user's mistake)."""
+    return exit_code(lambda: run(parse_args(argv)))
+
+
+def exit_code(command: Callable[[], int | None]) -> int:
+    """Run a command line (tinytp.py's, serve.py's); the exit code says how it ended (its own, 0,
+    or 2: the user's mistake)."""
     try:
-        run(parse_args(argv))
+        return command() or 0
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2
@@ -2046,7 +2164,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tinytp: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

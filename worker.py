@@ -87,6 +87,59 @@ def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
 
 # Messages between the driver and the workers ------------------------------------------
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a lower temperature other than 0 is raised to it
+MAX_LOGPROBS = 20  # vLLM's max_logprobs default: the most log-probabilities a token may ask for
+LOGPROBS_WORDS = f"None or an integer from 0 to {MAX_LOGPROBS} (vLLM's max_logprobs)"
+
+
+def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
+    """SamplingParams' values checked for type as well as range: (a field, whether it is valid,
+    what it must be)."""
+
+    def within(value, low: float, high: float) -> bool:  # (a NaN is in no range)
+        return is_number(value) and low <= value <= high
+
+    def up_to_max_logprobs(k) -> bool:
+        return k is None or is_integer(k) and 0 <= k <= MAX_LOGPROBS
+
+    bias, repetition = params.logit_bias, params.repetition_penalty
+    return [
+        (
+            "temperature",
+            is_number(params.temperature) and 0 <= params.temperature < math.inf,
+            "a number >= 0",
+        ),
+        ("top_p", is_number(params.top_p) and 0 < params.top_p <= 1, "a number in (0, 1]"),
+        (
+            "top_k",
+            is_integer(params.top_k) and params.top_k >= -1,
+            "an integer >= 1, or 0 or -1 for all tokens",
+        ),
+        ("min_p", is_number(params.min_p) and 0 <= params.min_p <= 1, "a number in [0, 1]"),
+        # what torch takes
+        (
+            "seed",
+            params.seed is None or is_integer(params.seed) and 0 <= params.seed < 2**64,
+            "None or an integer in [0, 2**64)",
+        ),
+        ("ignore_eos", isinstance(params.ignore_eos, bool), "True or False"),
+        ("min_tokens", is_integer(params.min_tokens) and params.min_tokens >= 0, "an integer >= 0"),
+        ("presence_penalty", within(params.presence_penalty, -2, 2), "a number in [-2, 2]"),
+        ("frequency_penalty", within(params.frequency_penalty, -2, 2), "a number in [-2, 2]"),
+        (
+            "repetition_penalty",
+            within(repetition, 0, math.inf) and repetition > 0,
+            "a number > 0",
+        ),
+        ("logprobs", up_to_max_logprobs(params.logprobs), LOGPROBS_WORDS),
+        ("prompt_logprobs", up_to_max_logprobs(params.prompt_logprobs), LOGPROBS_WORDS),
+        (
+            "logit_bias",
+            bias is None
+            or isinstance(bias, dict)
+            and all(is_integer(t) and is_number(b) and math.isfinite(b) for t, b in bias.items()),
+            "None or a dict of token ids to finite numbers",
+        ),
+    ]
 
 
 @dataclass(kw_only=True)  # keywords only: vLLM's positional order differs
@@ -94,7 +147,9 @@ class SamplingParams:
     """How to pick each next token, as vLLM's fields of these names: temperature 0 is greedy,
     sampling_probabilities applies the rest; n samples per prompt, repeatable with a seed. A
     sequence ends at an end-of-sequence token (unless ignore_eos), one of stop_token_ids, a stop
-    string (the text ends before it) or after max_tokens."""
+    string (the text ends before it) or after max_tokens, never before min_tokens. Before all that,
+    adjusted_logits adds logit_bias and applies the penalties. logprobs, prompt_logprobs: the k
+    likeliest tokens' log-probabilities (and the chosen one's) at each generated, prompt token."""
 
     n: int = 1
     temperature: float = 1.0
@@ -106,9 +161,22 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: as many as max_model_len leaves, as in vLLM
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id: a number added to its logit
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether adjusted_row changes anything for it."""
+        penalties = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+        return bool(self.logit_bias or self.min_tokens or penalties)
 
     def __new__(cls, *args, **kwargs):
-        # vLLM's other fields (beam search, penalties, logprobs, ...) and typos: a ValueError naming
+        # vLLM's other fields (beam search, guided decoding, ...) and typos: a ValueError naming
         # the field, not a TypeError, and never accepted, even at vLLM's default.
         for name in kwargs.keys() - {f.name for f in fields(cls)}:
             raise ValueError(
@@ -121,27 +189,7 @@ class SamplingParams:
         # Checked for type as well as range, here in the driver: a NaN or a float count that
         # reached the workers would fail inside a step and take every request with it.
         check_count("n", self.n)
-        for name, valid, allowed in [
-            (
-                "temperature",
-                is_number(self.temperature) and 0 <= self.temperature < math.inf,
-                "a number >= 0",
-            ),
-            ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            (
-                "top_k",
-                is_integer(self.top_k) and self.top_k >= -1,
-                "an integer >= 1, or 0 or -1 for all tokens",
-            ),
-            ("min_p", is_number(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
-            # what torch takes
-            (
-                "seed",
-                self.seed is None or is_integer(self.seed) and 0 <= self.seed < 2**64,
-                "None or an integer in [0, 2**64)",
-            ),
-            ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
-        ]:
+        for name, valid, allowed in checked_fields(self):
             if not valid:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
         stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
@@ -153,6 +201,10 @@ class SamplingParams:
         self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")
         if self.max_tokens is not None:
             check_count("max_tokens", self.max_tokens)
+            if self.min_tokens > self.max_tokens:
+                raise ValueError(
+                    f"min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}"
+                )
         # 1 / temperature would overflow the logits into NaN
         if 0 < self.temperature < MIN_TEMPERATURE:
             print(
@@ -178,6 +230,8 @@ class NewRequest:
     seed: int  # always set: every rank seeds the same generator, so all sample alike
     # tokens whose keys and values its first blocks already hold (prefix caching)
     num_computed_tokens: int = 0
+    # the tokens that min_tokens holds back (end-of-sequence and stop tokens); none without it
+    min_tokens_stop_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -201,6 +255,10 @@ class ModelRunnerOutput:
     # one per scheduled request, in its order; None: a prompt part-way done
     sampled_token_ids: list[int | None]
     execute_seconds: float  # time inside the worker, to measure the executor's overhead
+    # for the requests that asked, by id (logprobs_of's entries): the sampled token's, and each of
+    # the prompt's tokens scored this step (in order); empty when none asked
+    logprobs: dict[int, tuple] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[tuple]] = field(default_factory=dict)
 
 
 @dataclass
@@ -572,6 +630,59 @@ def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
     return probs
 
 
+def adjusted_logits(logits: torch.Tensor, scheduled: list[CachedRequest]) -> torch.Tensor:
+    """The rows of the requests with penalties, min_tokens or logit_bias adjusted (adjusted_row),
+    in new rows: the raw ones still score logprobs (step_logprobs). The others cost nothing more."""
+    if not any(request.params.adjusts_logits for request in scheduled):
+        return logits
+    return torch.stack(
+        [
+            adjusted_row(row, r) if r.params.adjusts_logits else row
+            for row, r in zip(logits, scheduled)
+        ]
+    )
+
+
+def adjusted_row(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:
+    """One request's row of logits as vLLM's sampler adjusts it, greedy or not, in its order:
+    logit_bias added; the end-of-sequence and stop tokens ruled out below min_tokens; then the
+    penalties: repetition over the prompt's and output's tokens (a positive logit divided by it,
+    a negative one multiplied, as transformers' RepetitionPenaltyLogitsProcessor), frequency
+    (times each token's count) and presence (once per token) over the output's, as OpenAI's."""
+    params, ids = request.params, functools.partial(torch.tensor, device=logits.device)
+    output = request.token_ids[request.num_prompt_tokens :]
+    if params.logit_bias:
+        biases = ids([*params.logit_bias.values()], dtype=logits.dtype)
+        logits = logits.index_add(0, ids([*params.logit_bias]), biases)
+    if len(output) < params.min_tokens:
+        logits = logits.index_fill(0, ids(request.min_tokens_stop_ids), -math.inf)
+    if (penalty := params.repetition_penalty) != 1:
+        seen = ids(request.token_ids).unique()
+        scores = logits[seen]
+        logits = logits.index_copy(
+            0, seen, torch.where(scores > 0, scores / penalty, scores * penalty)
+        )
+    if params.frequency_penalty or params.presence_penalty:
+        counts = torch.bincount(ids(output, dtype=torch.long), minlength=logits.numel())
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+    return logits
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: list[int], num_logprobs: list[int]) -> list[tuple]:
+    """For each row of logits: its log-softmax (of the raw logits, before penalties, temperature
+    and top-k/p: vLLM's default, raw_logprobs), as (the given token, then the k likeliest: their
+    ids, their log-probabilities, the given token's rank). A rank counts the tokens at least as
+    likely, as vLLM's: 1 is the likeliest."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    tokens = torch.tensor(token_ids, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, tokens)
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    top = logprobs.topk(max(num_logprobs), dim=-1)
+    ids = torch.cat([tokens, top.indices], dim=1).tolist()
+    values = torch.cat([chosen, top.values], dim=1).tolist()
+    return [(i[: k + 1], v[: k + 1], r) for i, v, r, k in zip(ids, values, ranks, num_logprobs)]
+
+
 # The worker: one rank's model, KV cache and copy of every running request -------------
 @dataclass
 class CachedRequest:
@@ -582,6 +693,59 @@ class CachedRequest:
     block_ids: list[int]  # its block table: position p is at offset p % block_size of block p // it
     params: SamplingParams
     generator: torch.Generator
+    num_prompt_tokens: int = 0
+    min_tokens_stop_ids: list[int] = field(default_factory=list)
+    # the first prompt position whose logits have not scored its next token yet (prompt_logprobs:
+    # a preempted request computes its prompt again, and each position is sent once)
+    prompt_logprobs_from: int = 0
+
+    @classmethod
+    def new(cls, new: NewRequest, device: torch.device) -> CachedRequest:
+        """A new request's copy, its generator seeded alike on every rank."""
+        generator = torch.Generator(device).manual_seed(new.seed)
+        token_ids, stop_ids = list(new.prompt_token_ids), new.min_tokens_stop_ids
+        return cls(token_ids, 0, [], new.params, generator, len(token_ids), stop_ids)
+
+    def prompt_logprob_positions(self, num_tokens: int) -> range:
+        """The positions among this step's num_tokens whose logits score the next prompt token."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        end = min(self.num_computed + num_tokens, self.num_prompt_tokens - 1)
+        return range(max(self.num_computed, self.prompt_logprobs_from), end)
+
+
+def logits_rows(batch: list[tuple[CachedRequest, int]], ends: list[int]) -> list[int]:
+    """The rows of a step (each request's end where its rows end) whose logits are computed:
+    those sampled (a decode's, a chunk's last where it ends its prompt), then those that score a
+    prompt's next token, for the requests that asked (prompt_logprobs)."""
+    pairs = list(zip(batch, ends))
+    sampled = [end - 1 for (r, n), end in pairs if r.num_computed + n == len(r.token_ids)]
+    scoring = [
+        end - n - r.num_computed + p for (r, n), end in pairs for p in r.prompt_logprob_positions(n)
+    ]
+    return sampled + scoring
+
+
+def step_logprobs(
+    logits: torch.Tensor, ids: list[int], batch: list[tuple], tokens: dict[int, int]
+) -> tuple[dict, dict]:
+    """A step's log-probabilities for the requests that asked (ModelRunnerOutput's), rank 0's:
+    of the sampled tokens (the first rows of logits, one per token) and of the prompts' tokens
+    (the rows after them, as logits_rows orders them), in one call of logprobs_of."""
+    requests = {i: r for i, (r, _) in zip(ids, batch)}
+    asked = [(row, i) for row, i in enumerate(tokens) if requests[i].params.logprobs is not None]
+    prompts = [(i, r, r.prompt_logprob_positions(n)) for i, (r, n) in zip(ids, batch)]
+    prompts = [(i, r, positions) for i, r, positions in prompts if positions]
+    targets = [tokens[i] for _, i in asked]
+    targets += [r.token_ids[p + 1] for _, r, positions in prompts for p in positions]
+    if not targets:
+        return {}, {}
+    num_logprobs = [requests[i].params.logprobs for _, i in asked]
+    num_logprobs += [r.params.prompt_logprobs for _, r, positions in prompts for _ in positions]
+    rows = [row for row, _ in asked] + list(range(len(tokens), len(logits)))
+    entries = iter(logprobs_of(logits[rows], targets, num_logprobs))
+    sampled = {i: next(entries) for _, i in asked}
+    return sampled, {i: [next(entries) for _ in positions] for i, _, positions in prompts}
 
 
 def choose_cuda_attention_backends() -> None:
@@ -744,15 +908,7 @@ class Worker:
                 for (r, n), end in zip(batch, ends)
                 if n > 1
             ],
-            last_index=torch.tensor(
-                [
-                    end - 1
-                    for (r, n), end in zip(batch, ends)
-                    if r.num_computed + n == len(r.token_ids)
-                ],
-                dtype=torch.long,
-                device=device,
-            ),
+            logits_indices=torch.tensor(logits_rows(batch, ends), dtype=torch.long, device=device),
         )
 
     def cuda_graph_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
@@ -760,7 +916,7 @@ class Worker:
         requests' then pad rows (token 0 at position 0 of the null block, which no request reads
         unmasked), attention reading a power of two of positions through block tables as wide.
         The scheduled rows' logits."""
-        pad = CachedRequest([0], 0, [0], None, None)
+        pad = CachedRequest([0], 0, [0], SamplingParams(), None)
         rows = scheduled + [pad] * (self.max_num_seqs - len(scheduled))
         # + 1, this step's token: at most the power of two above
         longest = max(r.num_computed for r in scheduled)
@@ -789,8 +945,8 @@ class Worker:
 
     def sample(self, logits: torch.Tensor, scheduled: list[CachedRequest]) -> list[int]:
         """Every rank has the same logits (all-gathered) and seeded generators: all pick the same
-        tokens, unspoken."""
-        logits = logits.float()
+        tokens, unspoken, having adjusted them alike (penalties, min_tokens, logit_bias)."""
+        logits = adjusted_logits(logits.float(), scheduled)
         tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
         for i, request in enumerate(scheduled):
             if request.params.temperature > 0:
@@ -807,10 +963,7 @@ class Worker:
         for new in scheduler_output.new_requests:
             request = self.requests.get(new.request_id)  # known: resumed after a preemption
             if request is None:
-                generator = torch.Generator(self.device).manual_seed(new.seed)
-                request = self.requests[new.request_id] = CachedRequest(
-                    list(new.prompt_token_ids), 0, [], new.params, generator
-                )
+                request = self.requests[new.request_id] = CachedRequest.new(new, self.device)
             request.num_computed, request.block_ids = new.num_computed_tokens, list(new.block_ids)
         for request_id, block_ids in scheduler_output.new_block_ids.items():
             self.requests[request_id].block_ids += block_ids
@@ -830,13 +983,18 @@ class Worker:
                 else self.model(self.prepare_inputs(batch), self.kv_caches)
             )
         # .tolist() waits for the GPU
-        tokens = dict(zip(sampling, self.sample(logits, list(sampling.values()))))
+        tokens = dict(zip(sampling, self.sample(logits[: len(sampling)], list(sampling.values()))))
+        # rank 0 alone answers, so it alone computes what was asked
+        logprobs = step_logprobs(logits, ids, batch, tokens) if self.group.rank == 0 else ({}, {})
         for request, count in batch:
             request.num_computed += count
+            request.prompt_logprobs_from = max(request.prompt_logprobs_from, request.num_computed)
         for request_id, token in tokens.items():
             self.requests[request_id].token_ids.append(token)
         return ModelRunnerOutput(
-            [tokens.get(i) for i in scheduler_output.scheduled_ids], time.perf_counter() - start
+            [tokens.get(i) for i in scheduler_output.scheduled_ids],
+            time.perf_counter() - start,
+            *logprobs,
         )
 
     def close(self, unlink_collective_block: bool = False) -> None:
