@@ -57,6 +57,7 @@ import tinytp
 from checkpoints import (
     TINY_MODEL_DIR,
     check_tensor_parallel_size,
+    checkpoint_shapes,
     config_from_dict,
     read_config,
     resolve_model,
@@ -64,7 +65,6 @@ from checkpoints import (
 from model import (
     ModelConfig,
     TPGroup,
-    checkpoint_shapes,
     init_dummy_weights,
     kv_cache_shape,
     vocab_rows_per_rank,

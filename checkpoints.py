@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 from safetensors import SafetensorError, safe_open
 
-from model import ModelConfig, checkpoint_shapes
+from model import ModelConfig, TPGroup, meta_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -390,6 +390,16 @@ SHAPE_FROM_CONFIG = {
 }
 # the others: same name
 CONFIG_FIELDS = {"num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads"}
+
+
+def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> dict[str, list[int]]:
+    """Each checkpoint tensor's shape in `group`'s rank (at tp=1, the default: the full shapes
+    config.json implies)."""
+    return {
+        shard.name: [*param.shape[: shard.dim], shard.size, *param.shape[shard.dim + 1 :]]
+        for param in meta_model(config, group).parameters()
+        for shard in param.shards
+    }
 
 
 def check_checkpoint(config: ModelConfig, checkpoint_dir: str) -> None:

@@ -475,16 +475,6 @@ def kv_cache_shape(
     return 2, num_blocks, block_size, max(1, config.num_kv_heads // tp), config.head_dim
 
 
-def checkpoint_shapes(config: ModelConfig, group: TPGroup = TPGroup(0, 1)) -> dict[str, list[int]]:
-    """Each checkpoint tensor's shape in `group`'s rank (at tp=1, the default: the full shapes
-    config.json implies)."""
-    return {
-        shard.name: [*param.shape[: shard.dim], shard.size, *param.shape[shard.dim + 1 :]]
-        for param in meta_model(config, group).parameters()
-        for shard in param.shards
-    }
-
-
 # Each matmul's CPU kernel, chosen at load time by timing the candidates ------------------
 # A decode step's rows, at which the kernels race: one request, and a batch of a few.
 DECODE_ROWS = (1, 8)

@@ -2019,20 +2019,12 @@ DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "Tensor para
 
 def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM's KV-cache flags (bench.py's too)."""
-    kv_cache = parser.add_argument_group("KV cache")
-    kv_cache.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    kv_cache.add_argument(
-        "--kv-cache-memory-bytes",
-        type=int,
-        default=None,
-        help="a rank's KV cache (default: max_num_seqs x max_model_len tokens' worth)",
-    )
-    kv_cache.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV cache of a prompt's longest cached prefix (default: on, as vLLM V1)",
-    )
+    add = parser.add_argument_group("KV cache").add_argument
+    add("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    memory = "a rank's KV cache (default: max_num_seqs x max_model_len tokens' worth)"
+    add("--kv-cache-memory-bytes", type=int, default=None, help=memory)
+    reuse = "reuse the KV cache of a prompt's longest cached prefix (default: on, as vLLM V1)"
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help=reuse)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -2041,27 +2033,16 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add("--model", help="checkpoint directory or hub id (default: a tiny random Llama)")
     add("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="ranks")
     add("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
-    add(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        default="auto",
-        help="auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)",
-    )
+    auto = "auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)"
+    add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help=auto)
     add("--max-num-seqs", type=int, default=8)
     add("--max-model-len", type=int, default=None)
-    add(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="the tokens one step may run (default: 4096 a rank on cpu, 8192 on cuda)",
-    )
+    budget = "the tokens one step may run (default: 4096 a rank on cpu, 8192 on cuda)"
+    add("--max-num-batched-tokens", type=int, default=None, help=budget)
     add_kv_cache_flags(parser)
     add("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (opt-in)")
-    add(
-        "--async-scheduling",
-        action="store_true",
-        help="send each step while the one before it runs (two steps in flight)",
-    )
+    ahead = "send each step while the one before it runs (two steps in flight)"
+    add("--async-scheduling", action="store_true", help=ahead)
 
 
 ENGINE_FLAGS = ("device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens")
@@ -2077,38 +2058,27 @@ def engine_arguments(args: argparse.Namespace) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tinytp.py", description=__doc__.split("\n")[0])
     add_engine_flags(parser)
-    parser.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    sampling = parser.add_argument_group(
-        "sampling (with none of these: from the model's generation_config.json)"
-    )
-    sampling.add_argument("--temperature", type=float, help="0 is greedy")
-    sampling.add_argument("--top-p", type=float)
-    sampling.add_argument("--top-k", type=int, help="0 or -1: all tokens")
-    sampling.add_argument("--min-p", type=float)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument(
-        "--stop", action="append", help="end the text before this string; repeat for more"
-    )
-    parser.add_argument(
-        "--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens"
-    )
-    parser.add_argument(
-        "--no-chat-template", action="store_true", help="send the prompt text as it is"
-    )
+    add = parser.add_argument
+    add("--prompt", action="append", help="a prompt; repeat for a batch")
+    add("--max-tokens", type=int, default=128)
+    sampling = "sampling (with none of these: from the model's generation_config.json)"
+    add_sampling = parser.add_argument_group(sampling).add_argument
+    add_sampling("--temperature", type=float, help="0 is greedy")
+    add_sampling("--top-p", type=float)
+    add_sampling("--top-k", type=int, help="0 or -1: all tokens")
+    add_sampling("--min-p", type=float)
+    add("--seed", type=int, default=None)
+    add("--stop", action="append", help="end the text before this string; repeat for more")
+    add("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    add("--no-chat-template", action="store_true", help="send the prompt text as it is")
     return parser.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> None:
     """The command line's run: every argument checked before anything loads."""
-    chosen = {
-        name: getattr(args, name)
-        for name in ("temperature", "top_p", "top_k", "min_p")
-        if getattr(args, name) is not None
-    }
-    others = dict(
-        max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos
-    )
+    sampling = ("temperature", "top_p", "top_k", "min_p")
+    chosen = {name: vars(args)[name] for name in sampling if vars(args)[name] is not None}
+    others = {name: vars(args)[name] for name in ("max_tokens", "seed", "stop", "ignore_eos")}
     params = SamplingParams(**chosen, **others)  # checked now, before anything loads
     prompts = args.prompt or DEFAULT_PROMPTS
     if not all(prompts):
