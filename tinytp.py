@@ -299,6 +299,28 @@ class StepFuture:
     result: Callable[[], ModelRunnerOutput]
 
 
+def start_processes(workers: list[mp.Process]) -> None:
+    """Start the workers' processes. Ctrl-C and SIGTERM are blocked while they start: they inherit
+    the mask, so a signal sent to the process group reaches the driver (when we unblock it) and
+    never N workers mid-import; worker_main then ignores both. A thread done with its part of an
+    OpenMP region waits for the others; spinning there (the runtime's default) holds a core that a
+    descheduled peer, the driver or another process needs, and on a busy CPU each of a step's
+    regions stalls: the workers' threads sleep instead (docs/performance.md, "A busy CPU"). The
+    runtime reads this as torch loads, so it goes in the environment they start with; the caller's
+    own setting stands."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    caller_policy = os.environ.get("OMP_WAIT_POLICY")
+    os.environ["OMP_WAIT_POLICY"] = caller_policy or "PASSIVE"
+    try:
+        for process in workers:
+            process.start()
+    finally:
+        if caller_policy is None:
+            del os.environ["OMP_WAIT_POLICY"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    forget_child_processes(workers)
+
+
 class Executor:
     """Spawns one worker process per rank, rank 0 included (design discussion: "N worker processes
     rather than N-1"), and runs methods on all of them. Calls go out on one shared-memory broadcast
@@ -330,10 +352,9 @@ class Executor:
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
         # call id: (its name, its answers by rank, how many due)
         self.awaited: dict[int, tuple[str, dict, int]] = {}
-        # One thread drives the executor: the one that made it, then an LLM's engine loop (given it
-        # by EngineClient; None: any, once the loop is gone). Another may still shut it down, so
-        # sending is a critical section, and `closing` makes the driving thread give up its wait at
-        # its next check.
+        # One thread drives the executor: its maker's, then an LLM's engine loop's (EngineClient's
+        # doing; None: any, the loop gone). Another may still shut it down, so sending is a critical
+        # section, and `closing` makes the driving thread give up its wait at its next check.
         self.driver: int | None = threading.get_ident()
         self.sending = threading.RLock()
         self.closing = threading.Event()
@@ -391,25 +412,7 @@ class Executor:
             )
             for rank in range(self.tp)
         ]
-        # Ctrl-C and SIGTERM blocked while they start: they inherit the mask, so a signal sent
-        # to the process group reaches the driver (when we unblock it) and never N workers
-        # mid-import; worker_main then ignores both.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        # A thread done with its part of an OpenMP region waits for the others; spinning there (the
-        # runtime's default) holds a core that a descheduled peer, the driver or another process
-        # needs, and on a busy CPU each of a step's regions stalls: the workers' threads sleep
-        # instead (docs/performance.md, "A busy CPU"). The runtime reads this as torch loads, so
-        # it goes in the environment they start with; the caller's own setting stands.
-        caller_policy = os.environ.get("OMP_WAIT_POLICY")
-        os.environ["OMP_WAIT_POLICY"] = caller_policy or "PASSIVE"
-        try:
-            for process in self.workers:
-                process.start()
-        finally:
-            if caller_policy is None:
-                del os.environ["OMP_WAIT_POLICY"]
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-        forget_child_processes(self.workers)
+        start_processes(self.workers)
 
     def collective_rpc(
         self,
@@ -454,10 +457,8 @@ class Executor:
     def _send(self, call: RPCCall, timeout: float | None, name: str) -> int:
         """Number the call, broadcast it, and expect its answers; return its number."""
         if self.driver not in (None, threading.get_ident()):  # README, exercise 11
-            raise RuntimeError(
-                f"{name}: one thread drives tinytp's executor, the engine loop's (two would take "
-                "each other's replies): call LLM.collective_rpc, which runs it there"
-            )
+            why = "one thread drives tinytp's executor, the engine loop's: call LLM.collective_rpc"
+            raise RuntimeError(f"{name}: {why}")  # (two would take each other's replies)
         with self.sending:
             if self.failure is None and any(q.cut_off for q in [self.broadcast, *self.responses]):
                 cut_off = "a message between us was cut off part-way, and its reader would misread"
@@ -1595,6 +1596,8 @@ def check_vllm_arguments(
             f"{', '.join(list(inspect.signature(LLM).parameters)[:-1])}"
         )
     is_directory = isinstance(generation_config, str) and os.path.isdir(generation_config)
+    part, size = cache.gpu_memory_utilization, cache.block_size
+    prefix = cache.enable_prefix_caching
     for name, value, valid, allowed in [
         ("seed", seed, seed is None or is_integer(seed) and 0 <= seed, "None or an integer >= 0"),
         (
@@ -1609,18 +1612,8 @@ def check_vllm_arguments(
             trust_remote_code is False,
             "False: tinytp never runs a checkpoint's own code",
         ),
-        (
-            "gpu_memory_utilization",
-            cache.gpu_memory_utilization,
-            is_number(cache.gpu_memory_utilization) and 0 < cache.gpu_memory_utilization <= 1,
-            "a number in (0, 1]",
-        ),
-        (
-            "block_size",
-            cache.block_size,
-            is_integer(cache.block_size) and cache.block_size >= 1,
-            "an integer >= 1 (vLLM's default: 16)",
-        ),
+        ("gpu_memory_utilization", part, is_number(part) and 0 < part <= 1, "a number in (0, 1]"),
+        ("block_size", size, is_integer(size) and size > 0, "an integer >= 1 (vLLM's default: 16)"),
         (
             "kv_cache_memory_bytes",
             cache.kv_cache_memory_bytes,
@@ -1629,12 +1622,7 @@ def check_vllm_arguments(
             and cache.kv_cache_memory_bytes >= 1,
             "None or an integer >= 1",
         ),
-        (
-            "enable_prefix_caching",
-            cache.enable_prefix_caching,
-            type(cache.enable_prefix_caching) is bool,
-            "True or False",
-        ),
+        ("enable_prefix_caching", prefix, type(prefix) is bool, "True or False"),
         (
             "generation_config",
             generation_config,
@@ -1874,10 +1862,8 @@ class LLM:
         kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(max_num_seqs, max_len, budget, eos_token_ids, kv_cache_manager)
         workers = (tp, device, dtype, max_num_seqs, max_len, load_format)  # what each one runs
-        blocks = {"num_blocks": num_blocks, "block_size": block_size}
-        self.executor = executor_class(
-            config, self.model_dir, *workers, cuda_graphs=cuda_graphs, **blocks
-        )
+        options = {"cuda_graphs": cuda_graphs, "num_blocks": num_blocks, "block_size": block_size}
+        self.executor = executor_class(config, self.model_dir, *workers, **options)
         # The engine loop: one thread drives the scheduler and the executor; every caller talks to
         # it through queues.
         self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)
