@@ -6845,7 +6845,8 @@ def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_check
     took = time.monotonic() - start
     caller.join(timeout=10)
     print(f"\nshutdown took {took:.2f} s; rank 0's exit code {worker.exitcode}; {errors}")
-    assert worker.exitcode == -signal.SIGKILL and 2.0 <= took < hang_bound(2.0)
+    # the grace, then slack for the kill and the unlinking
+    assert worker.exitcode == -signal.SIGKILL and 2.0 <= took < hang_bound(2.0 + 2)
     assert errors and "shut down" in errors[0] and set(shm_entries()) <= others
 
 
