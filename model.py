@@ -412,9 +412,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_table[:, inputs.positions]  # each [N, 1, 2, hd / 2]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, inputs)
-        return self.lm_head(
-            self.norm(x[inputs.logits_indices])
-        )  # only these tokens' logits are used
+        # only these tokens' logits are used: the sampled ones, and those scoring a prompt
+        return self.lm_head(self.norm(x[inputs.logits_indices]))
 
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------

@@ -108,13 +108,13 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
             is_number(params.temperature) and 0 <= params.temperature < math.inf,
             "a number >= 0",
         ),
-        ("top_p", is_number(params.top_p) and 0 < params.top_p <= 1, "a number in (0, 1]"),
+        ("top_p", within(params.top_p, 0, 1) and params.top_p > 0, "a number in (0, 1]"),
         (
             "top_k",
             is_integer(params.top_k) and params.top_k >= -1,
             "an integer >= 1, or 0 or -1 for all tokens",
         ),
-        ("min_p", is_number(params.min_p) and 0 <= params.min_p <= 1, "a number in [0, 1]"),
+        ("min_p", within(params.min_p, 0, 1), "a number in [0, 1]"),
         # what torch takes
         (
             "seed",
