@@ -492,6 +492,15 @@ def kernel_forced() -> bool | None:
     return None if value is None else value == "1"
 
 
+def onednn_offered(device: torch.device, dtype: torch.dtype) -> bool:
+    """Is oneDNN's packed kernel a candidate: on a CPU, in float32, or in bfloat16 where the CPU
+    runs it natively? Elsewhere F.linear is the one kernel, and TINYTP_PACK_WEIGHTS=1 is refused."""
+    native = {torch.float32: torch.backends.mkldnn.is_available()}
+    if dtype == torch.bfloat16:
+        native[dtype] = cpu_has_native_bfloat16()
+    return device.type == "cpu" and native.get(dtype, False)
+
+
 def choose_cpu_kernels(model: nn.Module, forced: bool | None) -> str:
     """Give each kind of matmul (qkv_proj, o_proj, ... : one shape in every layer) the faster of
     two CPU kernels here, and say which (the line returned): F.linear on the weight as loaded, or

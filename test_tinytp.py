@@ -561,6 +561,22 @@ def test_tinytp_pack_weights_0_keeps_the_loaded_layout_and_the_tokens(monkeypatc
             LLM(device="cpu")  # refused in the driver, before any worker starts
 
 
+def test_tinytp_pack_weights_1_where_onednn_is_not_offered_is_refused(monkeypatch):
+    """Exact or refuse: oneDNN's packed kernel runs on a CPU in float32, and in bfloat16 only where
+    the CPU has it natively; elsewhere TINYTP_PACK_WEIGHTS=1 would run F.linear without a word, so
+    it is refused in one line, in the driver. 0 (F.linear everywhere) is what runs there: kept."""
+    monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "1")
+    monkeypatch.setattr(model_code, "cpu_has_native_bfloat16", lambda: False)
+    monkeypatch.setattr(tinytp, "cpu_has_native_bfloat16", lambda: False)
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        for dtype, why in (("bfloat16", "no native bfloat16"), ("float16", "not float16 on cpu")):
+            with pytest.raises(ValueError, match=f"TINYTP_PACK_WEIGHTS=1 .*{why}"):
+                LLM(device="cpu", dtype=dtype)
+    monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "0")
+    with LLM(device="cpu", dtype="bfloat16") as llm:
+        assert llm.collective_rpc(packed_weight_dtypes) == [[False] * 9]
+
+
 # --------------------------------------------------------------------------------------
 # The shared-memory message queue
 # --------------------------------------------------------------------------------------
@@ -1291,7 +1307,8 @@ def test_tp2_bfloat16_tied_packed_tokens_within_tolerance_of_transformers_bfloat
     the two sum in different orders, and 2 of 200 tokens measured 2 steps (1/64) apart."""
     make_checkpoint(tmp_path, heads=4, kv_heads=2, tied=True)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "1")
+    if model_code.cpu_has_native_bfloat16():  # else refused: F.linear is all there is
+        monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "1")
     with LLM(
         str(tmp_path), tensor_parallel_size=2, device="cpu", dtype="bfloat16", max_model_len=128
     ) as llm:

@@ -54,6 +54,7 @@ from model import (
     cpu_has_native_bfloat16,
     kernel_forced,
     kv_cache_shape,
+    onednn_offered,
     weight_bytes,
 )
 from worker import (
@@ -1765,7 +1766,9 @@ def check_memory(
     )
 
 
-def check_engine_choices(device: str, cuda_graphs, load_format: str, async_scheduling) -> None:
+def check_engine_choices(
+    device: str, dtype: str, cuda_graphs, load_format: str, async_scheduling
+) -> None:
     # graphs capture CUDA kernels
     if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":
         raise ValueError(
@@ -1777,7 +1780,14 @@ def check_engine_choices(device: str, cuda_graphs, load_format: str, async_sched
         )
     if type(async_scheduling) is not bool:
         raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
-    kernel_forced()  # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
+    # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
+    if kernel_forced() and not onednn_offered(torch.device(device), getattr(torch, dtype)):
+        native = "" if cpu_has_native_bfloat16() else " (this CPU has no native bfloat16)"
+        raise ValueError(
+            "TINYTP_PACK_WEIGHTS=1 asks for oneDNN's packed kernel, which runs on a CPU in float32 "
+            f"and in bfloat16 where the CPU has it natively{native}, not {dtype} on {device}: "
+            "set 0 or unset it"
+        )
 
 
 def load_tokenizer(tokenizer: str | None, model_dir: str):
@@ -1851,7 +1861,7 @@ class LLM:
         self.max_model_len = max_len = check_max_model_len(config, max_model_len)
         budget = check_max_num_batched_tokens(max_num_batched_tokens, max_num_seqs, tp, device)
         num_blocks = check_kv_cache(config, tp, device, dtype, cache, max_num_seqs, max_len)
-        check_engine_choices(device, cuda_graphs, load_format, async_scheduling)
+        check_engine_choices(device, dtype, cuda_graphs, load_format, async_scheduling)
         if load_format == "auto":
             check_checkpoint(config, self.model_dir)
         self.tokenizer = load_tokenizer(tokenizer, self.model_dir)

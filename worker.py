@@ -35,11 +35,11 @@ from model import (
     ModelInputs,
     TPGroup,
     choose_cpu_kernels,
-    cpu_has_native_bfloat16,
     init_dummy_weights,
     kernel_forced,
     kv_cache_shape,
     load_checkpoint,
+    onednn_offered,
 )
 
 
@@ -822,11 +822,7 @@ class Worker:
         else:
             files = open_checkpoint(model_dir)
             load_checkpoint(self.model, files, show_progress=self.group.rank == 0)
-        packable = {
-            torch.float32: torch.backends.mkldnn.is_available(),
-            torch.bfloat16: cpu_has_native_bfloat16(),
-        }
-        if self.device.type == "cpu" and packable.get(self.dtype):
+        if onednn_offered(self.device, self.dtype):
             said = choose_cpu_kernels(self.model, kernel_forced())
             if self.group.rank == 0:
                 print(said, file=sys.stderr)
