@@ -567,7 +567,6 @@ def test_tinytp_pack_weights_1_where_onednn_is_not_offered_is_refused(monkeypatc
     it is refused in one line, in the driver. 0 (F.linear everywhere) is what runs there: kept."""
     monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "1")
     monkeypatch.setattr(model_code, "cpu_has_native_bfloat16", lambda: False)
-    monkeypatch.setattr(tinytp, "cpu_has_native_bfloat16", lambda: False)
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         for dtype, why in (("bfloat16", "no native bfloat16"), ("float16", "not float16 on cpu")):
             with pytest.raises(ValueError, match=f"TINYTP_PACK_WEIGHTS=1 .*{why}"):

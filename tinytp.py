@@ -1782,7 +1782,9 @@ def check_engine_choices(
         raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
     # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
     if kernel_forced() and not onednn_offered(torch.device(device), getattr(torch, dtype)):
-        native = "" if cpu_has_native_bfloat16() else " (this CPU has no native bfloat16)"
+        native = (
+            " (this CPU has no native bfloat16)" if (device, dtype) == ("cpu", "bfloat16") else ""
+        )
         raise ValueError(
             "TINYTP_PACK_WEIGHTS=1 asks for oneDNN's packed kernel, which runs on a CPU in float32 "
             f"and in bfloat16 where the CPU has it natively{native}, not {dtype} on {device}: "
