@@ -622,8 +622,9 @@ def memory_bandwidth(device: str, repeats: int = 5) -> tuple[float, str]:
     """The yardstick for a decode step, which reads every weight once (the issue's definition):
     the rate at which a sum reads a tensor far past any cache, bytes per second, best of
     `repeats`, as .ci/gpu measures it, and how it was measured. Not a copy: a copy also writes
-    every byte it reads, and on a CPU read at half a sum's rate, so a step read 90-111% of it
-    while llama.cpp's step, reading the same weights, was 1.8x shorter (docs/performance.md)."""
+    every byte it reads, and on a CPU reads at about half a sum's rate, which made a step look
+    near its ceiling while llama.cpp's, reading the same weights, was far shorter
+    (docs/performance.md)."""
     size = (1 << 29) if device == "cuda" else (1 << 27)  # 2 GiB on a GPU, 512 MiB on a CPU
     data = torch.ones(size, dtype=torch.float32, device=device)
     synchronize = torch.cuda.synchronize if device == "cuda" else lambda: None
