@@ -149,11 +149,11 @@ def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """y = x W^T for x of shape [tokens, in], with W in oneDNN's layout where choose_cpu_kernels
-    put it."""
+    """y = x W^T for x of shape [tokens, in]: F.linear, or the kernel choose_cpu_kernels chose for
+    the layer's kind, on W laid out for it (packed_weight)."""
     if layer.packed_weight is None:
         return F.linear(x, layer.weight)
-    return onednn_linear(x, layer.packed_weight)
+    return layer.kernel(x, layer.packed_weight)
 
 
 # Llama --------------------------------------------------------------------------------
@@ -483,32 +483,38 @@ TRIES = 5  # each kernel's best try counts: another process's time slice only ev
 TRIES_SECONDS = 0.5  # but no more tries of a kind after this long: a busy CPU's start stays short
 
 
-def kernel_forced() -> bool | None:
-    """TINYTP_PACK_WEIGHTS=1 runs every matmul on oneDNN's packed kernel, 0 every one on F.linear:
-    one kernel, to read, compare or test. Unset (the default), choose_cpu_kernels times both."""
-    value = os.environ.get("TINYTP_PACK_WEIGHTS")
-    if value not in (None, "0", "1"):
-        raise ValueError(f"TINYTP_PACK_WEIGHTS must be 0 or 1, not {value!r}")
-    return None if value is None else value == "1"
-
-
-def onednn_offered(device: torch.device, dtype: torch.dtype) -> bool:
-    """Is oneDNN's packed kernel a candidate: on a CPU, in float32, or in bfloat16 where the CPU
-    runs it natively? Elsewhere F.linear is the one kernel, and TINYTP_PACK_WEIGHTS=1 is refused."""
+def cpu_kernels(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The kernels a matmul may run on, for choose_cpu_kernels: F.linear; on a CPU, oneDNN's packed
+    kernel in float32 and in bfloat16 where the CPU runs it natively, and bmm on blocks in float32
+    (in bfloat16 a step ran slower on it than on F.linear). TINYTP_PACK_WEIGHTS=0, 1 or 2 keeps one,
+    to read, compare or test."""
     native = {torch.float32: torch.backends.mkldnn.is_available()}
     if dtype == torch.bfloat16:
         native[dtype] = cpu_has_native_bfloat16()
-    return device.type == "cpu" and native.get(dtype, False)
+    on_cpu = device.type == "cpu"
+    offered = ["F.linear"] + ["oneDNN"] * (on_cpu and native.get(dtype, False))
+    offered += ["bmm"] * (on_cpu and dtype == torch.float32)
+    value = os.environ.get("TINYTP_PACK_WEIGHTS")
+    if value not in (None, "0", "1", "2"):
+        raise ValueError(f"TINYTP_PACK_WEIGHTS must be 0, 1 or 2, not {value!r}")
+    forced = value and list(CPU_KERNELS)[int(value)]
+    if forced and forced not in offered:
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"TINYTP_PACK_WEIGHTS={value} asks for {forced}, which does not run {name} on {device} "
+            f"here (what does: {', '.join(offered)}): set another or unset it"
+        )
+    return [forced] if forced else offered
 
 
-def choose_cpu_kernels(model: nn.Module, forced: bool | None) -> str:
-    """Give each kind of matmul (qkv_proj, o_proj, ... : one shape in every layer) the faster of
-    two CPU kernels here, and say which (the line returned): F.linear on the weight as loaded, or
-    oneDNN's packed kernel on a copy in its blocked layout, as torch.compile does on CPU (the same
-    results but for rounding). Which wins depends on the CPU, the shape and the rows
-    (docs/performance.md), so both run this model's own weights, in turn, at a decode step's rows.
+def choose_cpu_kernels(model: nn.Module, candidates: list[str]) -> str:
+    """Give each kind of matmul (qkv_proj, o_proj, ... : one shape in every layer) the fastest of
+    the candidate CPU kernels here, and say which (the line returned): F.linear on the weight as
+    loaded, or oneDNN's packed kernel (as torch.compile does on CPU) or bmm on a copy laid out for
+    it (the same results but for rounding). Which wins depends on the CPU, the shape and the rows
+    (docs/performance.md), so all run this model's own weights, in turn, at a decode step's rows.
     A weight keeps one layout (two would double the memory), so a prefill runs the decode's pick.
-    The packed copy replaces the plain one, but in a tied LM head: the embedding reads its table."""
+    The copy replaces the plain one, but in a tied LM head: the embedding reads its table."""
     start = time.perf_counter()
     kinds: dict[str, list[nn.Module]] = {}
     for name, module in model.named_modules():
@@ -516,43 +522,42 @@ def choose_cpu_kernels(model: nn.Module, forced: bool | None) -> str:
             kinds.setdefault(name.rsplit(".", 1)[-1], []).append(module)
     chosen = []
     for kind, modules in kinds.items():
-        if forced is None:
-            seconds = kernel_seconds([m.weight.detach() for m in modules])
-            pack = seconds["oneDNN"] < seconds["F.linear"]
-            speedup = max(seconds.values()) / min(seconds.values())
-            chosen.append(f"{kind} {'oneDNN' if pack else 'F.linear'} ({speedup:.2f}x)")
+        if len(candidates) == 1:  # TINYTP_PACK_WEIGHTS
+            fastest = candidates[0]
+            chosen.append(f"{kind} {fastest}")
         else:
-            pack = forced
-            chosen.append(f"{kind} {'oneDNN' if pack else 'F.linear'}")
-        for module in modules if pack else []:
+            seconds = kernel_seconds([m.weight.detach() for m in modules], candidates)
+            fastest, runner_up = sorted(seconds, key=seconds.get)[:2]
+            chosen.append(f"{kind} {fastest} ({seconds[runner_up] / seconds[fastest]:.2f}x)")
+        lay_out, kernel = CPU_KERNELS[fastest]
+        for module in modules if lay_out else []:
             weight = module.weight.detach()
-            module.packed_weight = onednn_pack(weight)
+            module.packed_weight, module.kernel = lay_out(weight), kernel
             if module.weight is not model.embed_tokens.weight:
                 module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
     why = (
-        f"TINYTP_PACK_WEIGHTS={int(forced)}"
-        if forced is not None
-        else f"the faster at {' and '.join(map(str, DECODE_ROWS))} rows on this CPU, "
-        "timed on the model's weights (how much faster)"
+        f"TINYTP_PACK_WEIGHTS={os.environ['TINYTP_PACK_WEIGHTS']}"
+        if len(candidates) == 1
+        else f"the fastest at {' and '.join(map(str, DECODE_ROWS))} rows on this CPU, "
+        "timed on the model's weights (how much faster than the next)"
     )
     return (
         f"tinytp: matmul kernels: {', '.join(chosen)}: {why}; {time.perf_counter() - start:.2f} s"
     )
 
 
-def kernel_seconds(weights: list[torch.Tensor]) -> dict[str, float]:
-    """Each kernel's best time over TRIES (or those that fit in TRIES_SECONDS) for the first layers'
-    weights of a kind, at every one of DECODE_ROWS, the kernels taking turns (both see the same
-    load)."""
+def kernel_seconds(weights: list[torch.Tensor], candidates: list[str]) -> dict[str, float]:
+    """Each candidate's best time over TRIES (those that fit in TRIES_SECONDS) on a kind's first
+    layers' weights, at each of DECODE_ROWS, the kernels taking turns (all see the same load)."""
     timed = []
     for weight in weights:
         timed.append(weight)
         if sum(w.nbytes for w in timed) >= TIMED_BYTES:
             break
-    kernels = {
-        "F.linear": (F.linear, timed),
-        "oneDNN": (onednn_linear, [onednn_pack(w) for w in timed]),
-    }
+    kernels = {}
+    for name in candidates:
+        lay_out, kernel = CPU_KERNELS[name]
+        kernels[name] = (kernel, [lay_out(w) for w in timed] if lay_out else timed)
     x = torch.ones(max(DECODE_ROWS), timed[0].shape[1], dtype=timed[0].dtype)
     best = dict.fromkeys(kernels, math.inf)
     began = time.perf_counter()
@@ -568,10 +573,30 @@ def kernel_seconds(weights: list[torch.Tensor]) -> dict[str, float]:
     return best
 
 
+# bmm on W in blocks (issue 44): a GEMV that streams. A block of BLOCK output features keeps its
+# weights input by input, [in, BLOCK], so one row's matmul reads each block once, front to back,
+# into BLOCK sums; torch.bmm runs the blocks, split over the threads. From BMM_ROWS rows (a prompt)
+# bmm would read x once per block: one mm runs on W laid back out (a copy, small beside the work).
+BLOCK, BMM_ROWS = 16, 256
+
+
+def blocks_of(weight: torch.Tensor) -> torch.Tensor:
+    """W [out, in] as [out / block, in, block], the block BLOCK or what divides out."""
+    out, features = weight.shape
+    block = math.gcd(out, BLOCK)
+    return weight.view(out // block, block, features).transpose(1, 2).contiguous()
+
+
+def blocked_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    if len(x) >= BMM_ROWS:  # W^T back from the blocks: [in, out]
+        return x @ blocked.transpose(0, 1).reshape(blocked.shape[1], -1)
+    y = torch.bmm(x.expand(len(blocked), -1, -1), blocked)  # [blocks, tokens, block]
+    return y.transpose(0, 1).reshape(len(x), -1)
+
+
 # Not PyTorch's public API, in one place -------------------------------------------------
 # oneDNN's packed linear, as torch.compile's CPU backend (inductor) calls it: no public API packs a
-# weight once for oneDNN. The public path is F.linear, which choose_cpu_kernels times against it;
-# signatures as in torch 2.x.
+# weight once for oneDNN (F.linear, the public path, races it). Signatures as in torch 2.x.
 def cpu_has_native_bfloat16() -> bool:
     """Does oneDNN run bfloat16 natively on this CPU (AVX-512 BF16, AMX)? Nothing public says."""
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -584,3 +609,11 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
     # no bias, no fused op
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+
+
+# Each CPU kernel: how it lays a weight out (None: as loaded), and its matmul
+CPU_KERNELS = {
+    "F.linear": (None, F.linear),
+    "oneDNN": (onednn_pack, onednn_linear),
+    "bmm": (blocks_of, blocked_linear),
+}

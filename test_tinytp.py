@@ -271,9 +271,17 @@ def last_logits(worker):
     return worker.last_logits.cpu()
 
 
+def unblocked(blocks: torch.Tensor) -> torch.Tensor:  # bmm's [out / block, in, block]: W
+    return blocks.transpose(1, 2).reshape(-1, blocks.shape[1])
+
+
 def q_rows(worker):  # README, exercise 5
     qkv = worker.model.layers[0].self_attn.qkv_proj
-    weight = qkv.weight if qkv.packed_weight is None else qkv.packed_weight.to_dense()
+    weight = qkv.weight  # as loaded, or a copy laid out for oneDNN or in bmm's blocks:
+    if qkv.packed_weight is not None and qkv.kernel is model_code.onednn_linear:
+        weight = qkv.packed_weight.to_dense()
+    elif qkv.packed_weight is not None:
+        weight = unblocked(qkv.packed_weight)
     return weight[: qkv.weight.shards[0].size]  # q's rows come first (its shard), then k's and v's
 
 
@@ -534,7 +542,9 @@ def test_attention_never_asks_sdpa_for_grouped_query_attention(monkeypatch):
 def matmul_layouts(worker: Worker) -> list[str]:
     layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
     return [
-        "oneDNN" if m.packed_weight is not None else "W"
+        "W"
+        if m.packed_weight is None
+        else {"onednn_linear": "oneDNN", "blocked_linear": "bmm"}[m.kernel.__name__]
         for m in worker.model.modules()
         if isinstance(m, layers)
     ]
@@ -542,34 +552,41 @@ def matmul_layouts(worker: Worker) -> list[str]:
 
 def test_tinytp_pack_weights_0_keeps_the_loaded_layout_and_the_tokens(monkeypatch):
     """choose_cpu_kernels picks a CPU kernel's layout, not tensor parallelism: TINYTP_PACK_WEIGHTS=0
-    runs every matmul as F.linear on the weights as loaded, 1 every one on oneDNN's packed copy.
-    Either way the tokens match transformers, and the two runs agree."""
+    runs every matmul as F.linear on the weights as loaded, 1 every one on oneDNN's packed copy, 2
+    on bmm's blocks. Each way the tokens match transformers, and the runs agree."""
     tokens = {}
-    for pack, layouts in (("1", ["oneDNN"] * 9), ("0", ["W"] * 9)):
+    for pack, layouts in (("1", ["oneDNN"] * 9), ("2", ["bmm"] * 9), ("0", ["W"] * 9)):
         monkeypatch.setenv("TINYTP_PACK_WEIGHTS", pack)
         worker = worker_in_process([PROMPTS[3]], decode_steps=10)
         assert matmul_layouts(worker) == layouts  # 4 per layer, then the LM head
         tokens[pack] = worker.requests[0].token_ids[len(PROMPTS[3]) :]
-    assert tokens["0"] == tokens["1"]
+    assert tokens["0"] == tokens["1"] == tokens["2"]
     hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
     assert_tokens_match_hf(hf_model, PROMPTS[3], tokens["0"])
     monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "no")
-    with pytest.raises(ValueError, match="TINYTP_PACK_WEIGHTS must be 0 or 1, not 'no'"):
+    with pytest.raises(ValueError, match="TINYTP_PACK_WEIGHTS must be 0, 1 or 2, not 'no'"):
         worker_in_process([PROMPTS[3]], decode_steps=0)
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(ValueError, match="TINYTP_PACK_WEIGHTS must be 0 or 1, not 'no'"):
+        with pytest.raises(ValueError, match="TINYTP_PACK_WEIGHTS must be 0, 1 or 2, not 'no'"):
             LLM(device="cpu")  # refused in the driver, before any worker starts
 
 
 def test_tinytp_pack_weights_1_where_onednn_is_not_offered_is_refused(monkeypatch):
     """Exact or refuse: oneDNN's packed kernel runs on a CPU in float32, and in bfloat16 only where
-    the CPU has it natively; elsewhere TINYTP_PACK_WEIGHTS=1 would run F.linear without a word, so
-    it is refused in one line, in the driver. 0 (F.linear everywhere) is what runs there: kept."""
-    monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "1")
+    the CPU has it natively, bmm's blocks in float32; elsewhere TINYTP_PACK_WEIGHTS=1 or 2 would run
+    F.linear without a word, so it is refused in one line, in the driver. 0 (F.linear everywhere)
+    is what runs there: kept."""
     monkeypatch.setattr(model_code, "cpu_has_native_bfloat16", lambda: False)
+    refused = [("1", "bfloat16", "oneDNN"), ("1", "float16", "oneDNN")]
+    refused += [("2", "bfloat16", "bmm"), ("2", "float16", "bmm")]
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        for dtype, why in (("bfloat16", "no native bfloat16"), ("float16", "not float16 on cpu")):
-            with pytest.raises(ValueError, match=f"TINYTP_PACK_WEIGHTS=1 .*{why}"):
+        for pack, dtype, why in refused:
+            monkeypatch.setenv("TINYTP_PACK_WEIGHTS", pack)
+            with pytest.raises(
+                ValueError,
+                match=f"={pack} asks for {why}, which does not run {dtype} on cpu here "
+                r"\(what does: F.linear\)",
+            ):
                 LLM(device="cpu", dtype=dtype)
     monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "0")
     with LLM(device="cpu", dtype="bfloat16") as llm:
@@ -6874,43 +6891,42 @@ def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_check
 def test_each_kind_of_matmul_gets_the_kernel_timed_fastest_and_the_tokens_stay_transformers(
     monkeypatch, capsys
 ):
-    """Unforced, choose_cpu_kernels packs a kind of matmul for oneDNN exactly where oneDNN timed
-    faster: a mixed choice (the timings stubbed) runs each layer on the kernel chosen for its kind,
-    says so in one line, and gives transformers' tokens, as do the two kernels forced alone."""
+    """Unforced, choose_cpu_kernels lays a kind of matmul out for the kernel that timed fastest: a
+    mixed choice (the timings stubbed) runs each layer on the kernel chosen for its kind, says so
+    in one line (how much faster than the next), and gives transformers' tokens, as do the
+    kernels forced alone."""
     monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
-    faster = {"qkv_proj": "oneDNN", "o_proj": "F.linear", "gate_up_proj": "F.linear"}
-    faster |= {"down_proj": "oneDNN", "lm_head": "oneDNN"}
+    faster = {"qkv_proj": "oneDNN", "o_proj": "F.linear", "gate_up_proj": "bmm"}
+    faster |= {"down_proj": "oneDNN", "lm_head": "bmm"}
     kinds = iter(faster.values())  # choose_cpu_kernels asks in the model's order: its first layer
 
-    def timed(weights):
-        assert weights  # every layer's weight of one kind
+    def timed(weights, candidates):
+        assert weights and candidates == ["F.linear", "oneDNN", "bmm"]  # a kind's every layer
         winner = next(kinds)
-        return (
-            {"F.linear": 2.0, "oneDNN": 1.0}
-            if winner == "oneDNN"
-            else {"F.linear": 1.0, "oneDNN": 3.0}
-        )
+        seconds = dict.fromkeys(candidates, 5.0) | {winner: 1.0}
+        return seconds | {next(k for k in candidates if k != winner): 1.5}
 
     with mock.patch.object(model_code, "kernel_seconds", side_effect=timed):
         worker = worker_in_process([PROMPTS[3]], decode_steps=10)
     said = capsys.readouterr().err
     assert said.count("tinytp: matmul kernels:") == 1
     assert (
-        "qkv_proj oneDNN (2.00x), o_proj F.linear (3.00x), gate_up_proj F.linear (3.00x), "
-        "down_proj oneDNN (2.00x), lm_head oneDNN (2.00x): the faster at 1 and 8 rows" in said
+        "qkv_proj oneDNN (1.50x), o_proj F.linear (1.50x), gate_up_proj bmm (1.50x), "
+        "down_proj oneDNN (1.50x), lm_head bmm (1.50x): the fastest at 1 and 8 rows" in said
     ), said
     # 4 per layer (qkv, o, gate_up, down), then the LM head
-    assert matmul_layouts(worker) == ["oneDNN", "W", "W", "oneDNN"] * 2 + ["oneDNN"]
+    assert matmul_layouts(worker) == ["oneDNN", "W", "bmm", "oneDNN"] * 2 + ["bmm"]
     tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
     hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
     assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)
 
 
-def test_kernel_seconds_times_both_kernels_on_the_first_layers_weights_up_to_timed_bytes(
+def test_kernel_seconds_times_every_kernel_on_the_first_layers_weights_up_to_timed_bytes(
     monkeypatch,
 ):
-    """Each kernel timed on the first layers' weights that make TIMED_BYTES (here 3 of 5),
-    at every one of DECODE_ROWS, in TRIES turns; their outputs those of F.linear."""
+    """Each candidate kernel timed on the first layers' weights that make TIMED_BYTES (here 3 of
+    5), at every one of DECODE_ROWS, in TRIES turns; their outputs those of F.linear, bmm's at a
+    prompt's rows too, and for an output width no block divides."""
     # 32 x 16 float32 weights: 2 and a bit of them; and every try, however slow the CPU is now
     monkeypatch.setattr(model_code, "TIMED_BYTES", 2 * 32 * 16 * 4 + 1)
     monkeypatch.setattr(model_code, "TRIES_SECONDS", math.inf)
@@ -6924,21 +6940,31 @@ def test_kernel_seconds_times_both_kernels_on_the_first_layers_weights_up_to_tim
 
         return run
 
-    with (
-        mock.patch.object(model_code.F, "linear", counted(F.linear)),
-        mock.patch.object(model_code, "onednn_linear", counted(model_code.onednn_linear)),
-    ):
-        seconds = model_code.kernel_seconds(weights)
-    assert set(seconds) == {"F.linear", "oneDNN"} and all(t > 0 for t in seconds.values())
+    counted_kernels = {
+        name: (lay_out, counted(kernel))
+        for name, (lay_out, kernel) in model_code.CPU_KERNELS.items()
+    }
+    with mock.patch.dict(model_code.CPU_KERNELS, counted_kernels):
+        seconds = model_code.kernel_seconds(weights, ["F.linear", "oneDNN", "bmm"])
+    assert set(seconds) == {"F.linear", "oneDNN", "bmm"} and all(t > 0 for t in seconds.values())
     expected = 3 * model_code.TRIES
     assert calls == {
         (name, rows): expected
-        for name in ("linear", "onednn_linear")
+        for name in ("linear", "onednn_linear", "blocked_linear")
         for rows in model_code.DECODE_ROWS
     }
-    x = torch.randn(8, 16)
     packed = model_code.onednn_pack(weights[0])
-    assert torch.allclose(model_code.onednn_linear(x, packed), F.linear(x, weights[0]), atol=1e-6)
+    for rows in (8, model_code.BMM_ROWS):
+        x = torch.randn(rows, 16)
+        assert torch.allclose(
+            model_code.onednn_linear(x, packed), F.linear(x, weights[0]), atol=1e-6
+        )
+        for weight in (weights[0], torch.randn(65, 16)):  # blocks of 16, and of 1
+            blocks = model_code.blocks_of(weight)
+            assert torch.equal(unblocked(blocks), weight)
+            assert torch.allclose(
+                model_code.blocked_linear(x, blocks), F.linear(x, weight), atol=1e-6
+            )
 
 
 def omp_wait_policy(worker):  # run in the workers: the environment their OpenMP runtime read

@@ -52,9 +52,8 @@ from model import (
     ModelConfig,
     TPGroup,
     cpu_has_native_bfloat16,
-    kernel_forced,
+    cpu_kernels,
     kv_cache_shape,
-    onednn_offered,
     weight_bytes,
 )
 from worker import (
@@ -197,8 +196,7 @@ class Gauge(Metric):
 
 @dataclass
 class Request:
-    """The driver's view of one sample of a prompt; the workers keep their own copy
-    (`CachedRequest`)."""
+    """The driver's view of one sample of a prompt; the workers keep their own (`CachedRequest`)."""
 
     request_id: int
     prompt: str | None
@@ -234,10 +232,9 @@ class Request:
 def choose_device_and_dtype(
     config: ModelConfig, tp: int, device: str | None, dtype: str
 ) -> tuple[str, str]:
-    """The device (default: cuda where there are GPUs, else cpu) and the dtype ("auto": the
+    """The device (default: cuda if there are GPUs, else cpu) and the dtype ("auto": the
     checkpoint's; on cpu bfloat16 only where oneDNN runs it natively (AVX-512 and newer: faster than
-    float32 and half the memory, docs/performance.md), float32 otherwise, float16 included: slow on
-    CPUs)."""
+    float32 and half the memory, docs/performance.md), else float32, float16 too: slow on CPUs)."""
     gpus = torch.cuda.device_count()
     # too few GPUs: refused, not a silent fall back to the CPU
     device = device or ("cuda" if gpus else "cpu")
@@ -256,9 +253,8 @@ def choose_device_and_dtype(
 
 
 def loopback_store() -> dist.TCPStore:
-    """A TCP store for the workers to meet in, on a port the OS picks (no torchrun, no MASTER_PORT,
-    no race for a "free" port), listening on loopback only: c10d's own listener takes every
-    interface."""
+    """A TCP store where the workers meet, on a port the OS picks (no torchrun, no MASTER_PORT, no
+    race for a "free" port), on loopback only: c10d's own listener takes every interface."""
     listener = socket.create_server(("127.0.0.1", 0))
     return dist.TCPStore(
         "127.0.0.1",
@@ -439,11 +435,8 @@ class Executor:
         """One step; rank 0 answers. With non_block (async scheduling) return at once with a
         StepFuture, so that the next step can be scheduled and sent while this one runs (vLLM's
         non_block, which returns a Future)."""
-        call_id = self._send(
-            RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0),
-            None,
-            "execute_model",
-        )
+        call = RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0)
+        call_id = self._send(call, None, "execute_model")
         step = StepFuture(functools.partial(self._wait_for_step, call_id))
         return step if non_block else step.result()
 
@@ -543,14 +536,12 @@ class Executor:
 
     def shutdown(self, grace: float = 2.0) -> None:
         """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory
-        block and semaphore, in the process that made them only: not in a forked child at its
-        exit."""
+        block and semaphore, in the process that made them only: not in a forked child at exit."""
         with self.sending:  # (the engine loop may be sending)
             # done already, or not ours
             if self.broadcast.buf is None or os.getpid() != self.creator:
                 return
-            # the started ones
-            workers = [process for process in self.workers if process.pid is not None]
+            workers = [p for p in self.workers if p.pid is not None]  # the started ones
             self.workers = []
             atexit.unregister(self.shutdown)
             self.failure = self.failure or "shut down"
@@ -671,11 +662,8 @@ class KVCacheManager:
         if len(hashes) < request.num_tokens // size:
             token_ids = request.prompt_token_ids + request.output_token_ids
             for start in range(len(hashes) * size, request.num_tokens // size * size, size):
-                hashes.append(
-                    hash_block_tokens(
-                        hashes[-1] if hashes else None, token_ids[start : start + size]
-                    )
-                )
+                parent = hashes[-1] if hashes else None
+                hashes.append(hash_block_tokens(parent, token_ids[start : start + size]))
 
     def cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
@@ -702,8 +690,7 @@ class KVCacheManager:
                 self.free_block_queue[block.block_id] = block
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (vLLM's reset_prefix_cache); False while requests hold
-        blocks."""
+        """Forget every cached block (vLLM's reset_prefix_cache); False while any block is held."""
         if len(self.free_block_queue) < self.num_blocks - 1:
             return False
         for block in self.cached_block_hash_to_block.values():
@@ -862,8 +849,7 @@ class Scheduler:
         return left if left > 1 else int(self.may_need_another_token(request))
 
     def may_need_another_token(self, request: Request) -> bool:
-        """Below max_tokens and max_model_len, counting the tokens in flight (which may yet end it
-        by a stop)."""
+        """Below max_tokens and max_model_len, counting tokens in flight (which may yet stop it)."""
         tokens = len(request.output_token_ids) + request.num_in_flight
         return (
             tokens < request.params.max_tokens
@@ -877,12 +863,11 @@ class Scheduler:
         finished with it have finish_reason set). A request that finished or was aborted after this
         step was sent is no longer running: its token, computed on the workers all the same, is
         dropped here, never shown, never counted."""
-        by_id = self.requests
         updated = []
         for request_id, token in zip(
             scheduler_output.scheduled_ids, runner_output.sampled_token_ids
         ):
-            request = by_id.get(request_id)
+            request = self.requests.get(request_id)
             if request is None:  # finished or aborted since it was sent (async): dropped
                 self.num_dropped_tokens += token is not None
                 continue
@@ -1001,14 +986,9 @@ class EngineCore:
                         return
                     self.run_command(verb, argument)
                 for request in self.step():
-                    if request.stream or request.finish_reason is not None:
-                        request.outputs.put(
-                            (
-                                request,
-                                len(request.output_token_ids),
-                                request.finish_reason is not None,
-                            )
-                        )
+                    finished = request.finish_reason is not None
+                    if request.stream or finished:
+                        request.outputs.put((request, len(request.output_token_ids), finished))
             # a worker failed or died: the executor is shut down, later steps raise too
             except Exception as error:
                 # (already, but for a fault of the driver's own: the ranks may disagree now)
@@ -1057,9 +1037,8 @@ def default_sampling_params(model_dir: str) -> SamplingParams:
 
 
 def message_text(parts: list) -> str:
-    """A chat message's content given as OpenAI's content parts: the text parts joined by
-    newlines, as vLLM's chat does; any other part (an image, audio) refused: a text model cannot
-    take it."""
+    """A chat message's content given as OpenAI's content parts: the text parts joined by newlines,
+    as in vLLM's chat; any other part (an image, audio) refused: a text model cannot take it."""
     for part in parts:
         if not (
             isinstance(part, dict)
@@ -1088,8 +1067,7 @@ class Processor:
     ):
         self.config, self.model_dir, self.tokenizer = config, model_dir, tokenizer
         self.max_model_len = max_model_len
-        # Where the sampling defaults come from (None: SamplingParams()'s), and the
-        # end-of-sequence ids besides.
+        # where sampling defaults (None: SamplingParams()'s) and extra end-of-sequence ids come from
         self.generation_config = generation_config
         self.get_default_sampling_params()  # a bad generation_config.json refused now
         self.seeds = random.Random(seed)  # seed None: from the OS
@@ -1445,9 +1423,7 @@ class RequestState:
         )
         if request.params.logprobs is not None:
             self.completion.logprobs = self.logprobs[:num_tokens]
-            self.completion.cumulative_logprob = sum(
-                entry[1][0] for entry in request.logprobs[:num_tokens]
-            )
+            self.completion.cumulative_logprob = sum(e[1][0] for e in request.logprobs[:num_tokens])
         return True
 
 
@@ -1597,7 +1573,7 @@ def check_vllm_arguments(
             f"{', '.join(list(inspect.signature(LLM).parameters)[:-1])}"
         )
     is_directory = isinstance(generation_config, str) and os.path.isdir(generation_config)
-    part, size = cache.gpu_memory_utilization, cache.block_size
+    part, size, memory = cache.gpu_memory_utilization, cache.block_size, cache.kv_cache_memory_bytes
     prefix = cache.enable_prefix_caching
     for name, value, valid, allowed in [
         ("seed", seed, seed is None or is_integer(seed) and 0 <= seed, "None or an integer >= 0"),
@@ -1617,10 +1593,8 @@ def check_vllm_arguments(
         ("block_size", size, is_integer(size) and size > 0, "an integer >= 1 (vLLM's default: 16)"),
         (
             "kv_cache_memory_bytes",
-            cache.kv_cache_memory_bytes,
-            cache.kv_cache_memory_bytes is None
-            or is_integer(cache.kv_cache_memory_bytes)
-            and cache.kv_cache_memory_bytes >= 1,
+            memory,
+            memory is None or is_integer(memory) and memory >= 1,
             "None or an integer >= 1",
         ),
         ("enable_prefix_caching", prefix, type(prefix) is bool, "True or False"),
@@ -1780,16 +1754,7 @@ def check_engine_choices(
         )
     if type(async_scheduling) is not bool:
         raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
-    # a bad TINYTP_PACK_WEIGHTS is refused here, not in N workers
-    if kernel_forced() and not onednn_offered(torch.device(device), getattr(torch, dtype)):
-        native = (
-            " (this CPU has no native bfloat16)" if (device, dtype) == ("cpu", "bfloat16") else ""
-        )
-        raise ValueError(
-            "TINYTP_PACK_WEIGHTS=1 asks for oneDNN's packed kernel, which runs on a CPU in float32 "
-            f"and in bfloat16 where the CPU has it natively{native}, not {dtype} on {device}: "
-            "set 0 or unset it"
-        )
+    cpu_kernels(torch.device(device), getattr(torch, dtype))  # a bad TINYTP_PACK_WEIGHTS: here
 
 
 def load_tokenizer(tokenizer: str | None, model_dir: str):
@@ -2098,8 +2063,7 @@ def run(args: argparse.Namespace) -> None:
             llm.chat_prompt([{"role": "user", "content": p}]) if template else p for p in prompts
         ]
         if len(prompts) == 1:  # stream a single completion as it is generated
-            # checks the prompt before anything is printed
-            pieces = llm.stream(inputs[0], params)
+            pieces = llm.stream(inputs[0], params)  # checks the prompt before anything is printed
             print(f"Prompt: {prompts[0]!r}\nOutput: ", end="", flush=True)
             for piece in pieces:
                 print(piece, end="", flush=True)

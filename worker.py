@@ -35,11 +35,10 @@ from model import (
     ModelInputs,
     TPGroup,
     choose_cpu_kernels,
+    cpu_kernels,
     init_dummy_weights,
-    kernel_forced,
     kv_cache_shape,
     load_checkpoint,
-    onednn_offered,
 )
 
 
@@ -52,8 +51,7 @@ def forget_child_processes(processes: list) -> None:
 
 
 def importing_main_for_spawn() -> bool:
-    """Is this a spawned process still importing its parent's main script? (multiprocessing's own
-    test)"""
+    """Is this a spawned process importing its parent's main script? (multiprocessing's own test)"""
     return getattr(multiprocessing.current_process(), "_inheriting", False)
 
 
@@ -101,13 +99,9 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
     def up_to_max_logprobs(k) -> bool:
         return k is None or is_integer(k) and 0 <= k <= MAX_LOGPROBS
 
-    bias, repetition = params.logit_bias, params.repetition_penalty
+    bias, repetition, temperature = params.logit_bias, params.repetition_penalty, params.temperature
     return [
-        (
-            "temperature",
-            is_number(params.temperature) and 0 <= params.temperature < math.inf,
-            "a number >= 0",
-        ),
+        ("temperature", is_number(temperature) and 0 <= temperature < math.inf, "a number >= 0"),
         ("top_p", within(params.top_p, 0, 1) and params.top_p > 0, "a number in (0, 1]"),
         (
             "top_k",
@@ -125,11 +119,7 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
         ("min_tokens", is_integer(params.min_tokens) and params.min_tokens >= 0, "an integer >= 0"),
         ("presence_penalty", within(params.presence_penalty, -2, 2), "a number in [-2, 2]"),
         ("frequency_penalty", within(params.frequency_penalty, -2, 2), "a number in [-2, 2]"),
-        (
-            "repetition_penalty",
-            within(repetition, 0, math.inf) and repetition > 0,
-            "a number > 0",
-        ),
+        ("repetition_penalty", within(repetition, 0, math.inf) and repetition > 0, "a number > 0"),
         ("logprobs", up_to_max_logprobs(params.logprobs), LOGPROBS_WORDS),
         ("prompt_logprobs", up_to_max_logprobs(params.prompt_logprobs), LOGPROBS_WORDS),
         (
@@ -218,9 +208,8 @@ class SamplingParams:
 
 @dataclass
 class NewRequest:
-    """A request the workers have not seen: sent in full once, then referred to by id. Sent again
-    when it resumes after a preemption: the workers keep their copy (its tokens and generator) and
-    take its new blocks."""
+    """A request new to the workers: sent in full once, then by id. Sent again when it resumes after
+    a preemption: the workers keep their copy (its tokens and generator) and take its new blocks."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -263,10 +252,9 @@ class ModelRunnerOutput:
 
 @dataclass
 class RPCCall:
-    """A method call broadcast to every worker, a step too (execute_model, with the SchedulerOutput
-    as its argument). unique_reply_rank (vLLM's name) is the one rank that answers, or None for
-    every rank: a step is answered by rank 0 alone, since every rank sampled the same tokens. Any
-    rank answers with an error."""
+    """A method call broadcast to every worker, a step too (execute_model, the SchedulerOutput its
+    argument). unique_reply_rank (vLLM's name) is the one rank that answers, or None for all: rank 0
+    alone answers a step, as every rank sampled the same tokens. Any rank answers with an error."""
 
     call_id: int
     method: str | bytes  # a Worker method's name, or a pickled function called with the Worker
@@ -555,13 +543,12 @@ def collective_block_bytes(world_size: int) -> int:
 
 
 class SharedMemoryGroup(TPGroup):
-    """The group's all-reduce and all-gather through one shared block, for CPU ranks on one
-    machine (gloo's TCP
-    path costs far more per all-reduce, dozens a step: docs/performance.md). Each rank copies its
-    tensor into its buffer, publishes the step's generation number, waits until every rank has, and
-    reads all buffers; all ranks sum them in one order, so agree. Two sets of buffers alternate:
-    once everyone has published g, everyone has finished reading g-1's set, which g+1 reuses.
-    MessageQueue's store-order caveat holds too."""
+    """The group's all-reduce and all-gather through one shared block, for CPU ranks on one machine
+    (gloo's TCP path costs far more per all-reduce, dozens a step: docs/performance.md). Each rank
+    copies its tensor into its buffer, publishes the step's generation number, waits until every
+    rank has, and reads all buffers; all ranks sum them in one order, so agree. Two sets of buffers
+    alternate: once everyone has published g, everyone has finished reading g-1's set, which g+1
+    reuses. MessageQueue's store-order caveat holds too."""
 
     def __init__(self, rank: int, size: int, block_name: str):
         super().__init__(rank, size)
@@ -757,8 +744,7 @@ def choose_cuda_attention_backends() -> None:
 
 
 class Worker:
-    """Everything one rank does: execute_model runs each step, the other methods come through
-    collective_rpc."""
+    """Everything one rank does: execute_model runs each step; the rest comes via collective_rpc."""
 
     def __init__(self, rank: int, world_size: int):
         self.group = TPGroup(rank, world_size)
@@ -785,8 +771,7 @@ class Worker:
             torch.cuda.set_device(self.device)  # before the process group, which binds to it
             choose_cuda_attention_backends()
         self.dtype = getattr(torch, dtype)
-        # For a driver that died meanwhile (NCCL's first get waits this long too: ranks come
-        # together).
+        # For a driver that died meanwhile (NCCL's first get waits as long: ranks come together).
         store = dist.TCPStore(
             "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)
         )
@@ -800,8 +785,7 @@ class Worker:
             store=store,
             rank=self.group.rank,
             world_size=self.group.size,
-            # nccl: connect now, not lazily
-            device_id=self.device if backend == "nccl" else None,
+            device_id=self.device if backend == "nccl" else None,  # nccl: connect now, not lazily
         )
         if collective_block is not None:  # the layers get this group, with its collectives
             self.group = SharedMemoryGroup(self.group.rank, self.group.size, collective_block)
@@ -811,8 +795,7 @@ class Worker:
     ) -> None:
         """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy":
         random numbers). The config comes parsed and checked by the driver (checkpoints.py)."""
-        self.config = config
-        self.max_model_len = max_model_len
+        self.config, self.max_model_len = config, max_model_len
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
             self.model = LlamaForCausalLM(self.config, self.group, max_model_len)
@@ -822,8 +805,9 @@ class Worker:
         else:
             files = open_checkpoint(model_dir)
             load_checkpoint(self.model, files, show_progress=self.group.rank == 0)
-        if onednn_offered(self.device, self.dtype):
-            said = choose_cpu_kernels(self.model, kernel_forced())
+        candidates = cpu_kernels(self.device, self.dtype)
+        if candidates != ["F.linear"]:
+            said = choose_cpu_kernels(self.model, candidates)
             if self.group.rank == 0:
                 print(said, file=sys.stderr)
 
@@ -927,11 +911,7 @@ class Worker:
             # "thread_local": nccl's watchdog thread may query its events meanwhile
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.graphs[inputs.context_len] = (
-                    graph,
-                    inputs,
-                    self.model(inputs, self.kv_caches),
-                )
+                self.graphs[inputs.context_len] = graph, inputs, self.model(inputs, self.kv_caches)
         graph, captured, logits = self.graphs[inputs.context_len]
         # the rest is the same every step
         for name in ("input_ids", "positions", "slot_mapping", "context_slots", "attn_mask"):
@@ -967,8 +947,7 @@ class Worker:
         # one-token rows first, the rest in order
         ids = sorted(counts, key=lambda request_id: counts[request_id] > 1)
         batch = [(self.requests[request_id], counts[request_id]) for request_id in ids]
-        # Those that end their prompt this step, or decode, sample; a prompt part-way done draws
-        # nothing.
+        # Those ending their prompt this step, or decoding, sample; a prompt part-way draws nothing.
         sampling = {i: r for i, (r, n) in zip(ids, batch) if r.num_computed + n == len(r.token_ids)}
         # every request samples its one token
         decode_only = len(sampling) == len(batch) == sum(counts.values())
