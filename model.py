@@ -536,7 +536,7 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str]) -> str:
             if module.weight is not model.embed_tokens.weight:
                 module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
     why = (
-        f"TINYTP_PACK_WEIGHTS={os.environ['TINYTP_PACK_WEIGHTS']}"
+        f"TINYTP_PACK_WEIGHTS={list(CPU_KERNELS).index(candidates[0])}"
         if len(candidates) == 1
         else f"the fastest at {' and '.join(map(str, DECODE_ROWS))} rows on this CPU, "
         "timed on the model's weights (how much faster than the next)"
