@@ -6967,22 +6967,29 @@ def test_kernel_seconds_times_every_kernel_on_the_first_layers_weights_up_to_tim
             )
 
 
-def omp_wait_policy(worker):  # run in the workers: the environment their OpenMP runtime read
-    return os.environ.get("OMP_WAIT_POLICY")
+def openmp_wait(worker):  # run in the workers: the environment their OpenMP runtime read
+    return os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
 
 
-@pytest.mark.parametrize("caller", [None, "ACTIVE"])
-def test_workers_start_with_openmp_threads_that_sleep_unless_the_caller_chose(monkeypatch, caller):
-    """On a busy CPU a spinning OpenMP thread holds the core its peer needs: the workers start with
-    OMP_WAIT_POLICY=PASSIVE, a caller's own setting passed on instead, and the caller's
-    environment left as it was."""
-    if caller is None:
-        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    else:
-        monkeypatch.setenv("OMP_WAIT_POLICY", caller)
+@pytest.mark.parametrize(
+    "caller", [{}, {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}], ids=str
+)
+def test_workers_start_with_openmp_threads_that_spin_briefly_unless_the_caller_chose(
+    monkeypatch, caller
+):
+    """On a busy CPU a spinning OpenMP thread holds the core its peer needs, and on a quiet one a
+    sleeping thread is woken at every region: the workers start with libgomp's threads spinning
+    tinytp.OPENMP_SPINS turns, other runtimes' sleeping (OMP_WAIT_POLICY=PASSIVE); a caller's own
+    setting of either passed on alone, and the caller's environment left as it was."""
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in caller.items():
+        monkeypatch.setenv(name, value)
+    ours = ("PASSIVE", str(tinytp.OPENMP_SPINS))
+    theirs = tuple(caller.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
     with LLM(checkpoints.TINY_MODEL_DIR, tensor_parallel_size=2, device="cpu") as llm:
-        assert llm.collective_rpc(omp_wait_policy) == [caller or "PASSIVE"] * 2
-        assert os.environ.get("OMP_WAIT_POLICY") == caller
+        assert llm.collective_rpc(openmp_wait) == [theirs if caller else ours] * 2
+        assert openmp_wait(None) == theirs
 
 
 # Log-probabilities and the sampler's other fields (issue 40)

@@ -296,24 +296,34 @@ class StepFuture:
     result: Callable[[], ModelRunnerOutput]
 
 
+# Spins of an OpenMP thread before it sleeps: libgomp counts about 100,000 a millisecond, so some
+# 0.1 ms, past the gap between a step's operations but a sliver of a busy CPU's time slice.
+OPENMP_SPINS = 10_000
+
+
 def start_processes(workers: list[mp.Process]) -> None:
     """Start the workers' processes. Ctrl-C and SIGTERM are blocked while they start: they inherit
     the mask, so a signal sent to the process group reaches the driver (when we unblock it) and
     never N workers mid-import; worker_main then ignores both. A thread done with its part of an
-    OpenMP region waits for the others; spinning there (the runtime's default) holds a core that a
-    descheduled peer, the driver or another process needs, and on a busy CPU each of a step's
-    regions stalls: the workers' threads sleep instead (docs/performance.md, "A busy CPU"). The
-    runtime reads this as torch loads, so it goes in the environment they start with; the caller's
-    own setting stands."""
+    OpenMP region waits for the others, spinning 300,000 turns by default (libgomp, torch's runtime
+    on Linux): on a busy CPU that holds a core a descheduled peer, the driver or another process
+    needs, and each of a step's regions stalls; sleeping at once instead wakes a thread at every
+    region, which a quiet CPU pays in every step. So the threads spin about as long as the gap
+    between two of a step's operations, then sleep (GOMP_SPINCOUNT, libgomp's; runtimes without it
+    read OMP_WAIT_POLICY=PASSIVE and sleep at once; docs/performance.md, "A busy CPU"). The runtime
+    reads these as torch loads, so they go in the environment the workers start with; a caller's
+    own setting of either stands."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    caller_policy = os.environ.get("OMP_WAIT_POLICY")
-    os.environ["OMP_WAIT_POLICY"] = caller_policy or "PASSIVE"
+    ours = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(OPENMP_SPINS)}
+    if any(name in os.environ for name in ours):
+        ours = {}
+    os.environ.update(ours)
     try:
         for process in workers:
             process.start()
     finally:
-        if caller_policy is None:
-            del os.environ["OMP_WAIT_POLICY"]
+        for name in ours:
+            del os.environ[name]
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     forget_child_processes(workers)
 
