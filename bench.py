@@ -420,7 +420,9 @@ class InProcessExecutor:
         self.store = tinytp.loopback_store()
         self.worker = Worker(0, 1)
         self.collective_rpc("init_device", args=(device, dtype, self.store.port, CORES))
-        self.collective_rpc("load_model", args=(config, model_dir, max_model_len, load_format))
+        self.collective_rpc(
+            "load_model", args=(config, model_dir, max_model_len, max_num_seqs, load_format)
+        )
         self.collective_rpc(
             "init_kv_cache", args=(num_blocks, block_size, max_num_seqs, cuda_graphs)
         )

@@ -475,7 +475,8 @@ def kv_cache_shape(
 
 
 # Each matmul's CPU kernel, chosen at load time by timing the candidates ------------------
-# A decode step's rows, at which the kernels race: one request, and a batch of a few.
+# A decode step's rows, at which the kernels race: one request, and a batch of a few, but no more
+# than the engine's max_num_seqs (the kernel fastest at one row may lose at eight).
 DECODE_ROWS = (1, 8)
 # A kind's weights timed: enough layers' to come from memory, as in a step, not from the cache
 TIMED_BYTES = 64 * 2**20
@@ -507,15 +508,17 @@ def cpu_kernels(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [forced] if forced else offered
 
 
-def choose_cpu_kernels(model: nn.Module, candidates: list[str]) -> str:
+def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: int) -> str:
     """Give each kind of matmul (qkv_proj, o_proj, ... : one shape in every layer) the fastest of
     the candidate CPU kernels here, and say which (the line returned): F.linear on the weight as
     loaded, or oneDNN's packed kernel (as torch.compile does on CPU) or bmm on a copy laid out for
     it (the same results but for rounding). Which wins depends on the CPU, the shape and the rows
-    (docs/performance.md), so all run this model's own weights, in turn, at a decode step's rows.
+    (docs/performance.md), so all run this model's own weights, in turn, at the rows a decode step
+    of this engine may have.
     A weight keeps one layout (two would double the memory), so a prefill runs the decode's pick.
     The copy replaces the plain one, but in a tied LM head: the embedding reads its table."""
     start = time.perf_counter()
+    rows = sorted({min(r, max_num_seqs) for r in DECODE_ROWS})
     kinds: dict[str, list[nn.Module]] = {}
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
@@ -526,7 +529,7 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str]) -> str:
             fastest = candidates[0]
             chosen.append(f"{kind} {fastest}")
         else:
-            seconds = kernel_seconds([m.weight.detach() for m in modules], candidates)
+            seconds = kernel_seconds([m.weight.detach() for m in modules], candidates, rows)
             fastest, runner_up = sorted(seconds, key=seconds.get)[:2]
             chosen.append(f"{kind} {fastest} ({seconds[runner_up] / seconds[fastest]:.2f}x)")
         lay_out, kernel = CPU_KERNELS[fastest]
@@ -538,7 +541,7 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str]) -> str:
     why = (
         f"TINYTP_PACK_WEIGHTS={list(CPU_KERNELS).index(candidates[0])}"
         if len(candidates) == 1
-        else f"the fastest at {' and '.join(map(str, DECODE_ROWS))} rows on this CPU, "
+        else f"the fastest at {' and '.join(map(str, rows))} row{'s' * (rows != [1])} on this CPU, "
         "timed on the model's weights (how much faster than the next)"
     )
     return (
@@ -546,9 +549,11 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str]) -> str:
     )
 
 
-def kernel_seconds(weights: list[torch.Tensor], candidates: list[str]) -> dict[str, float]:
+def kernel_seconds(
+    weights: list[torch.Tensor], candidates: list[str], rows: list[int]
+) -> dict[str, float]:
     """Each candidate's best time over TRIES (those that fit in TRIES_SECONDS) on a kind's first
-    layers' weights, at each of DECODE_ROWS, the kernels taking turns (all see the same load)."""
+    layers' weights, at each of `rows`, the kernels taking turns (all see the same load)."""
     timed = []
     for weight in weights:
         timed.append(weight)
@@ -558,15 +563,15 @@ def kernel_seconds(weights: list[torch.Tensor], candidates: list[str]) -> dict[s
     for name in candidates:
         lay_out, kernel = CPU_KERNELS[name]
         kernels[name] = (kernel, [lay_out(w) for w in timed] if lay_out else timed)
-    x = torch.ones(max(DECODE_ROWS), timed[0].shape[1], dtype=timed[0].dtype)
+    x = torch.ones(max(rows), timed[0].shape[1], dtype=timed[0].dtype)
     best = dict.fromkeys(kernels, math.inf)
     began = time.perf_counter()
     for _ in range(TRIES):
         for name, (kernel, laid_out) in kernels.items():
             start = time.perf_counter()
-            for rows in DECODE_ROWS:
+            for n in rows:
                 for weight in laid_out:
-                    kernel(x[:rows], weight)
+                    kernel(x[:n], weight)
             best[name] = min(best[name], time.perf_counter() - start)
         if time.perf_counter() - began > TRIES_SECONDS:
             break

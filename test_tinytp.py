@@ -461,7 +461,8 @@ def worker_in_process(prompts: list[list[int]], decode_steps: int) -> Worker:
     worker = Worker(0, world_size=1)
     worker.device, worker.dtype = torch.device("cpu"), torch.float32
     tiny = checkpoints.TINY_MODEL_DIR
-    worker.load_model(read_config(f"{tiny}/config.json"), tiny, max_model_len=64)
+    config = read_config(f"{tiny}/config.json")
+    worker.load_model(config, tiny, max_model_len=64, max_num_seqs=len(prompts))
     worker.init_kv_cache(1 + 4 * len(prompts), 16, max_num_seqs=len(prompts))
     ids = list(range(len(prompts)))
     worker.execute_model(
@@ -1407,7 +1408,8 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint):
             worker.group = ThreadGroup(rank, 2, barrier, parts)  # before the model is built
             # what init_device sets
             worker.device, worker.dtype = torch.device("cpu"), torch.float32
-            worker.load_model(read_config(f"{path}/config.json"), path, max_model_len=64)
+            config = read_config(f"{path}/config.json")
+            worker.load_model(config, path, max_model_len=64, max_num_seqs=1)
             worker.init_kv_cache(num_blocks=5, block_size=16, max_num_seqs=1)
             new = [NewRequest(0, prompt, [1, 2, 3, 4], SamplingParams(temperature=0), seed=0)]
             step = SchedulerOutput(new, [0], [len(prompt)], [])
@@ -6888,10 +6890,12 @@ def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_check
 
 
 # CPU kernels chosen at load time (issue 44) ---------------------------------------------------
+@pytest.mark.parametrize("max_num_seqs, rows", [(1, [1]), (4, [1, 4]), (16, [1, 8])])
 def test_each_kind_of_matmul_gets_the_kernel_timed_fastest_and_the_tokens_stay_transformers(
-    monkeypatch, capsys
+    monkeypatch, capsys, max_num_seqs, rows
 ):
-    """Unforced, choose_cpu_kernels lays a kind of matmul out for the kernel that timed fastest: a
+    """Unforced, choose_cpu_kernels lays a kind of matmul out for the kernel that timed fastest at
+    the rows a decode step of this engine may have (one, and up to 8 but not past max_num_seqs): a
     mixed choice (the timings stubbed) runs each layer on the kernel chosen for its kind, says so
     in one line (how much faster than the next), and gives transformers' tokens, as do the
     kernels forced alone."""
@@ -6900,19 +6904,29 @@ def test_each_kind_of_matmul_gets_the_kernel_timed_fastest_and_the_tokens_stay_t
     faster |= {"down_proj": "oneDNN", "lm_head": "bmm"}
     kinds = iter(faster.values())  # choose_cpu_kernels asks in the model's order: its first layer
 
-    def timed(weights, candidates):
+    def timed(weights, candidates, timed_rows):
         assert weights and candidates == ["F.linear", "oneDNN", "bmm"]  # a kind's every layer
+        assert timed_rows == rows
         winner = next(kinds)
         seconds = dict.fromkeys(candidates, 5.0) | {winner: 1.0}
         return seconds | {next(k for k in candidates if k != winner): 1.5}
 
-    with mock.patch.object(model_code, "kernel_seconds", side_effect=timed):
+    load_model = Worker.load_model
+
+    def load_model_for(worker, *args, **kwargs):  # worker_in_process's engine, max_num_seqs wide
+        load_model(worker, *args, **(kwargs | {"max_num_seqs": max_num_seqs}))
+
+    with (
+        mock.patch.object(model_code, "kernel_seconds", side_effect=timed),
+        mock.patch.object(Worker, "load_model", load_model_for),
+    ):
         worker = worker_in_process([PROMPTS[3]], decode_steps=10)
     said = capsys.readouterr().err
     assert said.count("tinytp: matmul kernels:") == 1
+    at = " and ".join(map(str, rows)) + (" row" if rows == [1] else " rows")
     assert (
         "qkv_proj oneDNN (1.50x), o_proj F.linear (1.50x), gate_up_proj bmm (1.50x), "
-        "down_proj oneDNN (1.50x), lm_head bmm (1.50x): the fastest at 1 and 8 rows" in said
+        f"down_proj oneDNN (1.50x), lm_head bmm (1.50x): the fastest at {at} on this CPU" in said
     ), said
     # 4 per layer (qkv, o, gate_up, down), then the LM head
     assert matmul_layouts(worker) == ["oneDNN", "W", "bmm", "oneDNN"] * 2 + ["bmm"]
@@ -6925,7 +6939,7 @@ def test_kernel_seconds_times_every_kernel_on_the_first_layers_weights_up_to_tim
     monkeypatch,
 ):
     """Each candidate kernel timed on the first layers' weights that make TIMED_BYTES (here 3 of
-    5), at every one of DECODE_ROWS, in TRIES turns; their outputs those of F.linear, bmm's at a
+    5), at each of the rows asked, in TRIES turns; their outputs those of F.linear, bmm's at a
     prompt's rows too, and for an output width no block divides."""
     # 32 x 16 float32 weights: 2 and a bit of them; and every try, however slow the CPU is now
     monkeypatch.setattr(model_code, "TIMED_BYTES", 2 * 32 * 16 * 4 + 1)
@@ -6945,13 +6959,13 @@ def test_kernel_seconds_times_every_kernel_on_the_first_layers_weights_up_to_tim
         for name, (lay_out, kernel) in model_code.CPU_KERNELS.items()
     }
     with mock.patch.dict(model_code.CPU_KERNELS, counted_kernels):
-        seconds = model_code.kernel_seconds(weights, ["F.linear", "oneDNN", "bmm"])
+        seconds = model_code.kernel_seconds(weights, ["F.linear", "oneDNN", "bmm"], [1, 8])
     assert set(seconds) == {"F.linear", "oneDNN", "bmm"} and all(t > 0 for t in seconds.values())
     expected = 3 * model_code.TRIES
     assert calls == {
         (name, rows): expected
         for name in ("linear", "onednn_linear", "blocked_linear")
-        for rows in model_code.DECODE_ROWS
+        for rows in (1, 8)
     }
     packed = model_code.onednn_pack(weights[0])
     for rows in (8, model_code.BMM_ROWS):

@@ -375,7 +375,9 @@ class Executor:
             self.collective_rpc(
                 "init_device", args=(device, dtype, self.store.port, threads, block)
             )
-            self.collective_rpc("load_model", args=(config, model_dir, max_model_len, load_format))
+            self.collective_rpc(
+                "load_model", args=(config, model_dir, max_model_len, max_num_seqs, load_format)
+            )
             self.collective_rpc(
                 "init_kv_cache", args=(num_blocks, block_size, max_num_seqs, cuda_graphs)
             )

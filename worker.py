@@ -791,10 +791,16 @@ class Worker:
             self.group = SharedMemoryGroup(self.group.rank, self.group.size, collective_block)
 
     def load_model(
-        self, config: ModelConfig, model_dir: str, max_model_len: int, load_format: str = "auto"
+        self,
+        config: ModelConfig,
+        model_dir: str,
+        max_model_len: int,
+        max_num_seqs: int,
+        load_format: str = "auto",
     ) -> None:
         """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy":
-        random numbers). The config comes parsed and checked by the driver (checkpoints.py)."""
+        random numbers), its matmuls on the CPU kernels fastest at up to max_num_seqs rows. The
+        config comes parsed and checked by the driver (checkpoints.py)."""
         self.config, self.max_model_len = config, max_model_len
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
@@ -807,7 +813,7 @@ class Worker:
             load_checkpoint(self.model, files, show_progress=self.group.rank == 0)
         candidates = cpu_kernels(self.device, self.dtype)
         if candidates != ["F.linear"]:
-            said = choose_cpu_kernels(self.model, candidates)
+            said = choose_cpu_kernels(self.model, candidates, max_num_seqs)
             if self.group.rank == 0:
                 print(said, file=sys.stderr)
 
