@@ -514,9 +514,9 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
     loaded, or oneDNN's packed kernel (as torch.compile does on CPU) or bmm on a copy laid out for
     it (the same results but for rounding). Which wins depends on the CPU, the shape and the rows
     (docs/performance.md), so all run this model's own weights, in turn, at the rows a decode step
-    of this engine may have.
-    A weight keeps one layout (two would double the memory), so a prefill runs the decode's pick.
-    The copy replaces the plain one, but in a tied LM head: the embedding reads its table."""
+    of this engine may have. A weight keeps one layout (two would double the memory), so a prefill
+    runs the decode's pick. The copy replaces the plain one, but in a tied LM head: the embedding
+    reads its table."""
     start = time.perf_counter()
     rows = sorted({min(r, max_num_seqs) for r in DECODE_ROWS})
     kinds: dict[str, list[nn.Module]] = {}

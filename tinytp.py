@@ -297,8 +297,9 @@ class StepFuture:
 
 
 # Spins of an OpenMP thread before it sleeps: libgomp counts about 100,000 a millisecond, so some
-# 0.1 ms, past the gap between a step's operations but a sliver of a busy CPU's time slice.
-OPENMP_SPINS = 10_000
+# 10 us, the gap between two of a step's operations; ten times as long already starved a busy
+# server's driver of the core (docs/performance.md).
+OPENMP_SPINS = 1_000
 
 
 def start_processes(workers: list[mp.Process]) -> None:
