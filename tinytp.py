@@ -296,9 +296,9 @@ class StepFuture:
     result: Callable[[], ModelRunnerOutput]
 
 
-# Spins of an OpenMP thread before it sleeps: libgomp counts about 100,000 a millisecond, so some
-# 10 us, the gap between two of a step's operations; ten times as long already starved a busy
-# server's driver of the core (docs/performance.md).
+# Spins of an OpenMP thread before it sleeps: by libgomp's own estimate of its pace, about the gap
+# between two of a step's operations; ten times as many starved a busy server's driver of the core
+# (docs/performance.md, "A busy CPU").
 OPENMP_SPINS = 1_000
 
 
