@@ -5859,8 +5859,21 @@ def test_server_raw_http_malformed_json_limits_routes_and_the_sse_framing(tiny_s
 
 
 def test_server_api_key_disconnect_frees_the_slot_and_group_sigterm_ends_a_stream(openai, tmp_path):
+    # The tiny model with room for a stream that outlasts the server's look at its stop flag
+    # (POLL_SECONDS): on a fast CPU its 500 tokens ended first.
+    long_context = tmp_path / "tiny-long-context"
+    long_context.mkdir()
+    for name in os.listdir(checkpoints.TINY_MODEL_DIR):
+        os.symlink(os.path.join(checkpoints.TINY_MODEL_DIR, name), long_context / name)
+    config = json.loads((long_context / "config.json").read_text())
+    (long_context / "config.json").unlink()
+    (long_context / "config.json").write_text(
+        json.dumps(config | {"max_position_embeddings": 4096})
+    )
     served = Served(
-        tmp_path, "--max-num-seqs", "1", "--api-key", "sesame", "--served-model-name", "tiny"
+        tmp_path,
+        *("--model", str(long_context), "--max-num-seqs", "1", "--api-key", "sesame"),
+        *("--served-model-name", "tiny"),
     )
     try:
         with pytest.raises(openai.AuthenticationError):
@@ -5895,7 +5908,7 @@ def test_server_api_key_disconnect_frees_the_slot_and_group_sigterm_ends_a_strea
         stream = client.completions.create(
             model="tiny",
             prompt="Hi",
-            max_tokens=500,
+            max_tokens=4000,
             temperature=0,
             stream=True,
             extra_body={"ignore_eos": True},
