@@ -455,15 +455,18 @@ def test_parallel_layers_match_torch_nn(tmp_path):
 # --------------------------------------------------------------------------------------
 
 
-def worker_in_process(prompts: list[list[int]], decode_steps: int) -> Worker:
+def worker_in_process(
+    prompts: list[list[int]], decode_steps: int, max_num_seqs: int | None = None
+) -> Worker:
     """tp=1's worker for the tiny model, run here (init_device's part set by hand): a prefill
-    of `prompts`, 4 blocks of 16 positions each, then `decode_steps` decode steps."""
+    of `prompts`, 4 blocks of 16 positions each, then `decode_steps` decode steps; an engine of
+    max_num_seqs (default: as many as the prompts)."""
     worker = Worker(0, world_size=1)
     worker.device, worker.dtype = torch.device("cpu"), torch.float32
-    tiny = checkpoints.TINY_MODEL_DIR
+    tiny, max_num_seqs = checkpoints.TINY_MODEL_DIR, max_num_seqs or len(prompts)
     config = read_config(f"{tiny}/config.json")
-    worker.load_model(config, tiny, max_model_len=64, max_num_seqs=len(prompts))
-    worker.init_kv_cache(1 + 4 * len(prompts), 16, max_num_seqs=len(prompts))
+    worker.load_model(config, tiny, max_model_len=64, max_num_seqs=max_num_seqs)
+    worker.init_kv_cache(1 + 4 * len(prompts), 16, max_num_seqs=max_num_seqs)
     ids = list(range(len(prompts)))
     worker.execute_model(
         SchedulerOutput(
@@ -5863,10 +5866,10 @@ def test_server_api_key_disconnect_frees_the_slot_and_group_sigterm_ends_a_strea
     # (POLL_SECONDS): on a fast CPU its 500 tokens ended first.
     long_context = tmp_path / "tiny-long-context"
     long_context.mkdir()
-    for name in os.listdir(checkpoints.TINY_MODEL_DIR):
+    for name in set(os.listdir(checkpoints.TINY_MODEL_DIR)) - {"config.json"}:
         os.symlink(os.path.join(checkpoints.TINY_MODEL_DIR, name), long_context / name)
-    config = json.loads((long_context / "config.json").read_text())
-    (long_context / "config.json").unlink()
+    with open(os.path.join(checkpoints.TINY_MODEL_DIR, "config.json")) as f:
+        config = json.load(f)
     (long_context / "config.json").write_text(
         json.dumps(config | {"max_position_embeddings": 4096})
     )
@@ -6924,16 +6927,8 @@ def test_each_kind_of_matmul_gets_the_kernel_timed_fastest_and_the_tokens_stay_t
         seconds = dict.fromkeys(candidates, 5.0) | {winner: 1.0}
         return seconds | {next(k for k in candidates if k != winner): 1.5}
 
-    load_model = Worker.load_model
-
-    def load_model_for(worker, *args, **kwargs):  # worker_in_process's engine, max_num_seqs wide
-        load_model(worker, *args, **(kwargs | {"max_num_seqs": max_num_seqs}))
-
-    with (
-        mock.patch.object(model_code, "kernel_seconds", side_effect=timed),
-        mock.patch.object(Worker, "load_model", load_model_for),
-    ):
-        worker = worker_in_process([PROMPTS[3]], decode_steps=10)
+    with mock.patch.object(model_code, "kernel_seconds", side_effect=timed):
+        worker = worker_in_process([PROMPTS[3]], decode_steps=10, max_num_seqs=max_num_seqs)
     said = capsys.readouterr().err
     assert said.count("tinytp: matmul kernels:") == 1
     at = " and ".join(map(str, rows)) + (" row" if rows == [1] else " rows")
