@@ -77,8 +77,7 @@ from worker import (
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
-# transformers is imported in functions: spawned workers re-import this module and need neither it
-# nor its seconds.
+# transformers (seconds to import) is imported in functions: spawned workers re-import this module.
 
 
 # Requests and outputs, in vLLM's shape -----------------------------------------------
@@ -112,14 +111,13 @@ class RequestOutput:
     finished: bool = True
     # SamplingParams.prompt_logprobs asked: None for the first token, then for each {token id:
     # Logprob}, the prompt's token first, then the k likeliest. vLLM's other fields, as vLLM leaves
-    # them when they were not asked for: tinytp has none of these, but num_cached_tokens (its
-    # prompt tokens the prefix cache held, in the first sample).
+    # them unasked: tinytp has none of these but num_cached_tokens.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: None = None
     lora_request: None = None
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
-    num_cached_tokens: int | None = None
+    num_cached_tokens: int | None = None  # its prompt tokens the prefix cache held (first sample)
     multi_modal_placeholders: dict | None = None
     kv_transfer_params: dict | None = None
 
@@ -206,22 +204,17 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # its tokens that the steps sent so far compute (their keys and values)
-    num_computed_tokens: int = 0
-    # tokens of steps sent and not yet answered (vLLM's placeholders: async scheduling)
-    num_in_flight: int = 0
+    num_computed_tokens: int = 0  # its tokens the steps sent so far compute (their keys and values)
+    num_in_flight: int = 0  # tokens of unanswered steps (vLLM's placeholders: async scheduling)
     # its caller's: the engine loop puts (request, tokens, finished) there
     outputs: queue.SimpleQueue | None = None
-    # report every new token (a stream), or only the end (generate): vLLM's output_kind
-    stream: bool = False
-    # prompt tokens found in the prefix cache at its first admission; -1 until then (vLLM's)
-    num_cached_tokens: int = -1
+    stream: bool = False  # each new token (a stream) or the end (generate): vLLM's output_kind
+    num_cached_tokens: int = -1  # prompt tokens cached at its first admission; -1 before (vLLM's)
     # the hash of each of its full blocks, chained (KVCacheManager): kept while it is preempted
     block_hashes: list[bytes] = field(default_factory=list)
-    # the workers' logprobs_of entries, where asked: one per output token; one per prompt token
-    # but the first
+    # the workers' logprobs_of entries, where asked: one per output token
     logprobs: list[tuple] = field(default_factory=list)
-    prompt_logprobs: list[tuple] = field(default_factory=list)
+    prompt_logprobs: list[tuple] = field(default_factory=list)  # one per prompt token but the first
 
     @property
     def num_tokens(self) -> int:  # vLLM's: its prompt and the tokens sampled so far
@@ -236,9 +229,8 @@ def choose_device_and_dtype(
     checkpoint's; on cpu bfloat16 only where oneDNN runs it natively (AVX-512 and newer: faster than
     float32 and half the memory, docs/performance.md), else float32, float16 too: slow on CPUs)."""
     gpus = torch.cuda.device_count()
-    # too few GPUs: refused, not a silent fall back to the CPU
     device = device or ("cuda" if gpus else "cpu")
-    if device == "cuda" and gpus < tp:
+    if device == "cuda" and gpus < tp:  # too few GPUs: refused, not a silent fall back to the CPU
         raise ValueError(
             f"tp={tp} needs {tp} GPUs and {gpus} are visible; --device cpu runs it on the CPU"
         )
@@ -278,8 +270,7 @@ STOPPED_GRACE = 5.0
 def is_stopped(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            # the state follows the name, "(...)"
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")  # the state: after "(name)"
     except OSError:  # no /proc (macOS), or the process is gone: not stopped, as far as we can tell
         return False
 
@@ -290,8 +281,7 @@ class WorkerError(RuntimeError):
 
 @dataclass
 class StepFuture:
-    """A step on its way (vLLM: execute_model(..., non_block=True) returns a Future); result() waits
-    for its answer."""
+    """A step on its way (vLLM's execute_model(non_block=True) returns a Future); result() waits."""
 
     result: Callable[[], ModelRunnerOutput]
 
@@ -309,11 +299,10 @@ def start_processes(workers: list[mp.Process]) -> None:
     OpenMP region waits for the others, spinning 300,000 turns by default (libgomp, torch's runtime
     on Linux): on a busy CPU that holds a core a descheduled peer, the driver or another process
     needs, and each of a step's regions stalls; sleeping at once instead wakes a thread at every
-    region, which a quiet CPU pays in every step. So the threads spin about as long as the gap
-    between two of a step's operations, then sleep (GOMP_SPINCOUNT, libgomp's; runtimes without it
-    read OMP_WAIT_POLICY=PASSIVE and sleep at once; docs/performance.md, "A busy CPU"). The runtime
-    reads these as torch loads, so they go in the environment the workers start with; a caller's
-    own setting of either stands."""
+    region, which a quiet CPU pays in every step. So the threads spin OPENMP_SPINS turns, then sleep
+    (GOMP_SPINCOUNT, libgomp's; runtimes without it read OMP_WAIT_POLICY=PASSIVE and sleep at once).
+    The runtime reads these as torch loads, so they go in the environment the workers start with; a
+    caller's own setting of either stands."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     ours = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(OPENMP_SPINS)}
     if any(name in os.environ for name in ours):
@@ -353,8 +342,7 @@ class Executor:
         self.tp = tp
         self.call_ids = itertools.count(1)
         self.failure: str | None = None
-        # a forked child inherits our exit hook, and must not stop our workers
-        self.creator = os.getpid()
+        self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop ours
         # made in the try below, freed if it fails
         self.workers, self.responses, self.collective_block = [], [], None
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
@@ -389,8 +377,7 @@ class Executor:
     def _start_workers(self, device: str) -> None:
         """The reply queues, the collective block (CPU, tp > 1), the store, and the processes."""
         context = mp.get_context("spawn")
-        # one for all the reply queues: we wait on all of them at once
-        self.doorbell = context.Semaphore(0)
+        self.doorbell = context.Semaphore(0)  # one for all reply queues: we wait on all at once
         for _ in range(self.tp):
             self.responses.append(
                 MessageQueue.create(
@@ -433,9 +420,9 @@ class Executor:
     ) -> list:
         """Run `method` on every worker; return each rank's result, in rank order. A callable
         (picklable: defined at module level) is called with the Worker first, pickled on its own: a
-        worker that cannot import it says so. It runs after the steps in flight, and their answers
-        come first: they are kept for those who wait on them. args and kwargs as a tuple and a dict
-        (vLLM's form, not the design discussion's `*args, **kwargs`): no name can collide."""
+        worker that cannot import it says so. It runs after the steps in flight (_wait_for keeps
+        their answers). args, kwargs: a tuple, a dict (vLLM's form, not the design discussion's
+        `*args, **kwargs`): no name can collide."""
         name, payload = (
             (method, method) if isinstance(method, str) else (method.__name__, pickle.dumps(method))
         )
@@ -445,9 +432,8 @@ class Executor:
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | StepFuture:
-        """One step; rank 0 answers. With non_block (async scheduling) return at once with a
-        StepFuture, so that the next step can be scheduled and sent while this one runs (vLLM's
-        non_block, which returns a Future)."""
+        """One step; rank 0 answers. non_block (vLLM's; async scheduling): return a StepFuture at
+        once, so that the next step can be scheduled and sent while this one runs."""
         call = RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0)
         call_id = self._send(call, None, "execute_model")
         step = StepFuture(functools.partial(self._wait_for_step, call_id))
@@ -482,9 +468,8 @@ class Executor:
             return call.call_id
 
     def _wait_for(self, call_id: int, timeout: float | None) -> list:
-        """Wait for a call's answers (rank order); any other awaited call's answers that come
-        meanwhile are kept. After a timeout or Ctrl-C the call is no longer awaited, and its late
-        answers are recognised and dropped."""
+        """Wait for a call's answers (rank order), keeping other awaited calls' answers that come
+        meanwhile. After a timeout or Ctrl-C it is no longer awaited: late answers are dropped."""
         name, answers, count = self.awaited[call_id]
 
         def answered() -> bool:
@@ -526,8 +511,7 @@ class Executor:
         if self.closing.is_set():
             raise RuntimeError("tinytp was shut down while it waited for its workers")
         for rank, process in enumerate(self.workers):
-            # the others wait for it in a collective: no use waiting for them
-            if process.exitcode is not None:
+            if process.exitcode is not None:  # peers wait for it in a collective: they won't answer
                 self._fail(f"worker rank {rank} exited with code {process.exitcode}", grace=0)
                 raise RuntimeError(
                     f"tinytp worker rank {rank} died (exit code {process.exitcode}); "
@@ -551,15 +535,13 @@ class Executor:
         """Stop the workers (politely, for `grace` s, then by force) and free every shared-memory
         block and semaphore, in the process that made them only: not in a forked child at exit."""
         with self.sending:  # (the engine loop may be sending)
-            # done already, or not ours
-            if self.broadcast.buf is None or os.getpid() != self.creator:
+            if self.broadcast.buf is None or os.getpid() != self.creator:  # done, or not ours
                 return
             workers = [p for p in self.workers if p.pid is not None]  # the started ones
             self.workers = []
             atexit.unregister(self.shutdown)
             self.failure = self.failure or "shut down"
-            # the ring is full: a worker is stuck, and gets killed below
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError):  # ring full: a worker is stuck, killed below
                 self.broadcast.enqueue(RPCCall(0, SHUTDOWN), timeout=min(grace, 1))
             deadline = time.monotonic() + grace  # an idle worker exits within milliseconds
             for process in workers:
@@ -669,8 +651,7 @@ class KVCacheManager:
         return block
 
     def hash_full_blocks(self, request: Request) -> None:
-        """Extend request.block_hashes to every full block of its tokens, each chained to the one
-        before."""
+        """Extend request.block_hashes to its tokens' full blocks, each chained to its parent."""
         hashes, size = request.block_hashes, self.block_size
         if len(hashes) < request.num_tokens // size:
             token_ids = request.prompt_token_ids + request.output_token_ids
@@ -713,15 +694,14 @@ class KVCacheManager:
 
 
 class Scheduler:
-    """vLLM V1's scheduler: no prefill step and no decode step. A request has the tokens it has
-    computed (num_computed_tokens) and the tokens it has; each step gives every running request what
-    it still needs (one token when it decodes, the rest of its prompt), then admits waiting requests
-    while the KV cache has free blocks for them, all within a budget of max_num_batched_tokens: a
-    prompt that does not fit is cut, and continues in the next steps (chunked prefill). A running
-    request that finds no free block for its next tokens preempts the newest running one (V1's
-    recompute: it frees its blocks, and is admitted again later, from the front of the queue). With
-    steps in flight (async scheduling) a request counts its tokens in flight, so that no step is
-    sent that could only produce a token past max_tokens or max_model_len."""
+    """vLLM V1's scheduler: no prefill or decode steps. A request has the tokens it has computed
+    (num_computed_tokens) and the tokens it has; each step gives every running request what it still
+    needs (one token when it decodes, the rest of its prompt), then admits waiting requests while
+    the KV cache has free blocks for them, all within a budget of max_num_batched_tokens: a prompt
+    that does not fit is cut, continued in the next steps (chunked prefill). A running request that
+    finds no free block for its next tokens preempts the newest running one (V1's recompute:
+    preempt). With steps in flight (async scheduling) a request counts its tokens in flight, so that
+    no step is sent that could only yield a token past max_tokens or max_model_len."""
 
     def __init__(
         self,
@@ -872,10 +852,9 @@ class Scheduler:
     def update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
-        """Append each sampled token to its request; return the requests that got one (those that
-        finished with it have finish_reason set). A request that finished or was aborted after this
-        step was sent is no longer running: its token, computed on the workers all the same, is
-        dropped here, never shown, never counted."""
+        """Append each sampled token to its request; return the requests that got one (those it
+        ended have finish_reason set). The token of a request finished or aborted since this step
+        was sent, computed on the workers all the same, is dropped: never shown, never counted."""
         updated = []
         for request_id, token in zip(
             scheduler_output.scheduled_ids, runner_output.sampled_token_ids
@@ -917,9 +896,8 @@ class Scheduler:
             self.finished_ids.append(request.request_id)
 
     def abort_requests(self, request_ids: set[int]) -> None:
-        """Forget these requests: those never admitted are dropped, the others free their blocks
-        (their tokens in flight are dropped when they come)."""
-        # never admitted: the workers never heard of them
+        """Forget these requests: those never admitted (unknown to the workers) are dropped, the
+        others free their blocks (their tokens in flight are dropped when they come)."""
         unknown = {r.request_id for r in self.waiting if r.num_cached_tokens < 0} & request_ids
         self.waiting = deque(r for r in self.waiting if r.request_id not in unknown)
         for request_id in unknown:
@@ -932,10 +910,9 @@ SHUTDOWN_ENGINE = "shutdown"
 
 
 class EngineCore:
-    """vLLM's EngineCore: it owns the Scheduler and the Executor, and has vLLM's verbs for them:
-    add_request, abort_request, step, has_unfinished_requests. One thread calls them:
-    run_busy_loop's (an LLM starts it). Callers in other threads talk to that thread through queues:
-    one in, and one out for each caller's requests."""
+    """vLLM's EngineCore: owns the Scheduler and Executor, with vLLM's verbs for them (add_request,
+    abort_request, step, has_unfinished_requests), which one thread calls: run_busy_loop's (an LLM
+    starts it). Callers in other threads reach it through queues, one in and one out per caller."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, async_scheduling: bool):
         self.scheduler = scheduler
@@ -944,8 +921,7 @@ class EngineCore:
         # schedule for the next step waiting when they finish the current one". Two steps in flight
         # do that; one is synchronous.
         self.max_steps_in_flight = 2 if async_scheduling else 1
-        # steps sent, oldest first
-        self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()
+        self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()  # sent, oldest first
         self.stats = {"steps": 0, "largest_batch": 0}
         # As vLLM's EngineCore: the start-up heap (torch, transformers, the tokenizer) marked
         # static, so that a collection of the oldest generation, which would walk all of it, never
@@ -986,10 +962,9 @@ class EngineCore:
         return self.scheduler.update(scheduler_output, step.result())
 
     def run_busy_loop(self, commands: queue.SimpleQueue) -> None:
-        """vLLM's EngineCoreProc.run_busy_loop, as a thread: take every command that has come (add,
-        abort, call), sleeping on the queue when there is no work (an idle LLM costs no CPU), step,
-        and hand each updated request to its caller's queue. A failure (a worker died) goes to every
-        caller at once."""
+        """vLLM's EngineCoreProc.run_busy_loop, as a thread: take the commands waiting (add, abort,
+        call), sleeping on the queue when idle (an idle LLM costs no CPU), step, and hand each
+        updated request to its caller. A failure (a worker died) goes to every caller at once."""
         while True:
             try:
                 while not commands.empty() or not self.has_unfinished_requests():
@@ -1004,8 +979,7 @@ class EngineCore:
                         request.outputs.put((request, len(request.output_token_ids), finished))
             # a worker failed or died: the executor is shut down, later steps raise too
             except Exception as error:
-                # (already, but for a fault of the driver's own: the ranks may disagree now)
-                self.executor.shutdown()
+                self.executor.shutdown()  # already, but for driver faults: ranks may disagree now
                 self.fail_every_request(error)
 
     def run_command(self, verb: str, argument) -> None:
@@ -1014,8 +988,7 @@ class EngineCore:
                 self.add_request(request)
         elif verb == "abort":
             self.abort_request(argument)
-        # "call": a function to run here, between steps, as the one thread that drives the executor
-        else:
+        else:  # "call": a function run here between steps, by the one thread driving the executor
             function, result = argument
             try:
                 result.set_result(function())
@@ -1031,10 +1004,9 @@ class EngineCore:
 
 
 # The front end: the callers' side, in vLLM's pieces ---------------------------------
-# Input processing (vLLM's Processor) turns a prompt and its SamplingParams into the engine's
-# requests; the engine client hands them to the engine loop's thread and reads back its reports;
-# output processing (vLLM's OutputProcessor) makes the reports into RequestOutputs. LLM is the
-# thin layer over the three that a vLLM script calls.
+# Input processing (vLLM's Processor) makes a prompt and its SamplingParams into requests; the
+# engine client hands them to the engine loop and takes its reports; output processing (vLLM's
+# OutputProcessor) makes RequestOutputs. LLM, what vLLM scripts call, is a thin layer on the three.
 def default_sampling_params(model_dir: str) -> SamplingParams:
     """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p, repetition_penalty
     and max_new_tokens from the checkpoint's generation_config.json, vLLM's defaults for the rest
@@ -1092,8 +1064,7 @@ class Processor:
         return default_sampling_params(self.generation_config)
 
     def end_of_sequence_ids(self) -> set[int]:
-        """Tokens that end a sequence: config.json's, generation_config.json's (Llama 3.1 has 3),
-        the tokenizer's."""
+        """EOS ids: config.json's, generation_config.json's (3 in Llama 3.1), the tokenizer's."""
         ids = set(self.config.eos_token_ids)
         path = os.path.join(self.generation_config or self.model_dir, "generation_config.json")
         if os.path.exists(path):
@@ -1208,10 +1179,9 @@ class Processor:
         chat_template_kwargs: dict | None = None,
     ) -> dict:
         """A conversation as a prompt: its text, and its token ids (the template writes the special
-        tokens). A content given as OpenAI's parts ([{"type": "text", "text": ...}, ...]) is their
-        texts joined by newlines, as in vLLM. continue_final_message: the text ends in the last
-        message, for the model to go on with it. chat_template_kwargs: more variables for the
-        template (enable_thinking=False, say)."""
+        tokens); message_text joins a content given as OpenAI's parts. continue_final_message: the
+        text ends in the last message, for the model to go on with it. chat_template_kwargs: more
+        variables for the template (enable_thinking=False, say)."""
         if not (self.tokenizer and (chat_template or self.tokenizer.chat_template)):
             raise ValueError(
                 f"{self.model_dir} has no tokenizer with a chat template: give chat_template=..."
@@ -1248,11 +1218,10 @@ class Processor:
 
 
 class EngineClient:
-    """The callers' side of the engine loop (vLLM's EngineCoreClient): it starts the thread that
-    runs EngineCore.run_busy_loop, puts commands on that thread's queue (add, abort, call), and
-    hands each caller the queue its requests are reported on. Any number of threads may call it at
-    once. Once the loop has stopped, every command is refused at once: none waits for a loop that
-    will never read it."""
+    """The callers' side of the engine loop (vLLM's EngineCoreClient): starts the thread that runs
+    EngineCore.run_busy_loop, puts commands on its queue (add, abort, call), and hands each caller
+    the queue its requests are reported on. Any number of threads may call it at once. Once the loop
+    has stopped, every command is refused at once: none waits for a loop that will never read it."""
 
     def __init__(self, engine: EngineCore):
         self.engine = engine
@@ -1364,17 +1333,15 @@ class IncrementalText:
             self.start, self.shown = self.shown, end
 
     def text(self, finished: bool) -> str:
-        """The text to show: before the stop string found; all of it at the end; else all but
-        the characters held back."""
+        """The text to show: before a stop string found; all at the end; else all but those held."""
         if self.found is not None:
             return self.decoded[: self.found[0]]
         return self.decoded if finished else self.decoded[: max(0, len(self.decoded) - self.hold)]
 
 
 class RequestState:
-    """One sample as the front end follows it (vLLM's RequestState): its text as its tokens come,
-    its logprobs where asked, and its CompletionOutput so far. A stop string found in the text
-    ends it here."""
+    """One sample as the front end follows it (vLLM's RequestState): its text as tokens come, its
+    logprobs where asked, its CompletionOutput so far. A stop string in its text ends it here."""
 
     def __init__(self, request: Request, index: int, detokenize: Callable, decode_token: Callable):
         """detokenize: a text's tokens to text; decode_token: one token's text (Logprob's)."""
@@ -1441,10 +1408,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    """vLLM's OutputProcessor: the engine's reports made into RequestOutputs, in the callers'
-    threads. The engine core sees token ids and finish reasons only; text is made here, from each
-    step's new tokens (so a request's cost per token does not grow with its length), and a stop
-    string found here aborts its request in the engine, as vLLM does."""
+    """vLLM's OutputProcessor: the engine's reports as RequestOutputs, in the callers' threads. The
+    engine core sees only token ids and finish reasons; text is made here, incrementally
+    (IncrementalText), and a stop string found here aborts its request in the engine, as in vLLM."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -1546,14 +1512,12 @@ def check_process_can_start_workers() -> None:
             "tinytp: a worker process, importing your script as spawn does, ran its LLM(...) "
             'too: put the code that creates the LLM under if __name__ == "__main__":'
         )
-    # spawn re-imports the script from it
     main_file = getattr(sys.modules["__main__"], "__file__", None)
     if main_file is not None and not os.path.exists(main_file):
         raise RuntimeError(
             f"tinytp cannot start workers from a script read from {main_file}: save it to a file"
         )
-    # whose children multiprocessing forbids (asserts, which -O skips)
-    if mp.current_process().daemon:
+    if mp.current_process().daemon:  # whose children multiprocessing forbids (an assert -O skips)
         raise RuntimeError(
             "tinytp cannot start workers from a daemonic process (a multiprocessing.Pool worker)"
         )
@@ -1756,8 +1720,7 @@ def check_memory(
 def check_engine_choices(
     device: str, dtype: str, cuda_graphs, load_format: str, async_scheduling
 ) -> None:
-    # graphs capture CUDA kernels
-    if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":
+    if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":  # graphs of CUDA kernels
         raise ValueError(
             f"cuda_graphs must be False, or True on device 'cuda'; got {cuda_graphs!r} on {device}"
         )
@@ -1771,9 +1734,8 @@ def check_engine_choices(
 
 
 def load_tokenizer(tokenizer: str | None, model_dir: str):
-    """The tokenizer (default: the model's); None for a bare config.json run with dummy weights,
-    whose prompts are token ids. Never the checkpoint's own code (auto_map): transformers would
-    ask on stdin, then run it."""
+    """The tokenizer (default: the model's); None for a bare config.json (dummy weights, token-id
+    prompts). Never a checkpoint's code (auto_map): transformers would ask on stdin, then run it."""
     from transformers import AutoTokenizer
 
     if not (tokenizer or has_tokenizer(model_dir)):
@@ -1854,8 +1816,7 @@ class LLM:
         workers = (tp, device, dtype, max_num_seqs, max_len, load_format)  # what each one runs
         options = {"cuda_graphs": cuda_graphs, "num_blocks": num_blocks, "block_size": block_size}
         self.executor = executor_class(config, self.model_dir, *workers, **options)
-        # The engine loop: one thread drives the scheduler and the executor; every caller talks to
-        # it through queues.
+        # The engine loop: one thread drives the scheduler and executor; callers use its queues
         self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)
         self.engine_client = EngineClient(self.engine)
         atexit.register(self.shutdown)  # registered after the executor's, so run before it
@@ -1892,8 +1853,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """The next message of a conversation (a list of {"role", "content"} dicts), or of each in a
-        list of them."""
+        """The next message of a conversation ({"role", "content"} dicts), or of each in a list."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template = (chat_template, add_generation_prompt, continue_final_message)
         prompts = [
@@ -1907,8 +1867,7 @@ class LLM:
         return self.processor.chat_prompt(conversation, *args, **kwargs)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What generate() and chat() sample with when given no SamplingParams, as vLLM's (see
-        generation_config)."""
+        """What generate() and chat() use without SamplingParams (vLLM's; see generation_config)."""
         return self.processor.get_default_sampling_params()
 
     def stream(
@@ -1967,8 +1926,7 @@ class LLM:
         return {**self.engine.stats, "dropped_tokens": self.scheduler.num_dropped_tokens}
 
     def get_metrics(self) -> list[Metric]:
-        """vLLM's LLM.get_metrics(), for the KV cache and the queue: counters since the start,
-        gauges now, by vLLM's Prometheus names."""
+        """vLLM's get_metrics() (Scheduler.make_metrics): counters since start, gauges now."""
         return self.engine_client.call(self.scheduler.make_metrics)
 
     def reset_prefix_cache(self) -> bool:
@@ -1976,8 +1934,7 @@ class LLM:
         return self.engine_client.call(self.scheduler.kv_cache_manager.reset_prefix_cache)
 
     def shutdown(self) -> None:
-        """Stop the engine loop (a step it waits for is given up), then the workers; free all
-        shared memory."""
+        """Stop the engine loop (EngineClient.shutdown), then the workers; free shared memory."""
         atexit.unregister(self.shutdown)
         self.engine_client.shutdown()
         self.executor.shutdown()
@@ -2091,19 +2048,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_code(command: Callable[[], int | None]) -> int:
-    """Run a command line (tinytp.py's, serve.py's); the exit code says how it ended (its own, 0,
-    or 2: the user's mistake)."""
+    """Run a command line (tinytp.py's, serve.py's): its exit code, 0, or 2 (the user's mistake)."""
     try:
         return command() or 0
     except (ValueError, FileNotFoundError) as e:
         print(f"tinytp: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as `yes | head` does
-        # else exit's flush fails again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else exit's flush fails
         return 141  # 128 + SIGPIPE, as a shell reports it
-    # a worker failed or died, /dev/shm is full: not the user's doing
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError) as e:  # a worker failed or died, /dev/shm full: not user error
         print(f"tinytp: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
