@@ -414,15 +414,15 @@ class InProcessExecutor:
         *,
         num_blocks,
         block_size,
+        enforce_eager=False,
     ):
         if tp != 1:
             raise ValueError(f"--backend inprocess runs one rank: use --tp 1, not {tp}")
         self.store = tinytp.loopback_store()
         self.worker = Worker(0, 1)
         self.collective_rpc("init_device", args=(device, dtype, self.store.port, CORES))
-        self.collective_rpc(
-            "load_model", args=(config, model_dir, max_model_len, max_num_seqs, load_format)
-        )
+        model = (config, model_dir, max_model_len, max_num_seqs, load_format, enforce_eager)
+        self.collective_rpc("load_model", args=model)
         self.collective_rpc(
             "init_kv_cache", args=(num_blocks, block_size, max_num_seqs, cuda_graphs)
         )
@@ -442,6 +442,10 @@ class InProcessExecutor:
 
 def lm_head_is_packed(worker: Worker) -> bool:  # run in the workers, through collective_rpc
     return worker.model.lm_head.packed_weight is not None
+
+
+def steps_compiled(worker: Worker) -> bool:  # run in the workers: Worker.load_model's choice
+    return worker.model.compiled is not None
 
 
 def parameter_bytes(worker: Worker) -> int:  # run in the workers: the bytes of weights a rank holds
@@ -511,6 +515,7 @@ class EngineBackend:
             load_format=load_format,
             distributed_executor_backend=executor_class,
             cuda_graphs=args.cuda_graphs,
+            enforce_eager=args.enforce_eager,
             async_scheduling=args.async_scheduling,
             max_num_batched_tokens=args.max_num_batched_tokens,
             **kv_cache_arguments(args),
@@ -522,6 +527,10 @@ class EngineBackend:
         # serves only the embedding's few rows.
         tied = self.llm.config.tie_word_embeddings
         self.head_reads_table = tied and not all(self.llm.collective_rpc(lm_head_is_packed))
+        compiled = all(self.llm.collective_rpc(steps_compiled))
+        self.mode = (
+            "CUDA graphs" if args.cuda_graphs else "one-row steps compiled" * compiled or "eager"
+        )
         self.threads = (
             f"1 process (the worker in-process) x {CORES} torch threads"
             if inprocess
@@ -596,7 +605,7 @@ class HFBackend:
         self.steps: list[Step] = []
         self.parameter_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.head_reads_table = self.model.config.tie_word_embeddings
-        self.threads = f"1 process x {CORES} torch threads"
+        self.threads, self.mode = f"1 process x {CORES} torch threads", "eager"
 
     def count_next_steps(self, reset: bool = False) -> None:
         return None  # one process: nothing is sent to anyone
@@ -742,7 +751,7 @@ def run_latency(args) -> dict:
         try:
             print(
                 f"{args.backend}, tp={args.tp}, {device}, {dtype}, {load_format} weights, "
-                f"{'CUDA graphs' if args.cuda_graphs else 'eager'}; threads: {backend.threads}"
+                f"{backend.mode}; threads: {backend.threads}"
             )
             for _ in tqdm(range(args.num_iters_warmup), desc="Warmup iterations"):
                 backend.generate()
@@ -839,6 +848,7 @@ def run_concurrency(args) -> dict:
             max_model_len=args.input_len + args.output_len,
             load_format=load_format,
             cuda_graphs=args.cuda_graphs,
+            enforce_eager=args.enforce_eager,
             async_scheduling=args.async_scheduling,
             **kv_cache_arguments(args),
         ) as llm:
@@ -2024,6 +2034,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--cuda-graphs", action="store_true", help="tinytp's decode steps as CUDA graphs (opt-in)"
     )
     parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="tinytp's one-row steps eager, not compiled (CPU, --batch-size 1)",
+    )
+    parser.add_argument(
         "--async-scheduling",
         action="store_true",
         help="tinytp sends each step while the one before it runs (two steps in flight)",
@@ -2070,7 +2085,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 f"{flag} needs a file it can write, got {path!r}"
                 + ("" if os.path.isdir(folder) else f": there is no folder {folder}")
             )
-    for flag in ("cuda_graphs", "async_scheduling"):
+    for flag in ("cuda_graphs", "enforce_eager", "async_scheduling"):
         if getattr(args, flag) and args.backend == "hf":
             parser.error(
                 f"--{flag.replace('_', '-')} is tinytp's: --backend hf runs transformers' "

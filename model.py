@@ -261,7 +261,7 @@ class LlamaAttention(nn.Module):
     query heads start at head r * nh / tp, and each KV head serves nh / n_kv query heads, so its
     first KV head is r * n_kv // tp: a block of n_kv / tp of them, or, when tp > n_kv, the one KV
     head that tp / n_kv ranks share, each keeping a copy of it (weights and KV cache): replicated,
-    as in vLLM."""
+    as in vLLM. The layer calls its two parts: qkv_rope, then attend, its output into o_proj."""
 
     def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
@@ -283,16 +283,20 @@ class LlamaAttention(nn.Module):
         )
         self.head_dim = hd
 
-    def forward(self, x, cos, sin, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
-        hd, q_per_kv, B = self.head_dim, self.num_heads // self.num_kv_heads, inputs.num_decodes
+    def qkv_rope(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, ...]:
+        """The rank's query, key and value heads of x, RoPE on the first two."""
         # [N, q, k and v heads, the two halves of a head]
-        qkv = self.qkv_proj(x).view(len(x), -1, 2, hd // 2)
+        qkv = self.qkv_proj(x).view(len(x), -1, 2, self.head_dim // 2)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         # RoPE on the query and key heads at once: x cos + rotate_half(x) sin, where
         # rotate_half(x) = (-x2, x1) is flip(x) = (x2, x1) with its sign in sin's first half.
         qk = qk * cos + qk.flip(2) * sin
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return *qk.split([self.num_heads, self.num_kv_heads], dim=1), v
 
+    @torch.compiler.disable  # eager in a compiled step: inductor's KV-cache write ran far slower
+    def attend(self, q, k, v, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+        """Each row's query over its request's keys and values, this step's too: o_proj's input."""
+        hd, q_per_kv, B = self.head_dim, self.num_heads // self.num_kv_heads, inputs.num_decodes
         # This step's keys and values into their slots (block x block_size + offset), then attention
         # over each request's slots, gathered in the order of its block table (index_select: many
         # times faster than indexing with a tensor on CPU).
@@ -337,7 +341,7 @@ class LlamaAttention(nn.Module):
             )
             outputs.append(out[0].transpose(0, 1).reshape(length, -1))
             row += length
-        return self.o_proj(outputs[0] if len(outputs) == 1 else torch.cat(outputs))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 class LlamaMLP(nn.Module):
@@ -378,7 +382,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, group, f"{prefix}.mlp")
 
     def forward(self, x, cos, sin, kv_cache, inputs: ModelInputs) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, inputs)
+        # attention's parts called from here: a compiled step's graph breaks here, around attend,
+        # and the graphs on either side span the norms, matmuls, RoPE and MLP (not so a call deeper)
+        attention = self.self_attn
+        q, k, v = attention.qkv_rope(self.input_layernorm(x), cos, sin)
+        x = x + attention.o_proj(attention.attend(q, k, v, kv_cache, inputs))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -406,14 +414,29 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         table = torch.stack((torch.stack((cos, cos), 1), torch.stack((-sin, sin), 1)))[:, :, None]
         self.register_buffer("rope_table", table.to(torch.get_default_dtype()), persistent=False)
+        self.compiled = None  # compile_one_row's: a layer's step and logits
 
     def forward(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         x = self.embed_tokens(inputs.input_ids)  # [N, hidden]
         cos, sin = self.rope_table[:, inputs.positions]  # each [N, 1, 2, hd / 2]
+        eager = nn.Module.__call__, LlamaForCausalLM.logits
+        layer_step, logits = self.compiled if self.compiled and len(x) == 1 else eager
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, inputs)
+            x = layer_step(layer, x, cos, sin, kv_cache, inputs)
         # only these tokens' logits are used: the sampled ones, and those scoring a prompt
-        return self.lm_head(self.norm(x[inputs.logits_indices]))
+        return logits(self, x[inputs.logits_indices])
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))
+
+    def compile_one_row(self) -> None:
+        """Steps of one row (a lone request's decode) through torch.compile, a layer's (shared by
+        all) and the logits: at one row inductor turns a matmul on bmm's blocks into a loop that
+        streams the weight, the norm before it and RoPE, SiLU or the residual add fused in
+        (docs/performance.md). Compiled at the first such step, kept in inductor's cache."""
+        self.compiled = tuple(
+            map(torch.compile, (LlamaDecoderLayer.forward, LlamaForCausalLM.logits))
+        )
 
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------
@@ -539,7 +562,9 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
             if module.weight is not model.embed_tokens.weight:
                 module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
     why = (
-        f"TINYTP_PACK_WEIGHTS={list(CPU_KERNELS).index(candidates[0])}"
+        "compiled for one-row steps (max_num_seqs 1)"
+        if model.compiled is not None
+        else f"TINYTP_PACK_WEIGHTS={list(CPU_KERNELS).index(candidates[0])}"
         if len(candidates) == 1
         else f"the fastest at {' and '.join(map(str, rows))} row{'s' * (rows != [1])} on this CPU, "
         "timed on the model's weights (how much faster than the next)"
@@ -578,17 +603,19 @@ def kernel_seconds(
     return best
 
 
-# bmm on W in blocks (issue 44): a GEMV that streams. A block of BLOCK output features keeps its
-# weights input by input, [in, BLOCK], so one row's matmul reads each block once, front to back,
-# into BLOCK sums; torch.bmm runs the blocks, split over the threads. From BMM_ROWS rows (a prompt)
-# bmm would read x once per block: one mm runs on W laid back out (a copy, small beside the work).
-BLOCK, BMM_ROWS = 16, 256
+# bmm on W in blocks (issue 44): a GEMV that streams. A block of output features keeps its weights
+# input by input, [in, block], so one row's matmul reads each block once, front to back, into the
+# block's sums; torch.bmm runs the blocks, split over the threads. A block is 64 bytes wide, a cache
+# line (16 float32 features, 32 bfloat16): inductor's loop over one reads whole lines, faster than
+# at half or twice that (docs/performance.md). From BMM_ROWS rows (a prompt) bmm would read x once
+# per block: one mm runs on W laid back out (a copy, small beside the work).
+BLOCK_BYTES, BMM_ROWS = 64, 256
 
 
 def blocks_of(weight: torch.Tensor) -> torch.Tensor:
-    """W [out, in] as [out / block, in, block], the block BLOCK or what divides out."""
+    """W [out, in] as [out / block, in, block], the block BLOCK_BYTES wide or what divides out."""
     out, features = weight.shape
-    block = math.gcd(out, BLOCK)
+    block = math.gcd(out, BLOCK_BYTES // weight.element_size())
     return weight.view(out // block, block, features).transpose(1, 2).contiguous()
 
 

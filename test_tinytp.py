@@ -35,6 +35,7 @@ from unittest import mock
 import pytest
 import safetensors.torch
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -62,6 +63,7 @@ from checkpoints import (
 )
 from model import (
     ColumnParallelLinear,
+    LlamaForCausalLM,
     ParallelLMHead,
     RowParallelLinear,
     TPGroup,
@@ -456,7 +458,10 @@ def test_parallel_layers_match_torch_nn(tmp_path):
 
 
 def worker_in_process(
-    prompts: list[list[int]], decode_steps: int, max_num_seqs: int | None = None
+    prompts: list[list[int]],
+    decode_steps: int,
+    max_num_seqs: int | None = None,
+    enforce_eager: bool = False,
 ) -> Worker:
     """tp=1's worker for the tiny model, run here (init_device's part set by hand): a prefill
     of `prompts`, 4 blocks of 16 positions each, then `decode_steps` decode steps; an engine of
@@ -465,7 +470,7 @@ def worker_in_process(
     worker.device, worker.dtype = torch.device("cpu"), torch.float32
     tiny, max_num_seqs = checkpoints.TINY_MODEL_DIR, max_num_seqs or len(prompts)
     config = read_config(f"{tiny}/config.json")
-    worker.load_model(config, tiny, max_model_len=64, max_num_seqs=max_num_seqs)
+    worker.load_model(config, tiny, 64, max_num_seqs, enforce_eager=enforce_eager)
     worker.init_kv_cache(1 + 4 * len(prompts), 16, max_num_seqs=max_num_seqs)
     ids = list(range(len(prompts)))
     worker.execute_model(
@@ -6910,11 +6915,11 @@ def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_check
 def test_each_kind_of_matmul_gets_the_kernel_timed_fastest_and_the_tokens_stay_transformers(
     monkeypatch, capsys, max_num_seqs, rows
 ):
-    """Unforced, choose_cpu_kernels lays a kind of matmul out for the kernel that timed fastest at
-    the rows a decode step of this engine may have (one, and up to 8 but not past max_num_seqs): a
-    mixed choice (the timings stubbed) runs each layer on the kernel chosen for its kind, says so
-    in one line (how much faster than the next), and gives transformers' tokens, as do the
-    kernels forced alone."""
+    """Unforced and eager, choose_cpu_kernels lays a kind of matmul out for the kernel that timed
+    fastest at the rows a decode step of this engine may have (one, and up to 8 but not past
+    max_num_seqs): a mixed choice (the timings stubbed) runs each layer on the kernel chosen for
+    its kind, says so in one line (how much faster than the next), and gives transformers'
+    tokens, as do the kernels forced alone."""
     monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
     faster = {"qkv_proj": "oneDNN", "o_proj": "F.linear", "gate_up_proj": "bmm"}
     faster |= {"down_proj": "oneDNN", "lm_head": "bmm"}
@@ -6928,7 +6933,7 @@ def test_each_kind_of_matmul_gets_the_kernel_timed_fastest_and_the_tokens_stay_t
         return seconds | {next(k for k in candidates if k != winner): 1.5}
 
     with mock.patch.object(model_code, "kernel_seconds", side_effect=timed):
-        worker = worker_in_process([PROMPTS[3]], decode_steps=10, max_num_seqs=max_num_seqs)
+        worker = worker_in_process([PROMPTS[3]], 10, max_num_seqs, enforce_eager=True)
     said = capsys.readouterr().err
     assert said.count("tinytp: matmul kernels:") == 1
     at = " and ".join(map(str, rows)) + (" row" if rows == [1] else " rows")
@@ -6938,6 +6943,60 @@ def test_each_kind_of_matmul_gets_the_kernel_timed_fastest_and_the_tokens_stay_t
     ), said
     # 4 per layer (qkv, o, gate_up, down), then the LM head
     assert matmul_layouts(worker) == ["oneDNN", "W", "bmm", "oneDNN"] * 2 + ["bmm"]
+    tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
+    assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)
+
+
+def test_a_one_row_engine_runs_its_steps_compiled_on_blocks_and_the_tokens_stay_transformers(
+    monkeypatch, capsys
+):
+    """An engine of one row a step on one CPU rank (max_num_seqs 1) lays every matmul out in bmm's
+    blocks and runs its one-row steps, every layer's and the logits, through torch.compile,
+    compiled at init_kv_cache, before any request. Its tokens are transformers', and those of
+    enforce_eager, which races the kernels as any engine does."""
+    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+    calls = collections.Counter()
+
+    def counted(name, step):
+        def run(*args):
+            calls[name] += 1
+            return step(*args)
+
+        return run
+
+    compile_one_row = LlamaForCausalLM.compile_one_row
+
+    def compile_counted(model):
+        compile_one_row(model)
+        model.compiled = tuple(map(counted, ("layer", "logits"), model.compiled))
+
+    with mock.patch.object(LlamaForCausalLM, "compile_one_row", compile_counted):
+        worker = worker_in_process([PROMPTS[3]], decode_steps=10)
+    said = capsys.readouterr().err
+    assert "lm_head bmm: compiled for one-row steps (max_num_seqs 1)" in said, said
+    assert "tinytp: one-row steps compiled in " in said and matmul_layouts(worker) == ["bmm"] * 9
+    # the warm-up step, then the 10 decode steps, every layer's; the prompt's step eager
+    assert calls == {"layer": 11 * 2, "logits": 11}
+    tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
+    assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)
+    eager = worker_in_process([PROMPTS[3]], decode_steps=10, enforce_eager=True)
+    assert eager.model.compiled is None and "the fastest at 1 row" in capsys.readouterr().err
+    assert eager.requests[0].token_ids == worker.requests[0].token_ids
+
+
+def test_one_row_steps_that_cannot_compile_run_eagerly_and_say_why(monkeypatch, capsys, tmp_path):
+    """Inductor writes C++ for the CPU: without a compiler the one-row steps run eagerly, on the
+    same blocks, and the line says why; the tokens stay transformers'."""
+    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing compiled before
+    torch._dynamo.reset()  # nor in this process
+    worker = worker_in_process([PROMPTS[3]], decode_steps=10)
+    said = capsys.readouterr().err
+    assert "tinytp: one-row steps left eager: " in said and worker.model.compiled is None, said
+    assert matmul_layouts(worker) == ["bmm"] * 9
     tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
     hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
     assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)

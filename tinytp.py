@@ -338,6 +338,7 @@ class Executor:
         *,
         num_blocks: int,
         block_size: int,
+        enforce_eager: bool = False,
     ):
         self.tp = tp
         self.call_ids = itertools.count(1)
@@ -364,9 +365,8 @@ class Executor:
             self.collective_rpc(
                 "init_device", args=(device, dtype, self.store.port, threads, block)
             )
-            self.collective_rpc(
-                "load_model", args=(config, model_dir, max_model_len, max_num_seqs, load_format)
-            )
+            model = (config, model_dir, max_model_len, max_num_seqs, load_format, enforce_eager)
+            self.collective_rpc("load_model", args=model)
             self.collective_rpc(
                 "init_kv_cache", args=(num_blocks, block_size, max_num_seqs, cuda_graphs)
             )
@@ -1754,12 +1754,12 @@ class LLM:
     The arguments are vLLM's LLM's, for those it has (and cuda_graphs, its own). tokenizer: a
     directory or hub id (default: the model's). seed: where requests without one draw theirs from.
     generation_config: "auto" (the model's generation_config.json), "vllm" (SamplingParams()'s
-    defaults) or a directory holding one. enforce_eager: True forbids cuda_graphs.
-    trust_remote_code: False only (a checkpoint's code never runs). gpu_memory_utilization: the
-    share of the memory (a GPU's; on cpu the machine's) that weights and KV cache may take.
-    max_num_batched_tokens: the tokens one step may run (Scheduler). block_size: the KV cache's
-    block, in tokens. kv_cache_memory_bytes: a rank's KV cache (default: max_num_seqs x
-    max_model_len tokens' worth). enable_prefix_caching: V1's automatic prefix caching
+    defaults) or a directory holding one. enforce_eager: no compiled steps (Worker.load_model), no
+    cuda_graphs. trust_remote_code: False only (a checkpoint's code never runs).
+    gpu_memory_utilization: the share of the memory (a GPU's; on cpu the machine's) that weights and
+    KV cache may take. max_num_batched_tokens: the tokens one step may run (Scheduler). block_size:
+    the KV cache's block, in tokens. kv_cache_memory_bytes: a rank's KV cache (default: max_num_seqs
+    x max_model_len tokens' worth). enable_prefix_caching: V1's automatic prefix caching
     (KVCacheManager). Any other argument is refused by name."""
 
     def __init__(
@@ -1815,6 +1815,7 @@ class LLM:
         self.scheduler = Scheduler(max_num_seqs, max_len, budget, eos_token_ids, kv_cache_manager)
         workers = (tp, device, dtype, max_num_seqs, max_len, load_format)  # what each one runs
         options = {"cuda_graphs": cuda_graphs, "num_blocks": num_blocks, "block_size": block_size}
+        options["enforce_eager"] = enforce_eager
         self.executor = executor_class(config, self.model_dir, *workers, **options)
         # The engine loop: one thread drives the scheduler and executor; callers use its queues
         self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)
@@ -1974,13 +1975,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-num-batched-tokens", type=int, default=None, help=budget)
     add_kv_cache_flags(parser)
     add("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (opt-in)")
+    add("--enforce-eager", action="store_true", help="no compiled steps (CPU, max_num_seqs 1)")
     ahead = "send each step while the one before it runs (two steps in flight)"
     add("--async-scheduling", action="store_true", help=ahead)
 
 
 ENGINE_FLAGS = ("device", "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens")
 ENGINE_FLAGS += ("block_size", "kv_cache_memory_bytes", "enable_prefix_caching")
-ENGINE_FLAGS += ("cuda_graphs", "async_scheduling")
+ENGINE_FLAGS += ("cuda_graphs", "enforce_eager", "async_scheduling")
 
 
 def engine_arguments(args: argparse.Namespace) -> dict:

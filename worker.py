@@ -701,6 +701,11 @@ class CachedRequest:
         return range(max(self.num_computed, self.prompt_logprobs_from), end)
 
 
+# Token 0 at position 0 of the null block, which no request reads unmasked: a CUDA graph's pad
+# rows, and the compiled one-row step's first run
+NULL_ROW = CachedRequest([0], 0, [0], SamplingParams(), None)
+
+
 def logits_rows(batch: list[tuple[CachedRequest, int]], ends: list[int]) -> list[int]:
     """The rows of a step (each request's end where its rows end) whose logits are computed:
     those sampled (a decode's, a chunk's last where it ends its prompt), then those that score a
@@ -797,10 +802,12 @@ class Worker:
         max_model_len: int,
         max_num_seqs: int,
         load_format: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy":
-        random numbers), its matmuls on the CPU kernels fastest at up to max_num_seqs rows. The
-        config comes parsed and checked by the driver (checkpoints.py)."""
+        random numbers), its matmuls on the CPU kernels fastest at up to max_num_seqs rows, or, at
+        one row, compiled (enforce_eager: never). The config comes parsed and checked by the driver
+        (checkpoints.py)."""
         self.config, self.max_model_len = config, max_model_len
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
@@ -812,6 +819,11 @@ class Worker:
             files = open_checkpoint(model_dir)
             load_checkpoint(self.model, files, show_progress=self.group.rank == 0)
         candidates = cpu_kernels(self.device, self.dtype)
+        # One request at a time on one CPU rank, kernels unforced: its steps compiled, on bmm's
+        # blocks. (Ranks' collectives, Python on shared memory, would split each graph in three.)
+        if max_num_seqs == 1 == self.group.size and len(candidates) > 1 and not enforce_eager:
+            candidates = ["bmm"]
+            self.model.compile_one_row()
         if candidates != ["F.linear"]:
             said = choose_cpu_kernels(self.model, candidates, max_num_seqs)
             if self.group.rank == 0:
@@ -835,6 +847,16 @@ class Worker:
         self.cuda_graphs = cuda_graphs
         self.capture_graphs = self.device.type == "cuda" and dist.get_backend() == "nccl"
         self.graphs: dict[int, tuple] = {}  # context length: (graph, its inputs, its logits)
+        if self.model.compiled is not None:  # compiled now, not at the first request's step
+            start = time.perf_counter()
+            try:
+                with torch.inference_mode():  # one row in the null block, which none reads
+                    self.model(self.prepare_inputs([(NULL_ROW, 1)]), self.kv_caches)
+                said = f"compiled in {time.perf_counter() - start:.1f} s"
+            except Exception as error:  # no C++ compiler for inductor, say: the same step, eagerly
+                self.model.compiled = None
+                said = f"left eager: {str(error).strip().splitlines()[0]}"
+            print(f"tinytp: one-row steps {said}", file=sys.stderr)
 
     def context_slots(self, requests: list[CachedRequest], num_positions: int) -> torch.Tensor:
         """The slots (block x block_size + offset) of each request's first num_positions, in one
@@ -899,11 +921,9 @@ class Worker:
 
     def cuda_graph_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
         """A decode step at the one shape a CUDA graph replays: max_num_seqs rows, the scheduled
-        requests' then pad rows (token 0 at position 0 of the null block, which no request reads
-        unmasked), attention reading a power of two of positions through block tables as wide.
-        The scheduled rows' logits."""
-        pad = CachedRequest([0], 0, [0], SamplingParams(), None)
-        rows = scheduled + [pad] * (self.max_num_seqs - len(scheduled))
+        requests' then pad rows (NULL_ROW), attention reading a power of two of positions through
+        block tables as wide. The scheduled rows' logits."""
+        rows = scheduled + [NULL_ROW] * (self.max_num_seqs - len(scheduled))
         # + 1, this step's token: at most the power of two above
         longest = max(r.num_computed for r in scheduled)
         context_len = min(self.max_model_len, max(16, 1 << longest.bit_length()))
