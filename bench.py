@@ -1087,6 +1087,7 @@ def batch_llm(args, workdir: str, count: int, max_model_len: int, **engine) -> t
         max_num_seqs=args.batch_size,
         max_model_len=max_model_len,
         load_format=load_format,
+        enforce_eager=args.enforce_eager,
         **engine,
     )
     return llm, prompts, config, device, dtype, load_format
@@ -1679,6 +1680,7 @@ def start_servers(args, model_dir: str) -> dict[str, tuple[subprocess.Popen, int
     settings = [  # the same for both: the same model and requests
         *["--model", model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.concurrency)],
         *["--max-model-len", str(args.input_len + args.output_len)],
+        *(["--enforce-eager"] if args.enforce_eager else []),  # vLLM's too: no torch.compile
     ]
     serve_py = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve.py")
     commands = {

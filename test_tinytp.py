@@ -4634,6 +4634,28 @@ def test_bench_writes_its_model_as_a_gguf_that_names_every_tensor_as_llama_cpp_d
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.gguf"]
 
 
+def test_bench_serve_enforce_eager_reaches_both_servers(monkeypatch):
+    """bench.py --serve --enforce-eager starts serve.py and vLLM's server each with it (vLLM's
+    flag: no torch.compile), never one of them without a word."""
+    import bench
+
+    commands = []
+
+    class Started:  # a server process, up at once
+        def __init__(self, command, **kwargs):
+            commands.append(command)
+
+    monkeypatch.setattr(bench.subprocess, "Popen", Started)
+    monkeypatch.setattr(bench, "wait_for_health", lambda *args: None)
+    common = ["--serve", "--concurrency", "1", "--model", checkpoints.TINY_MODEL_DIR]
+    for flags in ([], ["--enforce-eager"]):
+        commands.clear()
+        args = bench.parse_args([*common, "--vllm-python", sys.executable, *flags])
+        bench.start_servers(args, checkpoints.TINY_MODEL_DIR)
+        assert len(commands) == 2  # serve.py, then vLLM's
+        assert all(("--enforce-eager" in command) == bool(flags) for command in commands)
+
+
 def test_bench_concurrency_and_the_share_of_steps_found_waiting(tmp_path):
     """--concurrency puts its callers in one batch; with async scheduling the next step is more
     often already in the workers' queue when they finish one than without (where only a worker's
