@@ -855,7 +855,7 @@ class Worker:
                 said = f"compiled in {time.perf_counter() - start:.1f} s"
             except Exception as error:  # no C++ compiler for inductor, say: the same step, eagerly
                 self.model.compiled = None
-                said = f"left eager: {str(error).strip().splitlines()[0]}"
+                said = "left eager: " + str(error).strip().split("\n", 1)[0]
             print(f"tinytp: one-row steps {said}", file=sys.stderr)
 
     def context_slots(self, requests: list[CachedRequest], num_positions: int) -> torch.Tensor:
