@@ -527,10 +527,12 @@ class EngineBackend:
         # serves only the embedding's few rows.
         tied = self.llm.config.tie_word_embeddings
         self.head_reads_table = tied and not all(self.llm.collective_rpc(lm_head_is_packed))
-        compiled = all(self.llm.collective_rpc(steps_compiled))
-        self.mode = (
-            "CUDA graphs" if args.cuda_graphs else "one-row steps compiled" * compiled or "eager"
-        )
+        if args.cuda_graphs:
+            self.mode = "CUDA graphs"
+        elif all(self.llm.collective_rpc(steps_compiled)):
+            self.mode = "one-row steps compiled"
+        else:
+            self.mode = "eager"
         self.threads = (
             f"1 process (the worker in-process) x {CORES} torch threads"
             if inprocess
