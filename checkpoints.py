@@ -69,6 +69,21 @@ def has_tokenizer(model_dir: str) -> bool:
     return any(f.startswith("tokenizer") for f in os.listdir(model_dir))
 
 
+def load_tokenizer(tokenizer: str | None, model_dir: str):
+    """The tokenizer (default: the model's); None for a bare config.json (dummy weights, token-id
+    prompts). Never a checkpoint's code (auto_map): transformers would ask on stdin, then run it."""
+    from transformers import AutoTokenizer
+
+    if not (tokenizer or has_tokenizer(model_dir)):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer or model_dir, trust_remote_code=False)
+    except (ValueError, OSError) as e:
+        raise ValueError(
+            f"{tokenizer or model_dir}: its tokenizer: {' '.join(str(e).split())}"
+        ) from None
+
+
 # config.json ----------------------------------------------------------------------------
 def read_config(path: str) -> ModelConfig:
     """Read config.json; any problem with it is one ValueError that names the file."""
@@ -77,6 +92,18 @@ def read_config(path: str) -> ModelConfig:
         return config_from_dict(raw)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def read_model_config(model_dir: str) -> ModelConfig:
+    """config.json, checked; the keys that transformers' Llama does not read either, named."""
+    config = read_config(os.path.join(model_dir, "config.json"))
+    if config.unread_keys:
+        print(
+            f"tinytp: {model_dir}/config.json: ignoring {', '.join(config.unread_keys)}: "
+            "not read by transformers' Llama either",
+            file=sys.stderr,
+        )
+    return config
 
 
 def config_from_dict(raw: dict) -> ModelConfig:

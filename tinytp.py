@@ -43,8 +43,9 @@ from checkpoints import (
     has_tokenizer,
     is_integer,
     is_number,
-    read_config,
+    load_tokenizer,
     read_json_object,
+    read_model_config,
     resolve_model,
     token_id_list,
 )
@@ -1600,18 +1601,6 @@ def executor_class_for(distributed_executor_backend: str | type) -> type:
     return backend
 
 
-def read_model_config(model_dir: str) -> ModelConfig:
-    """config.json, checked; the keys that transformers' Llama does not read either, named."""
-    config = read_config(os.path.join(model_dir, "config.json"))
-    if config.unread_keys:
-        print(
-            f"tinytp: {model_dir}/config.json: ignoring {', '.join(config.unread_keys)}: "
-            "not read by transformers' Llama either",
-            file=sys.stderr,
-        )
-    return config
-
-
 def check_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
     limit = config.max_position_embeddings
     max_model_len = max_model_len or min(limit, 4096)
@@ -1731,21 +1720,6 @@ def check_engine_choices(
     if type(async_scheduling) is not bool:
         raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
     cpu_kernels(torch.device(device), getattr(torch, dtype))  # a bad TINYTP_PACK_WEIGHTS: here
-
-
-def load_tokenizer(tokenizer: str | None, model_dir: str):
-    """The tokenizer (default: the model's); None for a bare config.json (dummy weights, token-id
-    prompts). Never a checkpoint's code (auto_map): transformers would ask on stdin, then run it."""
-    from transformers import AutoTokenizer
-
-    if not (tokenizer or has_tokenizer(model_dir)):
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(tokenizer or model_dir, trust_remote_code=False)
-    except (ValueError, OSError) as e:
-        raise ValueError(
-            f"{tokenizer or model_dir}: its tokenizer: {' '.join(str(e).split())}"
-        ) from None
 
 
 class LLM:
