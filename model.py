@@ -261,7 +261,7 @@ class LlamaAttention(nn.Module):
     query heads start at head r * nh / tp, and each KV head serves nh / n_kv query heads, so its
     first KV head is r * n_kv // tp: a block of n_kv / tp of them, or, when tp > n_kv, the one KV
     head that tp / n_kv ranks share, each keeping a copy of it (weights and KV cache): replicated,
-    as in vLLM. The layer calls its two parts: qkv_rope, then attend, its output into o_proj."""
+    as in vLLM."""
 
     def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
@@ -283,6 +283,9 @@ class LlamaAttention(nn.Module):
         )
         self.head_dim = hd
 
+    def forward(self, x, cos, sin, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+        return self.o_proj(self.attend(*self.qkv_rope(x, cos, sin), kv_cache, inputs))
+
     def qkv_rope(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, ...]:
         """The rank's query, key and value heads of x, RoPE on the first two."""
         # [N, q, k and v heads, the two halves of a head]
@@ -293,36 +296,15 @@ class LlamaAttention(nn.Module):
         qk = qk * cos + qk.flip(2) * sin
         return *qk.split([self.num_heads, self.num_kv_heads], dim=1), v
 
-    @torch.compiler.disable  # eager in a compiled step: inductor's KV-cache write ran far slower
     def attend(self, q, k, v, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         """Each row's query over its request's keys and values, this step's too: o_proj's input."""
-        hd, q_per_kv, B = self.head_dim, self.num_heads // self.num_kv_heads, inputs.num_decodes
-        # This step's keys and values into their slots (block x block_size + offset), then attention
-        # over each request's slots, gathered in the order of its block table (index_select: many
-        # times faster than indexing with a tensor on CPU).
-        # [2, num_blocks x block_size, kv_heads, the two halves of a head]
-        slots = kv_cache.view(2, -1, *k.shape[1:])
-        slots[0].index_copy_(0, inputs.slot_mapping, k)  # keys
-        slots[1].index_copy_(0, inputs.slot_mapping, v)  # values
-        outputs = []
-        if B:
-            # One call for the B one-token rows, up to the longest context: grouped-query attention
-            # as plain attention, the query heads that share a KV head going in as one longer query
-            # (a view); the mask, if any, hides each row's later positions and whatever an earlier
-            # request left in its last block (or the null block of a shorter table).
-            keys, values = (
-                slots.index_select(1, inputs.context_slots)
-                .view(2, B, inputs.context_len, self.num_kv_heads, hd)
-                .transpose(2, 3)
-            )
-            query = q[:B].reshape(B, self.num_kv_heads, q_per_kv, hd)
-            # reshape, never view: no output layout is assumed (CUDA's memory-efficient kernel
-            # returns [B, M, H, K] transposed, docs/gpu.md)
-            outputs.append(
-                F.scaled_dot_product_attention(
-                    query, keys, values, attn_mask=inputs.attn_mask
-                ).reshape(B, -1)
-            )
+        # This step's keys and values into the cache, and the B one-token rows' attention: in a
+        # compiled step through tinytp's own operator (below), one opaque kernel in the graph.
+        op = torch.ops.tinytp.attend_decodes if torch.compiler.is_compiling() else attend_decodes
+        B = inputs.num_decodes
+        out = op(q, k, v, kv_cache, inputs.slot_mapping, inputs.context_slots, inputs.attn_mask, B)
+        outputs = [out] if B else []
+        q_per_kv, hd = self.num_heads // self.num_kv_heads, self.head_dim
         row = B
         for context_slots, start, length, mask in inputs.chunks:
             # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on CUDA,
@@ -330,7 +312,8 @@ class LlamaAttention(nn.Module):
             # Causal attention from position 0 needs no mask (an 8k-token prompt: the upper half
             # skipped).
             keys, values = (
-                slots.index_select(1, context_slots)
+                kv_cache.view(2, -1, *k.shape[1:])
+                .index_select(1, context_slots)
                 .flatten(3)
                 .transpose(1, 2)
                 .repeat_interleave(q_per_kv, dim=1)[:, None]
@@ -342,6 +325,40 @@ class LlamaAttention(nn.Module):
             outputs.append(out[0].transpose(0, 1).reshape(length, -1))
             row += length
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def attend_decodes(q, k, v, kv_cache, slot_mapping, context_slots, attn_mask, num_decodes: int):
+    """Keys and values of all N rows into their slots (block x block_size + offset); then one call
+    for the first B = num_decodes rows, up to the longest context, over their requests' slots in
+    the order of their block tables (index_select: many times faster than a tensor index on CPU).
+    Grouped-query attention as plain attention: the query heads that share a KV head go in as one
+    longer query (a view). The mask, if any, hides each row's later positions and whatever an
+    earlier request left in its last block (or the null block of a shorter table)."""
+    slots = kv_cache.view(2, -1, *k.shape[1:])  # [2, num_blocks x block_size, kv_heads, 2, hd / 2]
+    slots[0].index_copy_(0, slot_mapping, k)  # keys
+    slots[1].index_copy_(0, slot_mapping, v)  # values
+    B, kv_heads, hd = num_decodes, k.shape[1], k.shape[2] * k.shape[3]
+    if not B:
+        return q.new_empty(0, q[0].numel())
+    keys, values = slots.index_select(1, context_slots).view(2, B, -1, kv_heads, hd).transpose(2, 3)
+    query = q[:B].reshape(B, kv_heads, -1, hd)
+    # reshape, not view: CUDA's memory-efficient kernel gives [B, M, H, K] transposed (docs/gpu.md)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=attn_mask).reshape(B, -1)
+
+
+# The operator, as torch.compile sees it: its schema says it writes kv_cache (a!), its fake the
+# shape it returns; inductor calls it as it is. (Traced instead, the cache write and gather ran far
+# slower than these aten kernels; a graph break around it cost each layer two graphs' calls.)
+OPERATORS = torch.library.Library("tinytp", "FRAGMENT")
+OPERATORS.define(
+    "attend_decodes(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
+    "Tensor context_slots, Tensor? attn_mask, int num_decodes) -> Tensor"
+)
+OPERATORS.impl("attend_decodes", attend_decodes, "CPU")
+# its fake: the output's shape, [num_decodes (the last argument), query heads x head_dim]
+torch.library.register_fake(
+    "tinytp::attend_decodes", lambda q, *a: q.new_empty(a[-1], q[0].numel())
+)
 
 
 class LlamaMLP(nn.Module):
@@ -382,11 +399,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, group, f"{prefix}.mlp")
 
     def forward(self, x, cos, sin, kv_cache, inputs: ModelInputs) -> torch.Tensor:
-        # attention's parts called from here: a compiled step's graph breaks here, around attend,
-        # and the graphs on either side span the norms, matmuls, RoPE and MLP (not so a call deeper)
-        attention = self.self_attn
-        q, k, v = attention.qkv_rope(self.input_layernorm(x), cos, sin)
-        x = x + attention.o_proj(attention.attend(q, k, v, kv_cache, inputs))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, inputs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -414,29 +427,33 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         table = torch.stack((torch.stack((cos, cos), 1), torch.stack((-sin, sin), 1)))[:, :, None]
         self.register_buffer("rope_table", table.to(torch.get_default_dtype()), persistent=False)
-        self.compiled = None  # compile_one_row's: a layer's step and logits
+        self.compiled = None  # compile_one_row's step
 
     def forward(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        # One row past position 0 (a lone request's decode) through the compiled step, if any: one
+        # graph for every context length, its slots' count marked as varying
+        if self.compiled is not None and len(inputs.input_ids) == 1 and inputs.context_len > 1:
+            torch._dynamo.mark_dynamic(inputs.context_slots, 0)
+            return self.compiled(self, inputs, kv_caches)
+        return self.step(inputs, kv_caches)
+
+    def step(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         x = self.embed_tokens(inputs.input_ids)  # [N, hidden]
         cos, sin = self.rope_table[:, inputs.positions]  # each [N, 1, 2, hd / 2]
-        eager = nn.Module.__call__, LlamaForCausalLM.logits
-        layer_step, logits = self.compiled if self.compiled and len(x) == 1 else eager
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer_step(layer, x, cos, sin, kv_cache, inputs)
+            x = layer(x, cos, sin, kv_cache, inputs)
         # only these tokens' logits are used: the sampled ones, and those scoring a prompt
-        return logits(self, x[inputs.logits_indices])
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x[inputs.logits_indices]))
 
     def compile_one_row(self) -> None:
-        """Steps of one row (a lone request's decode) through torch.compile, a layer's (shared by
-        all) and the logits: at one row inductor turns a matmul on bmm's blocks into a loop that
-        streams the weight, the norm before it and RoPE, SiLU or the residual add fused in
-        (docs/performance.md). Compiled at the first such step, kept in inductor's cache."""
-        self.compiled = tuple(
-            map(torch.compile, (LlamaDecoderLayer.forward, LlamaForCausalLM.logits))
-        )
+        """Steps of one row (a lone request's decode) through torch.compile, the whole step one
+        graph: at one row inductor turns a matmul on bmm's blocks into a loop that streams the
+        weight, the norm before it and RoPE, SiLU or the residual add fused in
+        (docs/performance.md). Compiled at init_kv_cache, kept in inductor's cache. The model never
+        changes once loaded, so the guards on its modules (~1,000, checked at every call) are left
+        out."""
+        skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        self.compiled = torch.compile(LlamaForCausalLM.step, options={"guard_filter_fn": skip})
 
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------

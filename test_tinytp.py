@@ -6974,32 +6974,30 @@ def test_a_one_row_engine_runs_its_steps_compiled_on_blocks_and_the_tokens_stay_
     monkeypatch, capsys
 ):
     """An engine of one row a step on one CPU rank (max_num_seqs 1) lays every matmul out in bmm's
-    blocks and runs its one-row steps, every layer's and the logits, through torch.compile,
-    compiled at init_kv_cache, before any request. Its tokens are transformers', and those of
-    enforce_eager, which races the kernels as any engine does."""
+    blocks and runs its one-row steps through torch.compile, the whole step one graph (attention's
+    operator inside it, no graph break) for every context length, compiled at init_kv_cache,
+    before any request. Its tokens are transformers', and those of enforce_eager, which races the
+    kernels as any engine does."""
     monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
     calls = collections.Counter()
-
-    def counted(name, step):
-        def run(*args):
-            calls[name] += 1
-            return step(*args)
-
-        return run
-
     compile_one_row = LlamaForCausalLM.compile_one_row
 
     def compile_counted(model):
         compile_one_row(model)
-        model.compiled = tuple(map(counted, ("layer", "logits"), model.compiled))
+        step = model.compiled
+        model.compiled = lambda *args: calls.update(["step"]) or step(*args)
 
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     with mock.patch.object(LlamaForCausalLM, "compile_one_row", compile_counted):
         worker = worker_in_process([PROMPTS[3]], decode_steps=10)
     said = capsys.readouterr().err
     assert "lm_head bmm: compiled for one-row steps (max_num_seqs 1)" in said, said
     assert "tinytp: one-row steps compiled in " in said and matmul_layouts(worker) == ["bmm"] * 9
-    # the warm-up step, then the 10 decode steps, every layer's; the prompt's step eager
-    assert calls == {"layer": 11 * 2, "logits": 11}
+    # the warm-up step, then the 10 decode steps (the prompt's step eager), through one graph
+    assert calls == {"step": 11}
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
     tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
     hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
     assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)

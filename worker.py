@@ -701,9 +701,9 @@ class CachedRequest:
         return range(max(self.num_computed, self.prompt_logprobs_from), end)
 
 
-# Token 0 at position 0 of the null block, which no request reads unmasked: a CUDA graph's pad
-# rows, and the compiled one-row step's first run
-NULL_ROW = CachedRequest([0], 0, [0], SamplingParams(), None)
+# Token 0 at position 1 of the null block, which no request reads unmasked: a CUDA graph's pad
+# rows, and the compiled one-row step's first run (a decode: a context of two positions)
+NULL_ROW = CachedRequest([0, 0], 1, [0, 0], SamplingParams(), None)
 
 
 def logits_rows(batch: list[tuple[CachedRequest, int]], ends: list[int]) -> list[int]:
