@@ -430,9 +430,10 @@ class LlamaForCausalLM(nn.Module):
         self.compiled = None  # compile_one_row's step
 
     def forward(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        # One row past position 0 (a lone request's decode) through the compiled step, if any: one
-        # graph for every context length, its slots' count marked as varying
-        if self.compiled is not None and len(inputs.input_ids) == 1 and inputs.context_len > 1:
+        # A lone request's decode (one row, sampled, past position 0) through the compiled step, if
+        # any: one graph for every context length, its slots' count marked as varying
+        decode = len(inputs.input_ids) == 1 == len(inputs.logits_indices) and inputs.context_len > 1
+        if self.compiled is not None and decode:
             torch._dynamo.mark_dynamic(inputs.context_slots, 0)
             return self.compiled(self, inputs, kv_caches)
         return self.step(inputs, kv_caches)
@@ -640,7 +641,7 @@ def blocked_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
     if len(x) >= BMM_ROWS:  # W^T back from the blocks: [in, out]
         return x @ blocked.transpose(0, 1).reshape(blocked.shape[1], -1)
     y = torch.bmm(x.expand(len(blocked), -1, -1), blocked)  # [blocks, tokens, block]
-    return y.transpose(0, 1).reshape(len(x), -1)
+    return y.transpose(0, 1).reshape(len(x), len(blocked) * blocked.shape[2])  # (0 rows too)
 
 
 # Not PyTorch's public API, in one place -------------------------------------------------

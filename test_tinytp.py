@@ -7006,6 +7006,35 @@ def test_a_one_row_engine_runs_its_steps_compiled_on_blocks_and_the_tokens_stay_
     assert eager.requests[0].token_ids == worker.requests[0].token_ids
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_a_prompt_one_token_a_step_on_blocks_gives_transformers_tokens(monkeypatch, enforce_eager):
+    """A prompt fed one token a step (max_num_batched_tokens=1): its steps before the last sample
+    nothing, so their LM head has no rows. On bmm's blocks (compiled at max_num_seqs 1, or eager,
+    forced) such a step once failed to reshape its 0 rows; it must run, and the tokens be
+    transformers'."""
+    if enforce_eager:
+        monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "2")  # bmm, forced
+    else:
+        monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+    worker = Worker(0, world_size=1)
+    worker.device, worker.dtype = torch.device("cpu"), torch.float32
+    config = read_config(f"{checkpoints.TINY_MODEL_DIR}/config.json")
+    worker.load_model(config, checkpoints.TINY_MODEL_DIR, 64, 1, enforce_eager=enforce_eager)
+    worker.init_kv_cache(5, 16, max_num_seqs=1)
+    prompt = PROMPTS[3]
+    params = SamplingParams(temperature=0)
+    worker.execute_model(
+        SchedulerOutput([NewRequest(0, prompt, [1, 2, 3, 4], params, 0)], [0], [1], [])
+    )
+    for _ in range(len(prompt) - 1 + 8):  # the rest of the prompt, then 8 decode steps
+        worker.execute_model(SchedulerOutput([], [0], [1], []))
+    assert matmul_layouts(worker)[-1] == "bmm"
+    tokens = worker.requests[0].token_ids[len(prompt) :]
+    assert len(tokens) == 9
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
+    assert_tokens_match_hf(hf_model, prompt, tokens)
+
+
 def test_one_row_steps_that_cannot_compile_run_eagerly_and_say_why(monkeypatch, capsys, tmp_path):
     """Inductor writes C++ for the CPU: without a compiler the one-row steps run eagerly, on the
     same blocks, and the line says why; the tokens stay transformers'."""
