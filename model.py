@@ -347,8 +347,8 @@ def attend_decodes(q, k, v, kv_cache, slot_mapping, context_slots, attn_mask, nu
 
 
 # The operator, as torch.compile sees it: its schema says it writes kv_cache (a!), its fake the
-# shape it returns; inductor calls it as it is. (Traced, the write became a loop over the whole
-# cache, and the gather and SDPA ran slower; a graph break cost two graphs a layer: docs/.)
+# shape it returns; inductor calls it as it is. Traced, the write became a loop over the whole
+# cache and the gather and SDPA ran slower; a break around it, two graphs a layer: performance.md.
 OPERATORS = torch.library.Library("tinytp", "FRAGMENT")
 OPERATORS.define(
     "attend_decodes(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
