@@ -452,9 +452,11 @@ class LlamaForCausalLM(nn.Module):
         weight, the norm before it and RoPE, SiLU or the residual add fused in
         (docs/performance.md). Compiled at init_kv_cache, kept in inductor's cache. The model never
         changes once loaded, so the guards on its modules (~1,000, checked at every call) are left
-        out."""
+        out. The graph's wrapper, which calls each layer's kernel and attention in turn, is C++
+        (cpp_wrapper): Python's calls cost every step more than compiling it costs a start."""
         skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        self.compiled = torch.compile(LlamaForCausalLM.step, options={"guard_filter_fn": skip})
+        options = {"guard_filter_fn": skip, "cpp_wrapper": True}
+        self.compiled = torch.compile(LlamaForCausalLM.step, options=options)
 
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------
