@@ -453,7 +453,8 @@ class LlamaForCausalLM(nn.Module):
         (docs/performance.md). Compiled at init_kv_cache, kept in inductor's cache. The model never
         changes once loaded, so the guards on its modules (~1,000, checked at every call) are left
         out. The graph's wrapper, which calls each layer's kernel and attention in turn, is C++
-        (cpp_wrapper): Python's calls cost every step more than compiling it costs a start."""
+        (cpp_wrapper), not Python: each call costs less, for a longer first compile
+        (docs/performance.md)."""
         skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         options = {"guard_filter_fn": skip, "cpp_wrapper": True}
         self.compiled = torch.compile(LlamaForCausalLM.step, options=options)
