@@ -192,7 +192,8 @@ class ModelInputs:
 
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N] the position of each token in its sequence
-    # [N] where each token's keys and values go, vLLM's slot_mapping: block x block_size + offset
+    # [2, N] where each token's keys and values go, vLLM's slot_mapping (block x block_size +
+    # offset) as its two parts: the block, and the offset in it, the cache's own two indices
     slot_mapping: torch.Tensor
     num_decodes: int  # B
     context_len: int  # L, the cached positions their attention reads: the longest context of the B
@@ -298,11 +299,11 @@ class LlamaAttention(nn.Module):
 
     def attend(self, q, k, v, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         """Each row's query over its request's keys and values, this step's too: o_proj's input."""
-        # This step's keys and values into the cache, and the B one-token rows' attention: in a
-        # compiled step through tinytp's own operator (below), one opaque kernel in the graph.
-        op = torch.ops.tinytp.attend_decodes if torch.compiler.is_compiling() else attend_decodes
+        # This step's keys and values into the cache, and the B one-token rows' attention
         B = inputs.num_decodes
-        out = op(q, k, v, kv_cache, inputs.slot_mapping, inputs.context_slots, inputs.attn_mask, B)
+        out = attend_decodes(
+            q, k, v, kv_cache, inputs.slot_mapping, inputs.context_slots, inputs.attn_mask, B
+        )
         outputs = [out] if B else []
         q_per_kv, hd = self.num_heads // self.num_kv_heads, self.head_dim
         row = B
@@ -328,37 +329,24 @@ class LlamaAttention(nn.Module):
 
 
 def attend_decodes(q, k, v, kv_cache, slot_mapping, context_slots, attn_mask, num_decodes: int):
-    """Keys and values of all N rows into their slots (block x block_size + offset); then one call
-    for the first B = num_decodes rows, up to the longest context, over their requests' slots in
-    the order of their block tables (index_select: many times faster than a tensor index on CPU).
-    Grouped-query attention as plain attention: the query heads that share a KV head go in as one
-    longer query (a view). The mask, if any, hides each row's later positions and whatever an
-    earlier request left in its last block (or the null block of a shorter table)."""
-    slots = kv_cache.view(2, -1, *k.shape[1:])  # [2, num_blocks x block_size, kv_heads, 2, hd / 2]
-    slots[0].index_copy_(0, slot_mapping, k)  # keys
-    slots[1].index_copy_(0, slot_mapping, v)  # values
+    """Keys and values of all N rows into their slots (block, offset); then one call for the first
+    B = num_decodes rows, up to the longest context, over their requests' slots in the order of
+    their block tables (index_select: many times faster than a tensor index on CPU). Grouped-query
+    attention as plain attention: the query heads that share a KV head go in as one longer query
+    (a view). The mask, if any, hides each row's later positions and whatever an earlier request
+    left in its last block (or the null block of a shorter table)."""
     B, kv_heads, hd = num_decodes, k.shape[1], k.shape[2] * k.shape[3]
+    # Indexing the cache itself, not a view of it: compiled (compile_one_row), the write stays a
+    # write of N slots in place; into a view, torch.compile would copy the whole cache a step.
+    blocks, offsets = slot_mapping
+    kv_cache[:, blocks, offsets] = torch.stack((k, v)).view(2, -1, kv_heads, hd)
     if not B:
         return q.new_empty(0, q[0].numel())
+    slots = kv_cache.view(2, -1, kv_heads, hd)  # [2, num_blocks x block_size, kv_heads, hd]
     keys, values = slots.index_select(1, context_slots).view(2, B, -1, kv_heads, hd).transpose(2, 3)
     query = q[:B].reshape(B, kv_heads, -1, hd)
     # reshape, not view: CUDA's memory-efficient kernel gives [B, M, H, K] transposed (docs/gpu.md)
     return F.scaled_dot_product_attention(query, keys, values, attn_mask=attn_mask).reshape(B, -1)
-
-
-# The operator, as torch.compile sees it: its schema says it writes kv_cache (a!), its fake the
-# shape it returns; inductor calls it as it is. Traced, the write became a loop over the whole
-# cache and the gather and SDPA ran slower; a break around it, two graphs a layer: performance.md.
-OPERATORS = torch.library.Library("tinytp", "FRAGMENT")
-OPERATORS.define(
-    "attend_decodes(Tensor q, Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping, "
-    "Tensor context_slots, Tensor? attn_mask, int num_decodes) -> Tensor"
-)
-OPERATORS.impl("attend_decodes", attend_decodes, "CPU")
-# its fake: the output's shape, [num_decodes (the last argument), query heads x head_dim]
-torch.library.register_fake(
-    "tinytp::attend_decodes", lambda q, *a: q.new_empty(a[-1], q[0].numel())
-)
 
 
 class LlamaMLP(nn.Module):

@@ -6974,8 +6974,8 @@ def test_a_one_row_engine_runs_its_steps_compiled_on_blocks_and_the_tokens_stay_
     monkeypatch, capsys
 ):
     """An engine of one row a step on one CPU rank (max_num_seqs 1) lays every matmul out in bmm's
-    blocks and runs its one-row steps through torch.compile, the whole step one graph (attention's
-    operator inside it, no graph break) for every context length, compiled at init_kv_cache,
+    blocks and runs its one-row steps through torch.compile, the whole step one graph (attention
+    inside it, no graph break) for every context length, compiled at init_kv_cache,
     before any request. Its tokens are transformers', and those of enforce_eager, which races the
     kernels as any engine does."""
     monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)

@@ -891,7 +891,9 @@ class Worker:
             ),
             positions=positions,
             slot_mapping=torch.tensor(
-                [r.block_ids[p // size] * size + p % size for r, p in tokens], device=device
+                [[r.block_ids[p // size] for r, p in tokens], [p % size for _, p in tokens]],
+                dtype=torch.long,
+                device=device,
             ),
             num_decodes=len(decodes),
             context_len=context_len,
