@@ -192,9 +192,9 @@ class ModelInputs:
 
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N] the position of each token in its sequence
-    # [2, N] where each token's keys and values go, vLLM's slot_mapping (block x block_size +
-    # offset) as its two parts: the block, and the offset in it, the cache's own two indices
-    slot_mapping: torch.Tensor
+    # where each token's keys and values go, vLLM's slot_mapping (block x block_size + offset) in
+    # its two parts, the cache's own two indices: ([N] blocks, [N] offsets in them)
+    slot_mapping: tuple[torch.Tensor, torch.Tensor]
     num_decodes: int  # B
     context_len: int  # L, the cached positions their attention reads: the longest context of the B
     # [B x L] the slot of each of their first L positions: their block tables (padded with block 0,
@@ -339,7 +339,7 @@ def attend_decodes(q, k, v, kv_cache, slot_mapping, context_slots, attn_mask, nu
     # Indexing the cache itself, not a view of it: compiled (compile_one_row), the write stays a
     # write of N slots in place; into a view, torch.compile would copy the whole cache a step.
     blocks, offsets = slot_mapping
-    kv_cache[:, blocks, offsets] = torch.stack((k, v)).view(2, -1, kv_heads, hd)
+    kv_cache[:, blocks, offsets] = torch.cat((k, v)).view(2, -1, kv_heads, hd)
     if not B:
         return q.new_empty(0, q[0].numel())
     slots = kv_cache.view(2, -1, kv_heads, hd)  # [2, num_blocks x block_size, kv_heads, hd]

@@ -513,8 +513,9 @@ def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did(monkeyp
     worker.model.layers = worker.model.layers[:-1]
     per_layer = whole - operations_in_a_decode_step(worker)
     # was 217 per layer, 90 besides; 88 from 87 with the decode output's .reshape (aten::reshape,
-    # then the view it was: a copy only where CUDA's kernels return another layout)
-    assert per_layer <= 88 and whole - 2 * per_layer <= 65, (per_layer, whole)
+    # then the view it was: a copy only where CUDA's kernels return another layout); 87 and 66
+    # with the cache written by one indexed assignment, and the slots' offsets from the positions
+    assert per_layer <= 87 and whole - 2 * per_layer <= 66, (per_layer, whole)
 
 
 @pytest.mark.quick

@@ -877,8 +877,9 @@ class Worker:
         position p sees 0..p of its blocks, and so does a prompt's one-token chunk. Each longer
         prompt chunk is attended to in a call of its own."""
         size, device = self.block_size, self.device
+        as_index = {"dtype": torch.long, "device": device}  # (no tokens: no rows, still indices)
         tokens = [(r, p) for r, n in batch for p in range(r.num_computed, r.num_computed + n)]
-        positions = torch.tensor([p for _, p in tokens], device=device)
+        positions = torch.tensor([p for _, p in tokens], **as_index)
         decodes = [r for r, n in batch if n == 1]
         contexts = [r.num_computed + 1 for r in decodes]
         # A given context_len: cuda_graph_step's fixed shape, always masked.
@@ -890,10 +891,9 @@ class Worker:
                 device=device,
             ),
             positions=positions,
-            slot_mapping=torch.tensor(
-                [[r.block_ids[p // size] for r, p in tokens], [p % size for _, p in tokens]],
-                dtype=torch.long,
-                device=device,
+            slot_mapping=(
+                torch.tensor([r.block_ids[p // size] for r, p in tokens], **as_index),
+                positions % size,
             ),
             num_decodes=len(decodes),
             context_len=context_len,
@@ -942,8 +942,10 @@ class Worker:
                 self.graphs[inputs.context_len] = graph, inputs, self.model(inputs, self.kv_caches)
         graph, captured, logits = self.graphs[inputs.context_len]
         # the rest is the same every step
-        for name in ("input_ids", "positions", "slot_mapping", "context_slots", "attn_mask"):
+        for name in ("input_ids", "positions", "context_slots", "attn_mask"):
             getattr(captured, name).copy_(getattr(inputs, name))
+        for captured_index, index in zip(captured.slot_mapping, inputs.slot_mapping):
+            captured_index.copy_(index)
         graph.replay()
         return logits[: len(scheduled)]
 
