@@ -300,10 +300,7 @@ class LlamaAttention(nn.Module):
     def attend(self, q, k, v, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         """Each row's query over its request's keys and values, this step's too: o_proj's input."""
         # This step's keys and values into the cache, and the B one-token rows' attention
-        B = inputs.num_decodes
-        out = attend_decodes(
-            q, k, v, kv_cache, inputs.slot_mapping, inputs.context_slots, inputs.attn_mask, B
-        )
+        out, B = attend_decodes(q, k, v, kv_cache, inputs), inputs.num_decodes
         outputs = [out] if B else []
         q_per_kv, hd = self.num_heads // self.num_kv_heads, self.head_dim
         row = B
@@ -328,25 +325,27 @@ class LlamaAttention(nn.Module):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def attend_decodes(q, k, v, kv_cache, slot_mapping, context_slots, attn_mask, num_decodes: int):
+def attend_decodes(q, k, v, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
     """Keys and values of all N rows into their slots (block, offset); then one call for the first
     B = num_decodes rows, up to the longest context, over their requests' slots in the order of
     their block tables (index_select: many times faster than a tensor index on CPU). Grouped-query
     attention as plain attention: the query heads that share a KV head go in as one longer query
     (a view). The mask, if any, hides each row's later positions and whatever an earlier request
     left in its last block (or the null block of a shorter table)."""
-    B, kv_heads, hd = num_decodes, k.shape[1], k.shape[2] * k.shape[3]
+    B, kv_heads, hd = inputs.num_decodes, k.shape[1], k.shape[2] * k.shape[3]
     # Indexing the cache itself, not a view of it: compiled (compile_one_row), the write stays a
     # write of N slots in place; into a view, torch.compile would copy the whole cache a step.
-    blocks, offsets = slot_mapping
+    blocks, offsets = inputs.slot_mapping
     kv_cache[:, blocks, offsets] = torch.cat((k, v)).view(2, -1, kv_heads, hd)
     if not B:
         return q.new_empty(0, q[0].numel())
     slots = kv_cache.view(2, -1, kv_heads, hd)  # [2, num_blocks x block_size, kv_heads, hd]
-    keys, values = slots.index_select(1, context_slots).view(2, B, -1, kv_heads, hd).transpose(2, 3)
+    gathered = slots.index_select(1, inputs.context_slots)
+    keys, values = gathered.view(2, B, -1, kv_heads, hd).transpose(2, 3)
     query = q[:B].reshape(B, kv_heads, -1, hd)
     # reshape, not view: CUDA's memory-efficient kernel gives [B, M, H, K] transposed (docs/gpu.md)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=attn_mask).reshape(B, -1)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=inputs.attn_mask)
+    return out.reshape(B, -1)
 
 
 class LlamaMLP(nn.Module):
