@@ -310,9 +310,8 @@ class LlamaAttention(nn.Module):
             # Causal attention from position 0 needs no mask (an 8k-token prompt: the upper half
             # skipped).
             keys, values = (
-                kv_cache.view(2, -1, *k.shape[1:])
+                kv_cache.view(2, -1, self.num_kv_heads, hd)  # as attend_decodes reads its slots
                 .index_select(1, context_slots)
-                .flatten(3)
                 .transpose(1, 2)
                 .repeat_interleave(q_per_kv, dim=1)[:, None]
             )
