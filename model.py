@@ -433,14 +433,13 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.norm(x[inputs.logits_indices]))
 
     def compile_one_row(self) -> None:
-        """Steps of one row (a lone request's decode) through torch.compile, the whole step one
+        """Steps of one row (a request decoding alone) through torch.compile, the whole step one
         graph: at one row inductor turns a matmul on bmm's blocks into a loop that streams the
-        weight, the norm before it and RoPE, SiLU or the residual add fused in
-        (docs/performance.md). Compiled at init_kv_cache, kept in inductor's cache. The model never
-        changes once loaded, so the guards on its modules (~1,000, checked at every call) are left
-        out. The graph's wrapper, which calls each layer's kernel and attention in turn, is C++
-        (cpp_wrapper), not Python: each call costs less, for a longer first compile
-        (docs/performance.md)."""
+        weight, the norm before it and RoPE, SiLU or the residual add fused in; the other kernels
+        stay calls (docs/performance.md). Compiled at init_kv_cache, kept in inductor's cache. The
+        model never changes once loaded, so the guards on its modules (~1,000, checked at every
+        call) are left out. The graph's wrapper, which calls each layer's kernel and attention in
+        turn, is C++ (cpp_wrapper), not Python: each call costs less, for a longer first compile."""
         skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         options = {"guard_filter_fn": skip, "cpp_wrapper": True}
         self.compiled = torch.compile(LlamaForCausalLM.step, options=options)
@@ -570,7 +569,7 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
                 module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
     why = (
         "compiled for one-row steps (max_num_seqs 1)"
-        if model.compiled is not None
+        if model.compiled is not None and rows == [1]
         else f"TINYTP_PACK_WEIGHTS={list(CPU_KERNELS).index(candidates[0])}"
         if len(candidates) == 1
         else f"the fastest at {' and '.join(map(str, rows))} row{'s' * (rows != [1])} on this CPU, "
@@ -646,8 +645,21 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    # no bias, no fused op
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")
+    if torch.compiler.is_compiling():  # in compile_one_row's graph: the op below
+        return onednn_linear_op(x, packed_weight)
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")  # no bias
+
+
+# Inductor lowers oneDNN's linear only on weights it packed itself (freezing): in a graph it is an
+# op of tinytp's own, left as it is; not in an eager step, where the op's dispatch would add up.
+@torch.library.custom_op("tinytp::onednn_linear", mutates_args=())
+def onednn_linear_op(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    return onednn_linear(x, packed_weight)
+
+
+@onednn_linear_op.register_fake
+def _(x, packed_weight):
+    return x.new_empty(len(x), len(packed_weight))
 
 
 # Each CPU kernel: how it lays a weight out (None: as loaded), and its matmul

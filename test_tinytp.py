@@ -70,7 +70,7 @@ from model import (
     VocabParallelEmbedding,
     split,
 )
-from tinytp import LLM, CompletionOutput, RequestOutput, SamplingParams, WorkerError
+from tinytp import CompletionOutput, RequestOutput, SamplingParams, WorkerError
 from worker import (
     CHUNK_HEADER,
     COLLECTIVE_BUFFER_BYTES,
@@ -86,6 +86,11 @@ from worker import (
     new_shared_memory,
     sampling_probabilities,
 )
+
+# The engines built here run eagerly unless a test asks (enforce_eager=False): on one CPU rank each
+# start would compile its one-row steps, seconds even from inductor's cache, and the compiled steps
+# have tests of their own.
+LLM = functools.partial(tinytp.LLM, enforce_eager=True)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -532,7 +537,7 @@ def test_attention_never_asks_sdpa_for_grouped_query_attention(monkeypatch):
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
     # different lengths: the decode steps take a mask
-    worker_in_process(PROMPTS[:2], decode_steps=2)
+    worker_in_process(PROMPTS[:2], decode_steps=2, enforce_eager=True)  # eager steps
     assert len(calls) == 2 * 2 + 2 * 2 and not any(
         kwargs.get("enable_gqa") for _, _, kwargs in calls
     )
@@ -1911,7 +1916,7 @@ def test_llm_arguments_of_the_wrong_type_are_refused_before_spawning(
 ):
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         with pytest.raises(ValueError, match=message):
-            LLM(mha_checkpoint[0], device="cpu", **kwargs)
+            tinytp.LLM(mha_checkpoint[0], device="cpu", **kwargs)  # as users call it
 
 
 @pytest.mark.quick
@@ -2881,7 +2886,8 @@ def smollm2_greedy(smollm2):
 @pytest.mark.parametrize("tp", [1, 3])
 def test_real_llama_greedy_tokens_equal_transformers(smollm2, smollm2_greedy, tp):
     path, _ = smollm2
-    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=512) as llm:
+    # the engine as users run it: at tp 1 its one-row steps compiled
+    with LLM(path, tp, device="cpu", max_model_len=512, enforce_eager=False) as llm:
         tokenizer = llm.tokenizer
         chat = tokenizer.apply_chat_template(
             [{"role": "user", "content": "What is the capital of France?"}],
@@ -2903,6 +2909,8 @@ def test_real_llama_greedy_tokens_equal_transformers(smollm2, smollm2_greedy, tp
             )
         answer = outputs[2].outputs[0]
         assert answer.text == "The capital of France is Paris." and answer.finish_reason == "stop"
+        alone = llm.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=16))  # 1 row
+        assert alone[0].outputs[0].token_ids == answer.token_ids
 
 
 def test_real_llama_refuses_tp_2_naming_the_heads(smollm2):
@@ -6971,15 +6979,9 @@ def test_each_kind_of_matmul_gets_the_kernel_timed_fastest_and_the_tokens_stay_t
     assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)
 
 
-def test_a_one_row_engine_runs_its_steps_compiled_on_blocks_and_the_tokens_stay_transformers(
-    monkeypatch, capsys
-):
-    """An engine of one row a step on one CPU rank (max_num_seqs 1) lays every matmul out in bmm's
-    blocks and runs its one-row steps through torch.compile, the whole step one graph (attention
-    inside it, no graph break) for every context length, compiled at init_kv_cache,
-    before any request. Its tokens are transformers', and those of enforce_eager, which races the
-    kernels as any engine does."""
-    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+@pytest.fixture
+def compiled_steps(monkeypatch) -> collections.Counter:
+    """Counts the steps run through compile_one_row's graph, dynamo's own counters reset."""
     calls = collections.Counter()
     compile_one_row = LlamaForCausalLM.compile_one_row
 
@@ -6988,15 +6990,27 @@ def test_a_one_row_engine_runs_its_steps_compiled_on_blocks_and_the_tokens_stay_
         step = model.compiled
         model.compiled = lambda *args: calls.update(["step"]) or step(*args)
 
+    monkeypatch.setattr(LlamaForCausalLM, "compile_one_row", compile_counted)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    with mock.patch.object(LlamaForCausalLM, "compile_one_row", compile_counted):
-        worker = worker_in_process([PROMPTS[3]], decode_steps=10)
+    return calls
+
+
+def test_a_one_row_engine_runs_its_steps_compiled_on_blocks_and_the_tokens_stay_transformers(
+    monkeypatch, capsys, compiled_steps
+):
+    """An engine of one row a step on one CPU rank (max_num_seqs 1) lays every matmul out in bmm's
+    blocks and runs its one-row steps through torch.compile, the whole step one graph (attention
+    inside it, no graph break) for every context length, compiled at init_kv_cache,
+    before any request. Its tokens are transformers', and those of enforce_eager, which races the
+    kernels as any engine does."""
+    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+    worker = worker_in_process([PROMPTS[3]], decode_steps=10)
     said = capsys.readouterr().err
     assert "lm_head bmm: compiled for one-row steps (max_num_seqs 1)" in said, said
     assert "tinytp: one-row steps compiled in " in said and matmul_layouts(worker) == ["bmm"] * 9
     # the warm-up step, then the 10 decode steps (the prompt's step eager), through one graph
-    assert calls == {"step": 11}
+    assert compiled_steps == {"step": 11}
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
     tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
@@ -7005,6 +7019,35 @@ def test_a_one_row_engine_runs_its_steps_compiled_on_blocks_and_the_tokens_stay_
     eager = worker_in_process([PROMPTS[3]], decode_steps=10, enforce_eager=True)
     assert eager.model.compiled is None and "the fastest at 1 row" in capsys.readouterr().err
     assert eager.requests[0].token_ids == worker.requests[0].token_ids
+
+
+def test_an_engine_of_more_rows_compiles_its_one_row_steps_on_the_kernels_it_chose(
+    monkeypatch, capsys, compiled_steps
+):
+    """On one CPU rank an engine of up to 4 rows a step compiles its one-row steps too, on the
+    kernels raced at 1 and 4 rows (here stubbed: all three, oneDNN's packed weights through
+    tinytp's own op, which inductor does not look into), and runs its steps of two rows eagerly.
+    The tokens stay transformers'."""
+    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+    faster = itertools.cycle(["oneDNN", "F.linear", "bmm", "oneDNN", "bmm"])  # each kind's
+
+    def timed(weights, candidates, rows):
+        return dict.fromkeys(candidates, 5.0) | {next(faster): 1.0}
+
+    with mock.patch.object(model_code, "kernel_seconds", side_effect=timed):
+        alone = worker_in_process([PROMPTS[3]], decode_steps=10, max_num_seqs=4)
+        assert compiled_steps == {"step": 11}  # the warm-up step, then the 10 decode steps
+        pair = worker_in_process(PROMPTS[2:4], decode_steps=10, max_num_seqs=4)
+        assert compiled_steps == {"step": 12}  # the pair's warm-up step; its two rows eager
+    said = capsys.readouterr().err
+    assert said.count("tinytp: one-row steps compiled in ") == 2, said
+    assert "the fastest at 1 and 4 rows on this CPU" in said, said
+    layouts = ["oneDNN", "W", "bmm", "oneDNN"] * 2 + ["bmm"]
+    assert matmul_layouts(alone) == matmul_layouts(pair) == layouts
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
+    for prompts, worker in ([PROMPTS[3]], alone), (PROMPTS[2:4], pair):
+        for i, prompt in enumerate(prompts):
+            assert_tokens_match_hf(hf_model, prompt, worker.requests[i].token_ids[len(prompt) :])
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])

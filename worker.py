@@ -805,9 +805,9 @@ class Worker:
         enforce_eager: bool = False,
     ) -> None:
         """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy":
-        random numbers), its matmuls on the CPU kernels fastest at up to max_num_seqs rows, or, at
-        one row, compiled (enforce_eager: never). The config comes parsed and checked by the driver
-        (checkpoints.py)."""
+        random numbers), its matmuls on the CPU kernels fastest at up to max_num_seqs rows, its
+        one-row steps compiled (enforce_eager: never). The config comes parsed and checked by the
+        driver (checkpoints.py)."""
         self.config, self.max_model_len = config, max_model_len
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
@@ -819,10 +819,10 @@ class Worker:
             files = open_checkpoint(model_dir)
             load_checkpoint(self.model, files, show_progress=self.group.rank == 0)
         candidates = cpu_kernels(self.device, self.dtype)
-        # One request at a time on one CPU rank, kernels unforced: its steps compiled, on bmm's
-        # blocks. (Ranks' collectives, Python on shared memory, would split each graph in three.)
-        if max_num_seqs == 1 == self.group.size and len(candidates) > 1 and not enforce_eager:
-            candidates = ["bmm"]
+        # On one CPU rank, kernels unforced: one-row steps compiled, on bmm's blocks for a single
+        # stream. (Ranks' collectives, Python on shared memory, would split each graph in three.)
+        if self.group.size == 1 and len(candidates) > 1 and not enforce_eager:
+            candidates = ["bmm"] if max_num_seqs == 1 else candidates
             self.model.compile_one_row()
         if candidates != ["F.linear"]:
             said = choose_cpu_kernels(self.model, candidates, max_num_seqs)
