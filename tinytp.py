@@ -1949,7 +1949,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-num-batched-tokens", type=int, default=None, help=budget)
     add_kv_cache_flags(parser)
     add("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (opt-in)")
-    add("--enforce-eager", action="store_true", help="no compiled steps (CPU, max_num_seqs 1)")
+    add("--enforce-eager", action="store_true", help="no compiled one-row steps (one CPU rank)")
     ahead = "send each step while the one before it runs (two steps in flight)"
     add("--async-scheduling", action="store_true", help=ahead)
 
