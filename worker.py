@@ -822,7 +822,8 @@ class Worker:
         # On one CPU rank, kernels unforced: one-row steps compiled, on bmm's blocks for a single
         # stream. (Ranks' collectives, Python on shared memory, would split each graph in three.)
         if self.group.size == 1 and len(candidates) > 1 and not enforce_eager:
-            candidates = ["bmm"] if max_num_seqs == 1 else candidates
+            if max_num_seqs == 1:
+                candidates = ["bmm"]
             self.model.compile_one_row()
         if candidates != ["F.linear"]:
             said = choose_cpu_kernels(self.model, candidates, max_num_seqs)
