@@ -195,10 +195,8 @@ class ModelInputs:
     # where each token's keys and values go, vLLM's slot_mapping (block x block_size + offset) in
     # its two parts, the cache's own two indices: ([N] blocks, [N] offsets in them)
     slot_mapping: tuple[torch.Tensor, torch.Tensor]
-    num_decodes: int  # B
-    context_len: int  # L, the cached positions their attention reads: the longest context of the B
-    # [B x L] the slot of each of their first L positions: their block tables (padded with block 0,
-    # vLLM's null block, to one width) spelled out position by position, for one gather a layer
+    # [B, L] the slot of each of the B one-token rows' first L positions (the longest context):
+    # block tables padded with block 0 (vLLM's null block), spelled out (sizes: a graph's B, L)
     context_slots: torch.Tensor
     # [B, 1, 1, L] True where a row may see a cached key; None where all would be
     attn_mask: torch.Tensor | None
@@ -300,7 +298,7 @@ class LlamaAttention(nn.Module):
     def attend(self, q, k, v, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         """Each row's query over its request's keys and values, this step's too: o_proj's input."""
         # This step's keys and values into the cache, and the B one-token rows' attention
-        out, B = attend_decodes(q, k, v, kv_cache, inputs), inputs.num_decodes
+        out, B = attend_decodes(q, k, v, kv_cache, inputs), len(inputs.context_slots)
         outputs = [out] if B else []
         q_per_kv, hd = self.num_heads // self.num_kv_heads, self.head_dim
         row = B
@@ -326,20 +324,20 @@ class LlamaAttention(nn.Module):
 
 def attend_decodes(q, k, v, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
     """Keys and values of all N rows into their slots (block, offset); then one call for the first
-    B = num_decodes rows, up to the longest context, over their requests' slots in the order of
+    B rows (one token each), up to the longest context, over their requests' slots in the order of
     their block tables (index_select: many times faster than a tensor index on CPU). Grouped-query
     attention as plain attention: the query heads that share a KV head go in as one longer query
     (a view). The mask, if any, hides each row's later positions and whatever an earlier request
     left in its last block (or the null block of a shorter table)."""
-    B, kv_heads, hd = inputs.num_decodes, k.shape[1], k.shape[2] * k.shape[3]
-    # Indexing the cache itself, not a view of it: compiled (compile_one_row), the write stays a
+    B, kv_heads, hd = len(inputs.context_slots), k.shape[1], k.shape[2] * k.shape[3]
+    # Indexing the cache itself, not a view of it: compiled (compile_decodes), the write stays a
     # write of N slots in place; into a view, torch.compile would copy the whole cache a step.
     blocks, offsets = inputs.slot_mapping
     kv_cache[:, blocks, offsets] = torch.cat((k, v)).view(2, -1, kv_heads, hd)
     if not B:
         return q.new_empty(0, q[0].numel())
     slots = kv_cache.view(2, -1, kv_heads, hd)  # [2, num_blocks x block_size, kv_heads, hd]
-    gathered = slots.index_select(1, inputs.context_slots)
+    gathered = slots.index_select(1, inputs.context_slots.view(-1))
     keys, values = gathered.view(2, B, -1, kv_heads, hd).transpose(2, 3)
     query = q[:B].reshape(B, kv_heads, -1, hd)
     # reshape, not view: CUDA's memory-efficient kernel gives [B, M, H, K] transposed (docs/gpu.md)
@@ -413,14 +411,20 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         table = torch.stack((torch.stack((cos, cos), 1), torch.stack((-sin, sin), 1)))[:, :, None]
         self.register_buffer("rope_table", table.to(torch.get_default_dtype()), persistent=False)
-        self.compiled = None  # compile_one_row's step
+        self.compiled = None  # compile_decodes' step
 
     def forward(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        # A lone request's decode (one row, sampled, past position 0) through the compiled step, if
-        # any: one graph for every context length, its slots' count marked as varying
-        decode = len(inputs.input_ids) == 1 == len(inputs.logits_indices) and inputs.context_len > 1
+        # A decode step (every row one token, sampled, past position 0) through the compiled graphs:
+        # one for a lone row, one for more (masked: prepare_inputs), each for every B and L
+        rows, (decodes, context_len) = len(inputs.input_ids), inputs.context_slots.shape
+        decode = rows == decodes == len(inputs.logits_indices) and context_len > 1
         if self.compiled is not None and decode:
-            torch._dynamo.mark_dynamic(inputs.context_slots, 0)
+            torch._dynamo.mark_dynamic(inputs.context_slots, [0, 1] if rows > 1 else 1)
+            if rows > 1:
+                torch._dynamo.mark_dynamic(inputs.attn_mask, [0, 3])
+                for tensor in (*inputs.slot_mapping, inputs.input_ids, inputs.positions):
+                    torch._dynamo.mark_dynamic(tensor, 0)
+                torch._dynamo.mark_dynamic(inputs.logits_indices, 0)
             return self.compiled(self, inputs, kv_caches)
         return self.step(inputs, kv_caches)
 
@@ -432,14 +436,13 @@ class LlamaForCausalLM(nn.Module):
         # only these tokens' logits are used: the sampled ones, and those scoring a prompt
         return self.lm_head(self.norm(x[inputs.logits_indices]))
 
-    def compile_one_row(self) -> None:
-        """Steps of one row (a request decoding alone) through torch.compile, the whole step one
-        graph: at one row inductor turns a matmul on bmm's blocks into a loop that streams the
-        weight, the norm before it and RoPE, SiLU or the residual add fused in; the other kernels
-        stay calls (docs/performance.md). Compiled at init_kv_cache, kept in inductor's cache. The
-        model never changes once loaded, so the guards on its modules (~1,000, checked at every
-        call) are left out. The graph's wrapper, which calls each layer's kernel and attention in
-        turn, is C++ (cpp_wrapper), not Python: each call costs less, for a longer first compile."""
+    def compile_decodes(self) -> None:
+        """Decode steps through torch.compile, a step one graph: inductor fuses the small operations
+        between the kernels (eagerly each an OpenMP region, whose threads wait for each other), and
+        at one row turns a matmul on bmm's blocks into a loop streaming the weight, the norm before
+        it and RoPE, SiLU or the residual add fused in (docs/performance.md). Compiled at
+        init_kv_cache, kept in inductor's cache. The model never changes once loaded: the guards on
+        its modules (~1,000, checked every call) are left out. The kernels called from C++."""
         skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         options = {"guard_filter_fn": skip, "cpp_wrapper": True}
         self.compiled = torch.compile(LlamaForCausalLM.step, options=options)
@@ -645,7 +648,7 @@ def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # in compile_one_row's graph: the op below
+    if torch.compiler.is_compiling():  # in compile_decodes' graphs: the op below
         return onednn_linear_op(x, packed_weight)
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")  # no bias
 
@@ -659,7 +662,7 @@ def onednn_linear_op(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tens
 
 @onednn_linear_op.register_fake
 def _(x, packed_weight):
-    return x.new_empty(len(x), len(packed_weight))
+    return x.new_empty(x.shape[0], packed_weight.shape[0])  # len() would fix the rows' count
 
 
 # Each CPU kernel: how it lays a weight out (None: as loaded), and its matmul

@@ -1535,13 +1535,7 @@ class CacheConfig:
 
 
 def check_vllm_arguments(
-    others: dict,
-    seed,
-    enforce_eager,
-    cuda_graphs,
-    trust_remote_code,
-    generation_config,
-    cache: CacheConfig,
+    others, seed, enforce_eager, cuda_graphs, trust_remote_code, generation_config, cache
 ) -> None:
     """vLLM's arguments that tinytp takes, each with the values it honours (one table: the rule
     and its words); any other (quantization, speculative_config, ..., and typos) refused."""
@@ -1949,7 +1943,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add("--max-num-batched-tokens", type=int, default=None, help=budget)
     add_kv_cache_flags(parser)
     add("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (opt-in)")
-    add("--enforce-eager", action="store_true", help="no compiled one-row steps (one CPU rank)")
+    add("--enforce-eager", action="store_true", help="no compiled decode steps (one CPU rank)")
     ahead = "send each step while the one before it runs (two steps in flight)"
     add("--async-scheduling", action="store_true", help=ahead)
 
@@ -1980,6 +1974,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--stop", action="append", help="end the text before this string; repeat for more")
     add("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     add("--no-chat-template", action="store_true", help="send the prompt text as it is")
+    parser.set_defaults(max_num_seqs=None)  # run(): a row per prompt (at most 8), no graph for more
     return parser.parse_args(argv)
 
 
@@ -1990,6 +1985,7 @@ def run(args: argparse.Namespace) -> None:
     others = {name: vars(args)[name] for name in ("max_tokens", "seed", "stop", "ignore_eos")}
     params = SamplingParams(**chosen, **others)  # checked now, before anything loads
     prompts = args.prompt or DEFAULT_PROMPTS
+    args.max_num_seqs = min(8, len(prompts)) if args.max_num_seqs is None else args.max_num_seqs
     if not all(prompts):
         raise ValueError("empty --prompt: give at least one character")
     model_dir = resolve_model(args.model)

@@ -702,7 +702,7 @@ class CachedRequest:
 
 
 # Token 0 at position 1 of the null block, which no request reads unmasked: a CUDA graph's pad
-# rows, and the compiled one-row step's first run (a decode: a context of two positions)
+# rows, and the compiled decode steps' first runs (a decode: a context of two positions)
 NULL_ROW = CachedRequest([0, 0], 1, [0, 0], SamplingParams(), None)
 
 
@@ -806,7 +806,7 @@ class Worker:
     ) -> None:
         """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy":
         random numbers), its matmuls on the CPU kernels fastest at up to max_num_seqs rows, its
-        one-row steps compiled (enforce_eager: never). The config comes parsed and checked by the
+        decode steps compiled (enforce_eager: never). The config comes parsed and checked by the
         driver (checkpoints.py)."""
         self.config, self.max_model_len = config, max_model_len
         torch.set_default_dtype(self.dtype)
@@ -819,12 +819,12 @@ class Worker:
             files = open_checkpoint(model_dir)
             load_checkpoint(self.model, files, show_progress=self.group.rank == 0)
         candidates = cpu_kernels(self.device, self.dtype)
-        # On one CPU rank, kernels unforced: one-row steps compiled, on bmm's blocks for a single
+        # On one CPU rank, kernels unforced: decode steps compiled, on bmm's blocks for a single
         # stream. (Ranks' collectives, Python on shared memory, would split each graph in three.)
         if self.group.size == 1 and len(candidates) > 1 and not enforce_eager:
             if max_num_seqs == 1:
                 candidates = ["bmm"]
-            self.model.compile_one_row()
+            self.model.compile_decodes()
         if candidates != ["F.linear"]:
             said = choose_cpu_kernels(self.model, candidates, max_num_seqs)
             if self.group.rank == 0:
@@ -851,24 +851,26 @@ class Worker:
         if self.model.compiled is not None:  # compiled now, not at the first request's step
             start = time.perf_counter()
             try:
-                with torch.inference_mode():  # one row in the null block, which none reads
-                    self.model(self.prepare_inputs([(NULL_ROW, 1)]), self.kv_caches)
+                # one row, then three, in the null block, which none reads (two: B = L, one size)
+                with torch.inference_mode():
+                    for rows in [1, 3][: 1 + (max_num_seqs > 1)]:
+                        self.model(self.prepare_inputs([(NULL_ROW, 1)] * rows), self.kv_caches)
                 said = f"compiled in {time.perf_counter() - start:.1f} s"
             except Exception as error:  # no C++ compiler for inductor, say: the same step, eagerly
                 self.model.compiled = None
                 said = "left eager: " + str(error).strip().split("\n", 1)[0]
-            print(f"tinytp: one-row steps {said}", file=sys.stderr)
+            print(f"tinytp: decode steps {said}", file=sys.stderr)
 
     def context_slots(self, requests: list[CachedRequest], num_positions: int) -> torch.Tensor:
-        """The slots (block x block_size + offset) of each request's first num_positions, in one
-        row: its block table, padded with the null block (0) to one width (positions its mask
+        """The slots (block x block_size + offset) of each request's first num_positions, a row
+        each: its block table, padded with the null block (0) to one width (positions its mask
         hides), spelled out position by position."""
         size, width = self.block_size, -(-num_positions // self.block_size)
         table = torch.tensor(
             [(r.block_ids + [0] * width)[:width] for r in requests], device=self.device
         ).view(len(requests), width, 1)  # (a view: no decodes is no rows)
         slots = table * size + self.block_offsets
-        return slots.view(len(requests), width * size)[:, :num_positions].flatten()
+        return slots.view(len(requests), width * size)[:, :num_positions].contiguous()
 
     def prepare_inputs(
         self, batch: list[tuple[CachedRequest, int]], context_len: int | None = None
@@ -883,8 +885,11 @@ class Worker:
         positions = torch.tensor([p for _, p in tokens], **as_index)
         decodes = [r for r, n in batch if n == 1]
         contexts = [r.num_computed + 1 for r in decodes]
-        # A given context_len: cuda_graph_step's fixed shape, always masked.
+        # A given context_len: cuda_graph_step's fixed shape, always masked; so are a compiled
+        # step's decodes of more rows, whose one graph takes a mask (LlamaForCausalLM.forward)
         fixed_shape, context_len = context_len is not None, context_len or max(contexts, default=0)
+        compiled = self.model.compiled is not None and len(decodes) > 1
+        masked = fixed_shape or compiled or len(set(contexts)) > 1
         ends = list(itertools.accumulate(n for _, n in batch))  # where each request's rows end
         return ModelInputs(
             input_ids=torch.tensor(
@@ -896,19 +901,17 @@ class Worker:
                 torch.tensor([r.block_ids[p // size] for r, p in tokens], **as_index),
                 positions % size,
             ),
-            num_decodes=len(decodes),
-            context_len=context_len,
             context_slots=self.context_slots(decodes, context_len),
             # all True where the contexts are one length
-            attn_mask=None
-            if not fixed_shape and len(set(contexts)) < 2
-            else torch.arange(context_len, device=device)
-            <= positions[: len(decodes), None, None, None],
+            attn_mask=torch.arange(context_len, device=device)
+            <= positions[: len(decodes), None, None, None]
+            if masked
+            else None,
             # A chunk from position 0 is plain causal attention; a later one sees the cached
             # positions before it too.
             chunks=[
                 (
-                    self.context_slots([r], r.num_computed + n),
+                    self.context_slots([r], r.num_computed + n)[0],
                     r.num_computed,
                     n,
                     None
@@ -934,14 +937,14 @@ class Worker:
         if not self.capture_graphs:  # see init_kv_cache: run it as it is
             return self.model(inputs, self.kv_caches)[: len(scheduled)]
         # at a length's first step: every rank at the same step
-        if inputs.context_len not in self.graphs:
+        if context_len not in self.graphs:
             # warm-up (this very step): lazy initialization stays out of the graph
             self.model(inputs, self.kv_caches)
             # "thread_local": nccl's watchdog thread may query its events meanwhile
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self.graphs[inputs.context_len] = graph, inputs, self.model(inputs, self.kv_caches)
-        graph, captured, logits = self.graphs[inputs.context_len]
+                self.graphs[context_len] = graph, inputs, self.model(inputs, self.kv_caches)
+        graph, captured, logits = self.graphs[context_len]
         # the rest is the same every step
         for name in ("input_ids", "positions", "context_slots", "attn_mask"):
             getattr(captured, name).copy_(getattr(inputs, name))
