@@ -531,7 +531,7 @@ class EngineBackend:
         if args.cuda_graphs:
             self.mode = "CUDA graphs"
         elif all(self.llm.collective_rpc(steps_compiled)):
-            self.mode = "one-row steps compiled"
+            self.mode = "decode steps compiled"
         else:
             self.mode = "eager"
         self.threads = (
@@ -1749,6 +1749,12 @@ def cpu_hogs(count: int):
 SERVING_KEYS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 
 
+# vLLM's workers keep polling their queue for a second after their last step (sched_yield between
+# looks: shm_broadcast's busy_loop_s), a core's worth on 2 cores: a server timed in that second
+# would run beside it, so each round starts once it has passed (docs/performance.md).
+SETTLE_SECONDS = 2
+
+
 def run_serve(args) -> dict:
     """--serve --concurrency N: N streaming HTTP clients at once against the same N requests one
     after another, on one serve.py (greedy, --input-len random token ids, exactly --output-len
@@ -1773,6 +1779,7 @@ def run_serve(args) -> dict:
         with cpu_hogs(args.hogs):
             for _ in range(args.rounds if args.vllm_python else 1):
                 for name, (_, port, _) in servers.items():
+                    time.sleep(SETTLE_SECONDS)  # the other server's polling over
                     rounds[name].append(serving_round(port, prompts, args.output_len))
                     tokens_per_second = rounds[name][-1]["concurrent"]["output_throughput"]
                     print(f"{name}: {tokens_per_second:.1f} tok/s at once", flush=True)
@@ -2046,7 +2053,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="tinytp's one-row steps eager, not compiled (CPU, --batch-size 1)",
+        help="tinytp's decode steps eager, not compiled (CPU, tp 1)",
     )
     parser.add_argument(
         "--async-scheduling",
