@@ -442,7 +442,7 @@ class LlamaForCausalLM(nn.Module):
         at one row turns a matmul on bmm's blocks into a loop streaming the weight, the norm before
         it and RoPE, SiLU or the residual add fused in (docs/performance.md). Compiled at
         init_kv_cache, kept in inductor's cache. The model never changes once loaded: the guards on
-        its modules (~1,000, checked every call) are left out. The kernels called from C++."""
+        its modules (~1,000, checked every call) are left out. Its wrapper is C++ (cpp_wrapper)."""
         skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         options = {"guard_filter_fn": skip, "cpp_wrapper": True}
         self.compiled = torch.compile(LlamaForCausalLM.step, options=options)
