@@ -7016,6 +7016,8 @@ def test_a_one_row_engine_runs_its_steps_compiled_on_blocks_and_the_tokens_stay_
     said = capsys.readouterr().err
     assert "lm_head bmm: compiled for one-row steps (max_num_seqs 1)" in said, said
     assert "tinytp: decode steps compiled in " in said and matmul_layouts(worker) == ["bmm"] * 9
+    # the minutes of a cold compile are announced before they start (a server is silent meanwhile)
+    assert said.index("tinytp: compiling decode steps\n") < said.index("decode steps compiled in")
     # the warm-up step, then the 10 decode steps (the prompt's step eager), through one graph
     assert compiled_steps == {"step": 11}
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

@@ -849,6 +849,7 @@ class Worker:
         self.capture_graphs = self.device.type == "cuda" and dist.get_backend() == "nccl"
         self.graphs: dict[int, tuple] = {}  # context length: (graph, its inputs, its logits)
         if self.model.compiled is not None:  # compiled now, not at the first request's step
+            print("tinytp: compiling decode steps", file=sys.stderr)  # minutes, cold (no cache)
             start = time.perf_counter()
             try:
                 # one row, then three, in the null block, which none reads (two: B = L, one size)
@@ -907,8 +908,7 @@ class Worker:
             <= positions[: len(decodes), None, None, None]
             if masked
             else None,
-            # A chunk from position 0 is plain causal attention; a later one sees the cached
-            # positions before it too.
+            # A chunk from position 0 is plain causal attention; a later one sees cached ones too.
             chunks=[
                 (
                     self.context_slots([r], r.num_computed + n)[0],
