@@ -1779,7 +1779,8 @@ def run_serve(args) -> dict:
         with cpu_hogs(args.hogs):
             for _ in range(args.rounds if args.vllm_python else 1):
                 for name, (_, port, _) in servers.items():
-                    time.sleep(SETTLE_SECONDS)  # the other server's polling over
+                    if args.vllm_python:  # vLLM's polling over (tinytp alone: nothing to wait for)
+                        time.sleep(SETTLE_SECONDS)
                     rounds[name].append(serving_round(port, prompts, args.output_len))
                     tokens_per_second = rounds[name][-1]["concurrent"]["output_throughput"]
                     print(f"{name}: {tokens_per_second:.1f} tok/s at once", flush=True)
