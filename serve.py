@@ -414,8 +414,9 @@ class Handler(BaseHTTPRequestHandler):
             self.send_body(200, {**head, "choices": choices, "usage": tinytp.usage(final)})
 
     def choices(self, outputs: list, sent: dict, n: int, chat: bool, stream: bool) -> Iterator:
-        """Each choice whose text grew or that ended since `sent` (characters, end, tokens sent, by
-        number; updated): its new text and logprobs, its prompt's and its own tokens."""
+        """Each choice that has a token or an end since `sent` (characters, end, tokens sent, by
+        number; updated): its new text ("" in half of a character, as vLLM's chunk) and logprobs,
+        its prompt's and its own tokens."""
         for index, output in enumerate(outputs):
             for c in output.outputs:
                 text, tokens, entries = c.text, c.token_ids, c.logprobs or []
@@ -427,7 +428,7 @@ class Handler(BaseHTTPRequestHandler):
                     entries = [*(output.prompt_logprobs or []), *entries]
                 number = index * n + c.index
                 characters, ended, num_tokens = sent.get(number, (0, None, 0))
-                if (len(text), c.finish_reason) != (characters, ended):
+                if (len(text), c.finish_reason, len(tokens)) != (characters, ended, num_tokens):
                     new, logprobs = (tokens[num_tokens:], entries[num_tokens:]), None
                     if self.top_logprobs is not None and chat:
                         logprobs = tinytp.chat_logprobs(*new, self.top_logprobs)

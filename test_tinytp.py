@@ -1576,7 +1576,8 @@ def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint
         )
         pieces = list(llm.stream("héllo wörld", params))
         assert "".join(pieces) == llm.generate(["héllo wörld"], params)[0].outputs[0].text
-    assert "\ufffd" in "".join(pieces) and len(pieces) > 10
+    # a piece a token: "" for one that ends in half of a character (vLLM's output a token)
+    assert "\ufffd" in "".join(pieces) and len(pieces) == 60 and "" in pieces
     # not the whole output at every step (the last: generate)
     assert max(decoded[: len(decoded) - 1]) < 30, decoded
 
@@ -6111,7 +6112,8 @@ def test_stop_strings_found_in_new_text_match_a_search_of_the_whole_text():
         state = tinytp.RequestState(request, 0, decode, None)
         for end, token in enumerate(tokens, start=1):
             request.output_token_ids.append(token)
-            if state.update(end, finished=end == len(tokens)) and state.finished:
+            state.update(end, finished=end == len(tokens))
+            if state.finished:
                 break
         completion = state.completion
         if expected is None:
@@ -6586,6 +6588,33 @@ def test_server_guidellms_body_streams_usage_on_every_chunk_as_vllm(openai, tiny
     )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
     assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens <= 5
+
+
+def test_server_streams_a_chunk_per_token_text_empty_mid_character_as_vllm(tiny_server, tiny_llm):
+    # vLLM sends each new token its chunk (serving.py skips an empty one only before the first
+    # token), its text "" while the token ends in half of a multi-byte character: a client that
+    # times chunks (vLLM's benchmark) sees each token come, not two where one makes no text.
+    params = SamplingParams(temperature=1.5, seed=3, max_tokens=40, ignore_eos=True)
+    expected = tiny_llm.generate("Hello", params)[0].outputs[0]
+    body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 40, "ignore_eos": True}
+    body |= {"temperature": 1.5, "seed": 3, "stream": True}
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    _, _, text = raw_http(tiny_server.port, post("/v1/completions", json.dumps(body).encode()))
+    chunks = sse_chunks(text)[:-1]  # the last: the usage alone
+    pieces = [chunk["choices"][0]["text"] for chunk in chunks]
+    assert [chunk["usage"]["completion_tokens"] for chunk in chunks] == list(range(1, 41))
+    # "" in pieces: the byte tokenizer's tokens from 128 up are such halves
+    assert "".join(pieces) == expected.text and "" in pieces, pieces
+    # a chat stream alike: after the role's chunk, one a token, {"content": ""} as vLLM's
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = {"model": "tiny-llama", "messages": messages, "max_tokens": 40, "ignore_eos": True}
+    chat |= {"temperature": 1.5, "seed": 3, "stream": True}
+    _, _, text = raw_http(tiny_server.port, post("/v1/chat/completions", json.dumps(chat).encode()))
+    deltas = [chunk["choices"][0]["delta"] for chunk in sse_chunks(text)]
+    expected = tiny_llm.chat(messages, params)[0].outputs[0].text
+    assert len(deltas) == 41 and all("content" in delta for delta in deltas[1:]), deltas
+    assert "".join(delta["content"] for delta in deltas) == expected
+    assert {"content": ""} in deltas[1:]
 
 
 def test_server_tokenize_detokenize_version_and_ping_as_vllm(tiny_server, tiny_llm):

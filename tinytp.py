@@ -139,8 +139,8 @@ def usage(final: list[RequestOutput]) -> dict:
 def choice(number: int, c: CompletionOutput, text: str, logprobs, chat: bool, stream: bool) -> dict:
     """A choice in a response (its text), or in a stream's chunk (the new text)."""
     content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-    if chat and stream:
-        content = {"delta": {"content": text} if text else {}}
+    if chat and stream:  # "" too, for a token that ends in half of a character: vLLM's chunk
+        content = {"delta": {"content": text}}
     ends = {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
     return {"index": number, **content, "logprobs": logprobs, **ends}
 
@@ -1364,10 +1364,10 @@ class RequestState:
             for token_id, logprob, rank in zip(token_ids, logprobs, ranks)
         }
 
-    def update(self, num_tokens: int, finished: bool) -> bool:
+    def update(self, num_tokens: int, finished: bool) -> None:
         """Take in the engine's report: the request had `num_tokens` tokens then (the engine may
-        have appended more since), and maybe finished. False while its text ends in half of a
-        multi-byte character: nothing new to show yet."""
+        have appended more since), and maybe finished. A token that ends in half of a multi-byte
+        character adds no text yet, but is an output all the same, as in vLLM."""
         request, text = self.request, self.text
         if request.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None, *map(self.logprob_dict, request.prompt_logprobs)]
@@ -1394,8 +1394,6 @@ class RequestState:
             reason, stop_reason = "stop", text.found[1]
         elif finished:
             self.finished, reason, stop_reason = True, request.finish_reason, request.stop_reason
-        elif text.pending:
-            return False
         else:
             reason = stop_reason = None
         token_ids = request.output_token_ids[:num_tokens]
@@ -1405,7 +1403,6 @@ class RequestState:
         if request.params.logprobs is not None:
             self.completion.logprobs = self.logprobs[:num_tokens]
             self.completion.cumulative_logprob = sum(e[1][0] for e in request.logprobs[:num_tokens])
-        return True
 
 
 class OutputProcessor:
@@ -1429,7 +1426,7 @@ class OutputProcessor:
         self, groups: list[list[Request]], client: EngineClient, stream: bool
     ) -> Iterator[tuple[int, RequestState]]:
         """Hand the groups' requests to the engine and take in its reports: yield (a group's
-        number, the state of its sample) whenever a completion changed. Leaving early (an
+        number, the state of its sample) at each: a new token, an end. Leaving early (an
         exception, Ctrl-C, a stream closed) aborts the requests not finished."""
         states = {
             r.request_id: (number, RequestState(r, index, self.detokenize, self.decode_token))
@@ -1447,13 +1444,12 @@ class OutputProcessor:
                 number, state = states[request.request_id]
                 if state.finished:
                     continue  # a stop string ended it here: the engine's later tokens are dropped
-                changed = state.update(num_tokens, finished)
+                state.update(num_tokens, finished)
                 if state.finished:
                     unfinished.discard(request.request_id)
                     if not finished:
                         client.abort([request.request_id])
-                if changed:
-                    yield number, state
+                yield number, state
         finally:
             if unfinished:
                 client.abort(list(unfinished))
@@ -1842,9 +1838,10 @@ class LLM:
     def stream(
         self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None
     ) -> Iterator[str]:
-        """Yield one prompt's completion text as it is generated; the prompt is checked now, not at
-        the first piece. Closing it early (break, .close(), garbage collection) aborts the request:
-        its slot is free within a step."""
+        """Yield one prompt's completion text as it is generated, a piece a token ("" for one that
+        ends in half of a character); the prompt is checked now, not at the first piece. Closing it
+        early (break, .close(), garbage collection) aborts the request: its slot is free within a
+        step."""
         requests = self.processor.make_requests(prompt, sampling_params)
         if len(requests) > 1:
             raise ValueError(f"stream yields one completion: n must be 1, got {len(requests)}")
@@ -1861,10 +1858,11 @@ class LLM:
         self, prompts: str | dict | list, sampling_params: SamplingParams | list | None = None
     ) -> Iterator[list[RequestOutput]]:
         """generate's outputs as they grow (vLLM's AsyncLLM.generate streams one prompt, with
-        asyncio): after each step that gave a sample of the prompts new text, every prompt's
-        RequestOutput so far, in prompt order; a completion's finish_reason is None until it ends,
-        an output `finished` once all its samples are. Checked now, not at the first output;
-        closing it early aborts the requests, as stream's does."""
+        asyncio): after each step that gave a sample of the prompts a token (its text may wait for
+        the rest of a character), every prompt's RequestOutput so far, in prompt order; a
+        completion's finish_reason is None until it ends, an output `finished` once all its samples
+        are. Checked now, not at the first output; closing it early aborts the requests, as
+        stream's does."""
         return self._stream_outputs(self.processor.make_groups(prompts, sampling_params))
 
     def _stream_outputs(self, groups: list[list[Request]]) -> Iterator[list[RequestOutput]]:
