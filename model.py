@@ -5,8 +5,10 @@ and checking a checkpoint, before any of this runs, is checkpoints.py's.)"""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import cache_dir  # not public: inductor's cache
 
 
 # The tensor-parallel group ------------------------------------------------------------
@@ -54,8 +57,7 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's columns (input features) split across ranks. Its input arrives split (a
-    column-parallel layer's output), so each rank computes a partial sum of y, and one all-reduce
-    adds them up."""
+    column-parallel layer's output): each rank computes a partial sum of y; one all-reduce adds."""
 
     def __init__(self, in_features: int, out_features: int, group: TPGroup, name: str):
         super().__init__()
@@ -72,8 +74,7 @@ class RowParallelLinear(nn.Module):
 
 
 def vocab_rows_per_rank(vocab_size: int, tp: int) -> int:
-    """Rows of the embedding and LM head per rank: the vocabulary padded to a multiple of tp, then
-    split."""
+    """Rows of the embedding and LM head per rank: the vocabulary padded to a multiple of tp."""
     return math.ceil(vocab_size / tp)
 
 
@@ -106,9 +107,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, split by vocabulary rows like the embedding. Each rank computes its
-    slice's logits; an all-gather (not a gather to rank 0) gives every rank the full logits, because
-    every rank samples (design discussion: "the logits_processor has an AllGather instead of a
-    Gather")."""
+    slice's logits; an all-gather (not a gather to rank 0) gives every rank all logits, as each
+    samples (design discussion: "the logits_processor has an AllGather instead of a Gather")."""
 
     packed_weight = None
 
@@ -139,8 +139,7 @@ def split(name: str, full_size: int, group: TPGroup, dim: int = 0) -> Shard:
 
 
 def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
-    """A parameter that knows its checkpoint slices. Zeros, not empty: padded vocab rows, never
-    loaded, stay zero."""
+    """A parameter that knows its checkpoint slices; zeros, not empty: padded vocab rows stay 0."""
     param = nn.Parameter(torch.zeros(*shape), requires_grad=False)
     # the parts one after another
     offsets = itertools.accumulate([0, *(shard.size for shard in shards)])
@@ -187,8 +186,7 @@ class ModelInputs:
     decode), then each prompt chunk's tokens, N in all. The layers see them as the rows of one [N,
     hidden] matrix, and only attention asks which request a row is in: the B one-token rows in one
     call, each chunk in a call of its own. The KV cache is paged (vLLM's PagedAttention): a
-    request's keys and values live in blocks of block_size positions, wherever its block table
-    points."""
+    request's keys and values live in blocks of block_size positions, where its block table says."""
 
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N] the position of each token in its sequence
@@ -200,9 +198,8 @@ class ModelInputs:
     context_slots: torch.Tensor
     # [B, 1, 1, L] True where a row may see a cached key; None where all would be
     attn_mask: torch.Tensor | None
-    # each chunk: the slots of its positions up to its last, its first position, tokens, and a
-    # mask: [tokens, first position + tokens] of the keys each of its tokens sees (None from
-    # position 0: causal)
+    # each chunk: the slots of its positions up to its last, its first position, tokens, and a mask:
+    # [tokens, first position + tokens] of the keys each token sees (None from position 0: causal)
     chunks: list[tuple[torch.Tensor, int, int, torch.Tensor | None]]
     # the rows whose logits are computed: those sampled (each decode's, and each chunk's last
     # where it ends its prompt), then those that score a prompt's next token (prompt_logprobs)
@@ -242,8 +239,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     # positions divided by `factor`: every rotation slowed alike
     if config.rope_scaling["rope_type"] == "linear":
         return inv_freq / config.rope_scaling["factor"]
-    # llama3: slow rotations (long wavelengths) slowed down by `factor`, fast ones kept, the band
-    # between blended.
+    # llama3: slow rotations (long wavelengths) slowed by `factor`, fast ones kept, between blended
     s = config.rope_scaling
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
@@ -259,8 +255,7 @@ class LlamaAttention(nn.Module):
     """Self-attention with this rank's heads: q/k/v column-parallel, o_proj row-parallel. Rank r's
     query heads start at head r * nh / tp, and each KV head serves nh / n_kv query heads, so its
     first KV head is r * n_kv // tp: a block of n_kv / tp of them, or, when tp > n_kv, the one KV
-    head that tp / n_kv ranks share, each keeping a copy of it (weights and KV cache): replicated,
-    as in vLLM."""
+    head that tp / n_kv ranks share, each keeping a copy (weights and KV cache), as vLLM does."""
 
     def __init__(self, config: ModelConfig, group: TPGroup, prefix: str):
         super().__init__()
@@ -305,8 +300,7 @@ class LlamaAttention(nn.Module):
         for context_slots, start, length, mask in inputs.chunks:
             # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on CUDA,
             # only half-precision kernels, and a float32 prefill would fall to the unfused one.
-            # Causal attention from position 0 needs no mask (an 8k-token prompt: the upper half
-            # skipped).
+            # Causal from position 0 needs no mask (an 8k-token prompt: the upper half skipped).
             keys, values = (
                 kv_cache.view(2, -1, self.num_kv_heads, hd)  # as attend_decodes reads its slots
                 .index_select(1, context_slots)
@@ -450,8 +444,7 @@ class LlamaForCausalLM(nn.Module):
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights, uniform in +-1e-3 as vLLM does (load_format "dummy"): real shapes and speed,
-    no files."""
+    """Random weights, uniform in +-1e-3 as vLLM's (load_format "dummy"): real shapes and speed."""
     torch.manual_seed(seed)
     for param in model.parameters():
         param.data.uniform_(-1e-3, 1e-3)
@@ -489,8 +482,7 @@ def meta_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
 
 
 def weight_bytes(config: ModelConfig, group: TPGroup, dtype: str) -> int:
-    """Bytes of the weights that `group`'s rank holds (a tied table once; padded vocabulary rows
-    included)."""
+    """Bytes of the weights that `group`'s rank holds (a tied table once; padded vocab rows too)."""
     return (
         sum(p.numel() for p in meta_model(config, group).parameters())
         * getattr(torch, dtype).itemsize
@@ -548,22 +540,30 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
     (docs/performance.md), so all run this model's own weights, in turn, at the rows a decode step
     of this engine may have. A weight keeps one layout (two would double the memory), so a prefill
     runs the decode's pick. The copy replaces the plain one, but in a tied LM head: the embedding
-    reads its table."""
+    reads its table. Near ties flip from one start to the next, and in a compiled model each choice
+    is another graph, compiled cold: it keeps its first start's, beside inductor's graphs."""
     start = time.perf_counter()
     rows = sorted({min(r, max_num_seqs) for r in DECODE_ROWS})
     kinds: dict[str, list[nn.Module]] = {}
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             kinds.setdefault(name.rsplit(".", 1)[-1], []).append(module)
-    chosen = []
+    path, kept, timed = os.path.join(cache_dir(), "tinytp-kernels.json"), {}, False
+    if model.compiled is not None and os.path.exists(path):
+        with open(path) as f:
+            kept = json.load(f)
+    chosen, machine = [], (torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
     for kind, modules in kinds.items():
-        if len(candidates) == 1:  # TINYTP_PACK_WEIGHTS
-            fastest = candidates[0]
+        first = modules[0].weight
+        key = repr((kind, *first.shape, first.dtype, rows, candidates, *machine))
+        if len(candidates) == 1 or key in kept:  # TINYTP_PACK_WEIGHTS, or a compiled model's
+            fastest = kept.get(key, candidates[0])
             chosen.append(f"{kind} {fastest}")
         else:
             seconds = kernel_seconds([m.weight.detach() for m in modules], candidates, rows)
             fastest, runner_up = sorted(seconds, key=seconds.get)[:2]
             chosen.append(f"{kind} {fastest} ({seconds[runner_up] / seconds[fastest]:.2f}x)")
+            kept[key], timed = fastest, True
         lay_out, kernel = CPU_KERNELS[fastest]
         for module in modules if lay_out else []:
             weight = module.weight.detach()
@@ -575,9 +575,16 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
         if model.compiled is not None and rows == [1]
         else f"TINYTP_PACK_WEIGHTS={list(CPU_KERNELS).index(candidates[0])}"
         if len(candidates) == 1
+        else f"as timed at an earlier start, kept for its compiled graphs ({path})"
+        if not timed
         else f"the fastest at {' and '.join(map(str, rows))} row{'s' * (rows != [1])} on this CPU, "
         "timed on the model's weights (how much faster than the next)"
     )
+    if model.compiled is not None and timed:  # whole or not at all: a new file replaces it
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False) as f:
+            json.dump(kept, f)
+        os.replace(f.name, path)
     return (
         f"tinytp: matmul kernels: {', '.join(chosen)}: {why}; {time.perf_counter() - start:.2f} s"
     )

@@ -7060,7 +7060,7 @@ def test_a_one_row_engine_runs_its_steps_compiled_on_blocks_and_the_tokens_stay_
 
 
 def test_an_engine_of_more_rows_compiles_its_decode_steps_on_the_kernels_it_chose(
-    monkeypatch, capsys, compiled_steps
+    monkeypatch, capsys, compiled_steps, tmp_path
 ):
     """On one CPU rank an engine of up to 4 rows a step compiles its decode steps, on the kernels
     raced at 1 and 4 rows (here stubbed: all three, oneDNN's packed weights through tinytp's own
@@ -7068,6 +7068,8 @@ def test_an_engine_of_more_rows_compiles_its_decode_steps_on_the_kernels_it_chos
     count and contexts (two of different lengths, two of one length: masked all the same). The
     tokens stay transformers'."""
     monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+    # raced, not kept from an earlier compiled engine's start (nor keeping these stubs' choices)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     faster = itertools.cycle(["oneDNN", "F.linear", "bmm", "oneDNN", "bmm"])  # each kind's
 
     def timed(weights, candidates, rows):
@@ -7094,6 +7096,32 @@ def test_an_engine_of_more_rows_compiles_its_decode_steps_on_the_kernels_it_chos
     for prompts, worker in zip(runs, workers):
         for i, prompt in enumerate(prompts):
             assert_tokens_match_hf(hf_model, prompt, worker.requests[i].token_ids[len(prompt) :])
+
+
+def test_a_compiled_engine_keeps_its_first_starts_kernels_and_so_its_cached_graphs(
+    monkeypatch, capsys, tmp_path
+):
+    """Near ties in the race flip from one start to the next (5 choices in 8 starts of SmolLM2
+    float32 here), and each choice is another graph, compiled cold: a compiled engine keeps the
+    choice of its first start in inductor's cache, as its graphs are kept; an eager one races."""
+    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    winners = itertools.cycle(["oneDNN", "bmm"])  # every start a new winner, all kinds alike
+    starts = []
+
+    def timed(weights, candidates, rows):
+        starts.append(rows)
+        return dict.fromkeys(candidates, 5.0) | {next(winners): 1.0}
+
+    with mock.patch.object(model_code, "kernel_seconds", side_effect=timed):
+        first = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4)
+        second = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4)
+        said = capsys.readouterr().err
+        assert len(starts) == 5 and matmul_layouts(second) == matmul_layouts(first), said
+        assert "as timed at an earlier start, kept for its compiled graphs" in said, said
+        eager = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4, enforce_eager=True)
+    assert len(starts) == 10 and matmul_layouts(eager) != matmul_layouts(first)
+    assert eager.requests[0].token_ids == first.requests[0].token_ids
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])

@@ -624,8 +624,7 @@ class KVCacheManager:
         self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()
     ) -> list[int] | None:
         """Blocks for its next num_new_tokens, after its computed ones (the cached blocks it starts
-        with, at admission), appended to its block table; their ids, or None if too few are free
-        (nothing changes then)."""
+        with, at admission), appended to its block table: their ids; None if too few are free."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         needed = max(0, -(-num_tokens // self.block_size) - len(blocks) - len(computed))
@@ -1838,10 +1837,9 @@ class LLM:
     def stream(
         self, prompt: str | dict | list[int], sampling_params: SamplingParams | None = None
     ) -> Iterator[str]:
-        """Yield one prompt's completion text as it is generated, a piece a token ("" for one that
-        ends in half of a character); the prompt is checked now, not at the first piece. Closing it
-        early (break, .close(), garbage collection) aborts the request: its slot is free within a
-        step."""
+        """Yield one prompt's completion text as it is generated, a piece a token ("" for one in
+        half of a character), the prompt checked now, not at the first piece. Closing it early
+        (break, .close(), garbage collection) aborts the request: its slot is free within a step."""
         requests = self.processor.make_requests(prompt, sampling_params)
         if len(requests) > 1:
             raise ValueError(f"stream yields one completion: n must be 1, got {len(requests)}")
@@ -1858,11 +1856,10 @@ class LLM:
         self, prompts: str | dict | list, sampling_params: SamplingParams | list | None = None
     ) -> Iterator[list[RequestOutput]]:
         """generate's outputs as they grow (vLLM's AsyncLLM.generate streams one prompt, with
-        asyncio): after each step that gave a sample of the prompts a token (its text may wait for
-        the rest of a character), every prompt's RequestOutput so far, in prompt order; a
-        completion's finish_reason is None until it ends, an output `finished` once all its samples
-        are. Checked now, not at the first output; closing it early aborts the requests, as
-        stream's does."""
+        asyncio): after each step that gave a sample a token (its text may wait for the rest of a
+        character), every prompt's RequestOutput so far, in prompt order; a completion's
+        finish_reason None until it ends, an output `finished` once all its samples are. Checked
+        now, not at the first output; closing it early aborts the requests, as stream's does."""
         return self._stream_outputs(self.processor.make_groups(prompts, sampling_params))
 
     def _stream_outputs(self, groups: list[list[Request]]) -> Iterator[list[RequestOutput]]:

@@ -295,8 +295,7 @@ def decode(data: bytes | memoryview) -> Any:
 
 # Waiting: poll while yielding the core, then sleep until the doorbell rings -----------
 # Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a spinner can
-# hold the very core that the process it waits for needs (docs/performance.md has a pure spin's
-# round trips).
+# hold the very core that the process it waits for needs (docs/performance.md: a pure spin's).
 YIELD_SECONDS = 1e-3
 SLEEP_FRACTION = 0.05  # then, with no doorbell, sleep 5% of the time waited so far
 MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
@@ -782,8 +781,7 @@ class Worker:
         )
         backend = "nccl" if device == "cuda" else "gloo"
         # gloo listens on the address the hostname resolves to, a network one on many hosts (Docker,
-        # cloud VMs): the loopback interface instead, as the store's (Linux calls it lo). A worker's
-        # environment is its own.
+        # cloud VMs): loopback instead, as the store's (Linux's lo), in this worker's environment.
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         dist.init_process_group(
             backend,
@@ -806,8 +804,7 @@ class Worker:
     ) -> None:
         """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy":
         random numbers), its matmuls on the CPU kernels fastest at up to max_num_seqs rows, its
-        decode steps compiled (enforce_eager: never). The config comes parsed and checked by the
-        driver (checkpoints.py)."""
+        decode steps compiled (enforce_eager: never); the config parsed, checked by the driver."""
         self.config, self.max_model_len = config, max_model_len
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
