@@ -4,11 +4,12 @@ and checking a checkpoint, before any of this runs, is checkpoints.py's.)"""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import os
-import tempfile
+import pathlib
 import time
 from dataclasses import dataclass, field, replace
 
@@ -548,16 +549,17 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
             kinds.setdefault(name.rsplit(".", 1)[-1], []).append(module)
-    path, kept, timed = os.path.join(cache_dir(), "tinytp-kernels.json"), {}, False
-    if model.compiled is not None and os.path.exists(path):
-        with open(path) as f:
-            kept = json.load(f)
+    path, kept, timed = None, {}, False
+    if model.compiled is not None:  # none yet, unreadable, cut short, edited: race anew
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            path = os.path.join(cache_dir(), "tinytp-kernels.json")
+            kept = dict(json.loads(pathlib.Path(path).read_text()))
     chosen, machine = [], (torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
     for kind, modules in kinds.items():
         first = modules[0].weight
         key = repr((kind, *first.shape, first.dtype, rows, candidates, *machine))
-        if len(candidates) == 1 or key in kept:  # TINYTP_PACK_WEIGHTS, or a compiled model's
-            fastest = kept.get(key, candidates[0])
+        fastest = kept.get(key) if len(candidates) > 1 else candidates[0]
+        if fastest in candidates:  # TINYTP_PACK_WEIGHTS, or a compiled model's earlier race
             chosen.append(f"{kind} {fastest}")
         else:
             seconds = kernel_seconds([m.weight.detach() for m in modules], candidates, rows)
@@ -580,11 +582,9 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
         else f"the fastest at {' and '.join(map(str, rows))} row{'s' * (rows != [1])} on this CPU, "
         "timed on the model's weights (how much faster than the next)"
     )
-    if model.compiled is not None and timed:  # whole or not at all: a new file replaces it
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False) as f:
+    if path and timed:  # a file cut short (two engines writing at once) is raced again
+        with contextlib.suppress(OSError), open(path, "w") as f:
             json.dump(kept, f)
-        os.replace(f.name, path)
     return (
         f"tinytp: matmul kernels: {', '.join(chosen)}: {why}; {time.perf_counter() - start:.2f} s"
     )

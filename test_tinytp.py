@@ -7124,6 +7124,38 @@ def test_a_compiled_engine_keeps_its_first_starts_kernels_and_so_its_cached_grap
     assert eager.requests[0].token_ids == first.requests[0].token_ids
 
 
+def test_kept_kernels_not_tinytps_or_unwritable_are_raced_anew_never_a_failed_load(
+    monkeypatch, capsys, tmp_path
+):
+    """The kept kernels are a cache beside inductor's: a file tinytp did not write (cut short,
+    edited by hand) is raced anew and written whole again; one that cannot be read or written (a
+    directory in its place) is raced at every start. Never a failed load."""
+    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()  # no graph on another test's layouts in this process
+    kept = tmp_path / "tinytp-kernels.json"
+
+    def timed(weights, candidates, rows):  # one winner every race: one graph, compiled once
+        return dict.fromkeys(candidates, 5.0) | {"bmm": 1.0}
+
+    with mock.patch.object(model_code, "kernel_seconds", side_effect=timed) as race:
+        first = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4)
+        written = json.loads(kept.read_text())
+        for text in ['{"cut short', "[1, 2]", json.dumps(dict.fromkeys(written, "no-such"))]:
+            kept.write_text(text)
+            again = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4)
+            assert json.loads(kept.read_text()) == written, text
+            assert again.requests[0].token_ids == first.requests[0].token_ids
+        kept.unlink()
+        kept.mkdir()
+        for _ in range(2):
+            again = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4)
+            assert again.requests[0].token_ids == first.requests[0].token_ids
+    assert race.call_count == 6 * len(written) and kept.is_dir()
+    said = capsys.readouterr().err
+    assert said.count("the fastest at 1 and 4 rows") == 6 and "decode steps left eager" not in said
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_a_prompt_one_token_a_step_on_blocks_gives_transformers_tokens(monkeypatch, enforce_eager):
     """A prompt fed one token a step (max_num_batched_tokens=1): its steps before the last sample
