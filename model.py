@@ -583,8 +583,8 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
         "timed on the model's weights (how much faster than the next)"
     )
     if path and timed:  # a file cut short (two engines writing at once) is raced again
-        with contextlib.suppress(OSError), open(path, "w") as f:
-            json.dump(kept, f)
+        with contextlib.suppress(OSError):
+            pathlib.Path(path).write_text(json.dumps(kept))
     return (
         f"tinytp: matmul kernels: {', '.join(chosen)}: {why}; {time.perf_counter() - start:.2f} s"
     )
