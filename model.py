@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch._inductor.runtime.cache_dir_utils import cache_dir  # not public: inductor's cache
 
 
 # The tensor-parallel group ------------------------------------------------------------
@@ -551,6 +550,8 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
             kinds.setdefault(name.rsplit(".", 1)[-1], []).append(module)
     path, kept, timed = None, {}, False
     if model.compiled is not None:  # none yet, unreadable, cut short, edited: race anew
+        from torch._inductor.runtime.cache_dir_utils import cache_dir  # not public, slow to import
+
         with contextlib.suppress(OSError, ValueError, TypeError):
             path = os.path.join(cache_dir(), "tinytp-kernels.json")
             kept = dict(json.loads(pathlib.Path(path).read_text()))

@@ -7156,6 +7156,18 @@ def test_kept_kernels_not_tinytps_or_unwritable_are_raced_anew_never_a_failed_lo
     assert said.count("the fastest at 1 and 4 rows") == 6 and "decode steps left eager" not in said
 
 
+def test_importing_tinytp_loads_no_inductor_which_only_a_compiled_engine_needs():
+    """Importing inductor (dynamo with it) takes about a second, in every worker the driver spawns:
+    an eager engine's (tp > 1, --enforce-eager, a GPU) never needs it, and a compiled one's
+    torch.compile imports it then. (The driver's memory check, on a meta model, imports dynamo.)"""
+    loaded = "[m for m in ('torch._inductor', 'torch._dynamo') if m in sys.modules]"
+    code = f"import sys, tinytp; print({loaded})"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["[]"], done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_a_prompt_one_token_a_step_on_blocks_gives_transformers_tokens(monkeypatch, enforce_eager):
     """A prompt fed one token a step (max_num_batched_tokens=1): its steps before the last sample
