@@ -1646,12 +1646,15 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         LLM(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
-    with pytest.raises(
-        FileNotFoundError, match=r"has no \*.safetensors weights \(it has: config.json\)"
+    pages = {"SC_PHYS_PAGES": 2**40, "SC_PAGE_SIZE": 1}  # 8B's weights pass the memory check
+    with (
+        mock.patch.object(os, "sysconf", side_effect=pages.get),
+        mock.patch.object(tinytp, "MEMINFO", str(tmp_path / "no_meminfo")),
+        pytest.raises(
+            FileNotFoundError, match=r"has no \*.safetensors weights \(it has: config.json\)"
+        ),
     ):
-        # bfloat16 and a short max_model_len: 8B's weights fit this machine's memory check even
-        # where the CPU lacks native bfloat16 (float32, the default there, would not)
-        LLM(str(tmp_path), dtype="bfloat16", max_model_len=64)
+        LLM(str(tmp_path), max_model_len=64)
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_31_8B, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="Llama checkpoints only; .*model_type='gpt2'"):
         LLM(str(tmp_path))
@@ -2344,8 +2347,8 @@ def test_a_kv_cache_larger_than_memory_is_refused_naming_its_size(mha_checkpoint
         with pytest.raises(
             ValueError,
             match=r"MiB of weights and [\d,.]+ GiB of KV cache \(max_num_seqs=1000000000, "
-            r"max_model_len=256\) in float32 need more than the [\d,.]+ GiB of this "
-            r"machine: lower max_num_seqs or max_model_len$",
+            r"max_model_len=256\) in float32 need more than the [\d,.]+ GiB (of this machine|this "
+            r"machine can give now): lower max_num_seqs or max_model_len$",
         ):
             LLM(mha_checkpoint[0], device="cpu", max_num_seqs=10**9)
 
@@ -2399,7 +2402,34 @@ def test_the_kv_cache_check_counts_the_bytes_the_workers_allocate(mha_checkpoint
                     device="cpu",
                     max_num_seqs=3,
                     max_model_len=64,
+                    gpu_memory_utilization=1.0,  # all of it (the default, 0.9, as vLLM's)
                 )
+
+
+@pytest.mark.quick
+def test_memory_the_machine_has_but_cannot_give_now_is_refused_not_a_worker_killed(tmp_path):
+    """vLLM's default max_num_seqs=256 on a 24 GiB machine: 22.8 GiB of weights and KV cache fit
+    its memory, not what was free, and the kernel killed the worker filling the cache (exit code
+    -9). What Linux can give now (MemAvailable: free memory, caches it can drop) bounds it too."""
+    make_checkpoint(tmp_path)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  1073741824 kB\nMemFree:  64 kB\nMemAvailable:  100 kB\n")
+    pages = {"SC_PHYS_PAGES": 2**40, "SC_PAGE_SIZE": 1}  # 1 TiB
+    with (
+        mock.patch.object(tinytp, "MEMINFO", str(meminfo), create=True),
+        mock.patch.object(os, "sysconf", side_effect=pages.get),
+        pytest.raises(
+            ValueError,
+            match=r"in float32 need more than the 0\.1 MiB this machine can give now: ",
+        ),
+    ):
+        with llm_without_workers(tmp_path, max_model_len=64):
+            pass
+    meminfo.write_text("MemTotal:  1073741824 kB\n")  # no estimate (Linux before 3.14): the total
+    with mock.patch.object(tinytp, "MEMINFO", str(meminfo), create=True):
+        with mock.patch.object(os, "sysconf", side_effect=pages.get):
+            with llm_without_workers(tmp_path, max_model_len=64):
+                pass
 
 
 @pytest.mark.quick
@@ -5588,7 +5618,11 @@ def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp
             pytest.raises(ValueError, match=message) if message else contextlib.nullcontext(),
         ):
             with llm_without_workers(
-                tmp_path, tensor_parallel_size=2, dtype=dtype, max_model_len=64
+                tmp_path,
+                tensor_parallel_size=2,
+                dtype=dtype,
+                max_model_len=64,
+                gpu_memory_utilization=1.0,
             ):
                 pass
 

@@ -249,13 +249,8 @@ def loopback_store() -> dist.TCPStore:
     """A TCP store where the workers meet, on a port the OS picks (no torchrun, no MASTER_PORT, no
     race for a "free" port), on loopback only: c10d's own listener takes every interface."""
     listener = socket.create_server(("127.0.0.1", 0))
-    return dist.TCPStore(
-        "127.0.0.1",
-        listener.getsockname()[1],
-        is_master=True,
-        wait_for_workers=False,
-        master_listen_fd=listener.detach(),
-    )
+    (host, port), fd = listener.getsockname(), listener.detach()
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
 
 
 def threads_per_rank(tp: int) -> int:
@@ -1650,6 +1645,9 @@ def check_kv_cache(
     return num_blocks
 
 
+MEMINFO = "/proc/meminfo"  # the kernel's account of memory, MemAvailable among it
+
+
 def check_memory(
     config: ModelConfig,
     tp: int,
@@ -1676,10 +1674,15 @@ def check_memory(
             ranks * config.num_layers * layer_cache * getattr(torch, dtype).itemsize,
         )
 
+    where = f"{in_units(memory)} of {'a GPU' if device == 'cuda' else 'this machine'}"
+    # and no more than it can give now (MemAvailable): past that the kernel kills a worker
+    with contextlib.suppress(OSError, StopIteration), open(MEMINFO) as meminfo:
+        available = next(int(x.split()[1]) * 1024 for x in meminfo if x.startswith("MemAvailable:"))
+        if device == "cpu" and available < memory:
+            memory, where = available, f"{in_units(available)} this machine can give now"
     weights, kv_cache = needed(dtype)
     if weights + kv_cache <= memory:
         return
-    where = f"{in_units(memory)} of {'a GPU' if device == 'cuda' else 'this machine'}"
     # on a CPU without native bfloat16, say
     if dtype == "float32" and sum(needed("bfloat16")) <= memory:
         fix = f"dtype='bfloat16' (--dtype bfloat16) needs {in_units(sum(needed('bfloat16')))}"
@@ -1719,11 +1722,11 @@ class LLM:
     generation_config: "auto" (the model's generation_config.json), "vllm" (SamplingParams()'s
     defaults) or a directory holding one. enforce_eager: no compiled steps (Worker.load_model), no
     cuda_graphs. trust_remote_code: False only (a checkpoint's code never runs).
-    gpu_memory_utilization: the share of the memory (a GPU's; on cpu the machine's) that weights and
-    KV cache may take. max_num_batched_tokens: the tokens one step may run (Scheduler). block_size:
-    the KV cache's block, in tokens. kv_cache_memory_bytes: a rank's KV cache (default: max_num_seqs
-    x max_model_len tokens' worth). enable_prefix_caching: V1's automatic prefix caching
-    (KVCacheManager). Any other argument is refused by name."""
+    gpu_memory_utilization: the share of the memory (a GPU's; on cpu the machine's, no more than it
+    can give now) that weights and KV cache may take. max_num_batched_tokens: the tokens one step
+    may run (Scheduler). block_size: the KV cache's block, in tokens. kv_cache_memory_bytes: a
+    rank's KV cache (default: max_num_seqs x max_model_len tokens' worth). enable_prefix_caching:
+    V1's automatic prefix caching (KVCacheManager). Any other argument is refused by name."""
 
     def __init__(
         self,
@@ -1743,7 +1746,7 @@ class LLM:
         generation_config: str = "auto",
         enforce_eager: bool = False,
         trust_remote_code: bool = False,
-        gpu_memory_utilization: float = 1.0,
+        gpu_memory_utilization: float = 0.9,
         max_num_batched_tokens: int | None = None,
         block_size: int = 16,
         kv_cache_memory_bytes: int | None = None,
@@ -1990,11 +1993,8 @@ def run(args: argparse.Namespace) -> None:
         params = replace(default_sampling_params(model_dir), **others)
     with LLM(model_dir, **engine_arguments(args)) as llm:
         if args.model is None:
-            print(
-                "tinytp: no --model given: running a tiny Llama with RANDOM weights, "
-                "so its text is gibberish",
-                file=sys.stderr,
-            )
+            gibberish = "a tiny Llama with RANDOM weights, so its text is gibberish"
+            print(f"tinytp: no --model given: running {gibberish}", file=sys.stderr)
         template = llm.tokenizer.chat_template and not args.no_chat_template
         inputs = [
             llm.chat_prompt([{"role": "user", "content": p}]) if template else p for p in prompts

@@ -100,14 +100,11 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
         return k is None or is_integer(k) and 0 <= k <= MAX_LOGPROBS
 
     bias, repetition, temperature = params.logit_bias, params.repetition_penalty, params.temperature
+    top_k = params.top_k
     return [
         ("temperature", is_number(temperature) and 0 <= temperature < math.inf, "a number >= 0"),
         ("top_p", within(params.top_p, 0, 1) and params.top_p > 0, "a number in (0, 1]"),
-        (
-            "top_k",
-            is_integer(params.top_k) and params.top_k >= -1,
-            "an integer >= 1, or 0 or -1 for all tokens",
-        ),
+        ("top_k", is_integer(top_k) and top_k >= -1, "an integer >= 1, or 0 or -1 for all tokens"),
         ("min_p", within(params.min_p, 0, 1), "a number in [0, 1]"),
         # what torch takes
         (
