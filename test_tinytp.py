@@ -2433,6 +2433,22 @@ def test_memory_the_machine_has_but_cannot_give_now_is_refused_not_a_worker_kill
 
 
 @pytest.mark.quick
+def test_callers_threads_keep_the_gil_from_the_engine_half_a_millisecond_at_most(tmp_path):
+    """Python's 5 ms between switches, a served stream's handler thread holding the GIL, while the
+    engine's thread waited to start the next step (docs/performance.md); a shorter one stays."""
+    make_checkpoint(tmp_path)
+    before = sys.getswitchinterval()
+    try:
+        for interval, expected in [(5e-3, 5e-4), (1e-4, 1e-4)]:
+            sys.setswitchinterval(interval)
+            with llm_without_workers(tmp_path, max_model_len=64):
+                # (Python keeps it in microseconds, rounded)
+                assert sys.getswitchinterval() == pytest.approx(expected, rel=0.02)
+    finally:
+        sys.setswitchinterval(before)
+
+
+@pytest.mark.quick
 def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
     config = config_from_dict(LLAMA_31_8B)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
