@@ -1225,8 +1225,8 @@ class EngineClient:
         # drained and failed by it, one after is refused here.
         self.lock = threading.Lock()
         self.stopped = False
-        # Callers' threads (an HTTP server's, a stream each) keep the GIL up to the switch interval,
-        # 5 ms, while the engine's waits to start the next step: a tenth (docs/performance.md)
+        # Callers' threads (an HTTP server's) keep the GIL up to Python's switch interval while the
+        # engine's waits to start its next step: a tenth of the default (docs/performance.md)
         sys.setswitchinterval(min(sys.getswitchinterval(), 5e-4))
         self.thread = threading.Thread(target=self._run_engine, name="tinytp-engine", daemon=True)
         self.thread.start()
