@@ -1646,10 +1646,8 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         LLM(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
-    pages = {"SC_PHYS_PAGES": 2**40, "SC_PAGE_SIZE": 1}  # 8B's weights pass the memory check
     with (
-        mock.patch.object(os, "sysconf", side_effect=pages.get),
-        mock.patch.object(tinytp, "MEMINFO", str(tmp_path / "no_meminfo")),
+        machine_memory(2**40),  # 1 TiB: 8B's weights pass the memory check
         pytest.raises(
             FileNotFoundError, match=r"has no \*.safetensors weights \(it has: config.json\)"
         ),
@@ -2342,6 +2340,18 @@ def test_an_llm_in_a_pool_worker_is_one_line_of_tinytps(mha_checkpoint, tmp_path
     ), (result.stdout, result.stderr)
 
 
+@contextlib.contextmanager
+def machine_memory(total: int, meminfo: str = "/nonexistent/meminfo"):
+    """The machine as the memory check sees it: `total` bytes (os.sysconf) and `meminfo` read as
+    /proc/meminfo (by default no such file: no MemAvailable bound)."""
+    pages = {"SC_PHYS_PAGES": total, "SC_PAGE_SIZE": 1}
+    with (
+        mock.patch.object(os, "sysconf", side_effect=pages.get),
+        mock.patch.object(tinytp, "MEMINFO", meminfo),
+    ):
+        yield
+
+
 def test_a_kv_cache_larger_than_memory_is_refused_naming_its_size(mha_checkpoint):
     with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
         with pytest.raises(
@@ -2387,9 +2397,8 @@ def test_the_kv_cache_check_counts_the_bytes_the_workers_allocate(mha_checkpoint
             llm.collective_rpc(bench.parameter_bytes)
         )
     for memory, refused in [(allocated, False), (allocated - 1, True)]:
-        pages = {"SC_PHYS_PAGES": memory, "SC_PAGE_SIZE": 1}
         with (
-            mock.patch.object(os, "sysconf", side_effect=pages.get),
+            machine_memory(memory),
             mock.patch.object(tinytp, "Executor", side_effect=AssertionError("checked")),
         ):
             with pytest.raises(
@@ -2414,10 +2423,8 @@ def test_memory_the_machine_has_but_cannot_give_now_is_refused_not_a_worker_kill
     make_checkpoint(tmp_path)
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:  1073741824 kB\nMemFree:  64 kB\nMemAvailable:  100 kB\n")
-    pages = {"SC_PHYS_PAGES": 2**40, "SC_PAGE_SIZE": 1}  # 1 TiB
     with (
-        mock.patch.object(tinytp, "MEMINFO", str(meminfo), create=True),
-        mock.patch.object(os, "sysconf", side_effect=pages.get),
+        machine_memory(2**40, str(meminfo)),  # 1 TiB
         pytest.raises(
             ValueError,
             match=r"in float32 need more than the 0\.1 MiB this machine can give now: ",
@@ -2426,10 +2433,9 @@ def test_memory_the_machine_has_but_cannot_give_now_is_refused_not_a_worker_kill
         with llm_without_workers(tmp_path, max_model_len=64):
             pass
     meminfo.write_text("MemTotal:  1073741824 kB\n")  # no estimate (Linux before 3.14): the total
-    with mock.patch.object(tinytp, "MEMINFO", str(meminfo), create=True):
-        with mock.patch.object(os, "sysconf", side_effect=pages.get):
-            with llm_without_workers(tmp_path, max_model_len=64):
-                pass
+    with machine_memory(2**40, str(meminfo)):
+        with llm_without_workers(tmp_path, max_model_len=64):
+            pass
 
 
 @pytest.mark.quick
@@ -5628,9 +5634,8 @@ def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp
         ),
         ("float32", weights_bfloat16, r"in float32 need more .*: a machine with more memory$"),
     ]:
-        pages = {"SC_PHYS_PAGES": memory, "SC_PAGE_SIZE": 1}
         with (
-            mock.patch.object(os, "sysconf", side_effect=pages.get),
+            machine_memory(memory),
             pytest.raises(ValueError, match=message) if message else contextlib.nullcontext(),
         ):
             with llm_without_workers(
