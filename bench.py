@@ -416,6 +416,7 @@ class InProcessExecutor:
         num_blocks,
         block_size,
         enforce_eager=False,
+        blocks_fit=False,
     ):
         if tp != 1:
             raise ValueError(f"--backend inprocess runs one rank: use --tp 1, not {tp}")
@@ -423,7 +424,7 @@ class InProcessExecutor:
         self.worker = Worker(0, 1)
         self.collective_rpc("init_device", args=(device, dtype, self.store.port, CORES))
         model = (config, model_dir, max_model_len, max_num_seqs, load_format, enforce_eager)
-        self.collective_rpc("load_model", args=model)
+        self.collective_rpc("load_model", args=(*model, blocks_fit))
         self.collective_rpc(
             "init_kv_cache", args=(num_blocks, block_size, max_num_seqs, cuda_graphs)
         )

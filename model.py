@@ -49,7 +49,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, shards: list[Shard]):
         super().__init__()
         self.weight = new_parameter(sum(s.size for s in shards), in_features, shards=shards)
-        self.packed_weight = None
+        self.packed_weight = self.one_row_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self)
@@ -64,7 +64,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
         shard = split(name, in_features, group, dim=1)
         self.weight = new_parameter(out_features, shard.size, shards=[shard])
-        self.packed_weight = None
+        self.packed_weight = self.one_row_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self)
@@ -110,7 +110,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     slice's logits; an all-gather (not a gather to rank 0) gives every rank all logits, as each
     samples (design discussion: "the logits_processor has an AllGather instead of a Gather")."""
 
-    packed_weight = None
+    packed_weight = one_row_weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = linear(hidden, self)
@@ -149,7 +149,10 @@ def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """y = x W^T for x of shape [tokens, in]: F.linear, or the kernel choose_cpu_kernels chose for
-    the layer's kind, on W laid out for it (packed_weight)."""
+    the layer's kind, on W laid out for it (packed_weight); in a compiled one-row graph, on bmm's
+    blocks where it kept them beside (one_row_weight), which inductor streams."""
+    if layer.one_row_weight is not None and len(x) == 1 and torch.compiler.is_compiling():
+        return blocked_linear(x, layer.one_row_weight)
     if layer.packed_weight is None:
         return F.linear(x, layer.weight)
     return layer.kernel(x, layer.packed_weight)
@@ -532,16 +535,20 @@ def cpu_kernels(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [forced] if forced else offered
 
 
-def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: int) -> str:
+def choose_cpu_kernels(
+    model: nn.Module, candidates: list[str], max_num_seqs: int, blocks_fit: bool = False
+) -> str:
     """Give each kind of matmul (qkv_proj, o_proj, ... : one shape in every layer) the fastest of
     the candidate CPU kernels here, and say which (the line returned): F.linear on the weight as
     loaded, or oneDNN's packed kernel (as torch.compile does on CPU) or bmm on a copy laid out for
     it (the same results but for rounding). Which wins depends on the CPU, the shape and the rows
     (docs/performance.md), so all run this model's own weights, in turn, at the rows a decode step
-    of this engine may have. A weight keeps one layout (two would double the memory), so a prefill
-    runs the decode's pick. The copy replaces the plain one, but in a tied LM head: the embedding
-    reads its table. Near ties flip from one start to the next, and in a compiled model each choice
-    is another graph, compiled cold: it keeps its first start's, beside inductor's graphs."""
+    of this engine may have. A prefill runs the decode's pick. The copy replaces the plain one,
+    but in a tied LM head: the embedding reads its table. A compiled engine of more rows also keeps
+    bmm's blocks (one_row_weight), where a second copy fits (blocks_fit: check_memory's answer),
+    for its one-row graph to stream as max_num_seqs 1's does. Near ties flip from one start to the
+    next, and in a compiled model each choice is another graph, compiled cold: it keeps its first
+    start's, beside inductor's graphs."""
     start = time.perf_counter()
     rows = sorted({min(r, max_num_seqs) for r in DECODE_ROWS})
     kinds: dict[str, list[nn.Module]] = {}
@@ -556,6 +563,7 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
             path = os.path.join(cache_dir(), "tinytp-kernels.json")
             kept = dict(json.loads(pathlib.Path(path).read_text()))
     chosen, machine = [], (torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
+    two_layouts = blocks_fit and model.compiled is not None and rows != [1]
     for kind, modules in kinds.items():
         first = modules[0].weight
         key = repr((kind, *first.shape, first.dtype, rows, candidates, *machine))
@@ -568,11 +576,14 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
             chosen.append(f"{kind} {fastest} ({seconds[runner_up] / seconds[fastest]:.2f}x)")
             kept[key], timed = fastest, True
         lay_out, kernel = CPU_KERNELS[fastest]
-        for module in modules if lay_out else []:
+        for module in modules:
             weight = module.weight.detach()
-            module.packed_weight, module.kernel = lay_out(weight), kernel
-            if module.weight is not model.embed_tokens.weight:
-                module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
+            if two_layouts and fastest != "bmm":
+                module.one_row_weight = blocks_of(weight)
+            if lay_out:
+                module.packed_weight, module.kernel = lay_out(weight), kernel
+                if module.weight is not model.embed_tokens.weight:
+                    module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
     why = (
         "compiled for one-row steps (max_num_seqs 1)"
         if model.compiled is not None and rows == [1]
@@ -583,6 +594,9 @@ def choose_cpu_kernels(model: nn.Module, candidates: list[str], max_num_seqs: in
         else f"the fastest at {' and '.join(map(str, rows))} row{'s' * (rows != [1])} on this CPU, "
         "timed on the model's weights (how much faster than the next)"
     )
+    if model.compiled is not None and rows != [1]:
+        beside = "kept beside" if two_layouts else "not kept (no memory to spare)"
+        why += f"; bmm's blocks for one-row steps {beside}"
     if path and timed:  # a file cut short (two engines writing at once) is raced again
         with contextlib.suppress(OSError):
             pathlib.Path(path).write_text(json.dumps(kept))

@@ -467,15 +467,18 @@ def worker_in_process(
     decode_steps: int,
     max_num_seqs: int | None = None,
     enforce_eager: bool = False,
+    blocks_fit: bool = False,
 ) -> Worker:
     """tp=1's worker for the tiny model, run here (init_device's part set by hand): a prefill
     of `prompts`, 4 blocks of 16 positions each, then `decode_steps` decode steps; an engine of
-    max_num_seqs (default: as many as the prompts)."""
+    max_num_seqs (default: as many as the prompts), blocks_fit as the driver's memory check says."""
     worker = Worker(0, world_size=1)
     worker.device, worker.dtype = torch.device("cpu"), torch.float32
     tiny, max_num_seqs = checkpoints.TINY_MODEL_DIR, max_num_seqs or len(prompts)
     config = read_config(f"{tiny}/config.json")
-    worker.load_model(config, tiny, 64, max_num_seqs, enforce_eager=enforce_eager)
+    worker.load_model(
+        config, tiny, 64, max_num_seqs, enforce_eager=enforce_eager, blocks_fit=blocks_fit
+    )
     worker.init_kv_cache(1 + 4 * len(prompts), 16, max_num_seqs=max_num_seqs)
     ids = list(range(len(prompts)))
     worker.execute_model(
@@ -5648,6 +5651,30 @@ def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp
                 pass
 
 
+@pytest.mark.quick
+def test_the_workers_keep_a_second_copy_of_the_weights_only_where_memory_has_room(tmp_path):
+    """A compiled engine of more rows keeps bmm's blocks beside oneDNN's packing for its one-row
+    graph (choose_cpu_kernels): the memory check says whether the weights fit twice beside the KV
+    cache, to the byte, and the workers are told; one copy fitting is still an engine."""
+    make_checkpoint(tmp_path)
+    config = read_config(os.path.join(tmp_path, "config.json"))
+    weights = model_code.weight_bytes(config, TPGroup(0, 1), "float32")
+    # 2 layers of 8 requests of 64 tokens, in blocks of 16, and the null block, in float32
+    kv_cache = 2 * math.prod(model_code.kv_cache_shape(config, 1, 8 * 4 + 1, 16)) * 4
+    for memory, fits in [
+        (weights + kv_cache, False),
+        (2 * weights + kv_cache - 1, False),
+        (2 * weights + kv_cache, True),
+    ]:
+        with (
+            machine_memory(memory),
+            llm_without_workers(
+                tmp_path, dtype="float32", max_model_len=64, gpu_memory_utilization=1.0
+            ),
+        ):
+            assert tinytp.Executor.call_args.kwargs["blocks_fit"] is fits
+
+
 # --------------------------------------------------------------------------------------
 # The OpenAI-compatible server
 # --------------------------------------------------------------------------------------
@@ -7151,6 +7178,45 @@ def test_an_engine_of_more_rows_compiles_its_decode_steps_on_the_kernels_it_chos
     for prompts, worker in zip(runs, workers):
         for i, prompt in enumerate(prompts):
             assert_tokens_match_hf(hf_model, prompt, worker.requests[i].token_ids[len(prompt) :])
+
+
+@pytest.mark.parametrize("blocks_fit", [True, False])
+def test_a_lone_row_in_an_engine_of_more_streams_bmm_blocks_kept_beside_where_memory_allows(
+    monkeypatch, capsys, compiled_steps, tmp_path, blocks_fit
+):
+    """An engine of 4 rows whose race chose oneDNN everywhere: where the memory check found room
+    for a second copy of the weights, each keeps bmm's blocks beside its packing, and the one-row
+    graph streams those (inductor fuses the loop with the operations around; oneDNN's op it only
+    calls), the prefill and multi-row steps on oneDNN's. Without the room, one copy: the one-row
+    graph calls oneDNN too. Either way the tokens are transformers'."""
+    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # raced, not kept
+    rows_called = []  # oneDNN's op from the graphs, its rows each call
+    onednn_linear = model_code.onednn_linear
+    monkeypatch.setattr(
+        model_code, "onednn_linear", lambda x, w: rows_called.append(len(x)) or onednn_linear(x, w)
+    )
+    race = mock.patch.object(
+        model_code,
+        "kernel_seconds",
+        side_effect=lambda w, candidates, rows: dict.fromkeys(candidates, 5.0) | {"oneDNN": 1.0},
+    )
+    with race:
+        worker = worker_in_process([PROMPTS[3]], 10, max_num_seqs=4, blocks_fit=blocks_fit)
+    said = capsys.readouterr().err
+    beside = "kept beside" if blocks_fit else "not kept (no memory to spare)"
+    assert f"; bmm's blocks for one-row steps {beside};" in said, said
+    assert matmul_layouts(worker) == ["oneDNN"] * 9
+    layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+    kept = [m.one_row_weight is not None for m in worker.model.modules() if isinstance(m, layers)]
+    assert kept == [blocks_fit] * 9
+    # the two warm-up steps (one row, three), then the 10 decode steps, compiled
+    assert compiled_steps == {"step": 12}
+    # the three-row warm-up's 9 calls; and without the blocks, each one-row step's 9 more
+    one_row = [1] * 9 * (not blocks_fit)
+    assert rows_called == one_row + [3] * 9 + one_row * 10
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
+    assert_tokens_match_hf(hf_model, PROMPTS[3], worker.requests[0].token_ids[len(PROMPTS[3]) :])
 
 
 def test_a_compiled_engine_keeps_its_first_starts_kernels_and_so_its_cached_graphs(

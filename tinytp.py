@@ -335,6 +335,7 @@ class Executor:
         num_blocks: int,
         block_size: int,
         enforce_eager: bool = False,
+        blocks_fit: bool = False,
     ):
         self.tp = tp
         self.call_ids = itertools.count(1)
@@ -362,7 +363,7 @@ class Executor:
                 "init_device", args=(device, dtype, self.store.port, threads, block)
             )
             model = (config, model_dir, max_model_len, max_num_seqs, load_format, enforce_eager)
-            self.collective_rpc("load_model", args=model)
+            self.collective_rpc("load_model", args=(*model, blocks_fit))
             self.collective_rpc(
                 "init_kv_cache", args=(num_blocks, block_size, max_num_seqs, cuda_graphs)
             )
@@ -1621,11 +1622,11 @@ def check_kv_cache(
     cache: CacheConfig,
     max_num_seqs: int,
     max_model_len: int,
-) -> int:
+) -> tuple[int, bool]:
     """The blocks of the KV cache, on every rank: as many as kv_cache_memory_bytes holds (vLLM's:
     a rank's, GPU's, bytes), or by default max_num_seqs requests of max_model_len tokens' worth;
     and block 0, the null block. Refused if one request of max_model_len tokens would not fit, as
-    vLLM refuses it, or if the memory has no room for them (check_memory)."""
+    vLLM refuses it, or if the memory has no room for them (check_memory: its answer too)."""
     size, memory_bytes = cache.block_size, cache.kv_cache_memory_bytes
     blocks_per_request = -(-max_model_len // size)
     layer_block = math.prod(kv_cache_shape(config, tp, 1, size))
@@ -1642,10 +1643,10 @@ def check_kv_cache(
             f"few for one request of max_model_len={max_model_len}: give at least "
             f"{(blocks_per_request + 1) * block_bytes}, or a smaller max_model_len"
         )
-    check_memory(
-        config, tp, device, dtype, (num_blocks, size, sized_by), cache.gpu_memory_utilization
+    kv_cache = (num_blocks, size, sized_by)
+    return num_blocks, check_memory(
+        config, tp, device, dtype, kv_cache, cache.gpu_memory_utilization
     )
-    return num_blocks
 
 
 MEMINFO = "/proc/meminfo"  # the kernel's account of memory, MemAvailable among it
@@ -1658,10 +1659,11 @@ def check_memory(
     dtype: str,
     kv_cache: tuple[int, int, str],
     gpu_memory_utilization: float,
-) -> None:
+) -> bool:
     """What the workers will hold, each rank's weights and KV cache (one GPU's share, or on cpu
     every rank's), against the memory it goes in: one line now, not a worker killed by the
-    kernel while it loads (exit code -9). kv_cache: its blocks, their size, and what chose them."""
+    kernel while it loads (exit code -9). kv_cache: its blocks, their size, and what chose them.
+    Whether the weights fit twice beside the cache, the answer."""
     num_blocks, block_size, chosen_by = kv_cache
     memory = gpu_memory_utilization * (
         torch.cuda.get_device_properties(0).total_memory
@@ -1684,8 +1686,8 @@ def check_memory(
         if device == "cpu" and available < memory:
             memory, where = available, f"{in_units(available)} this machine can give now"
     weights, kv_cache = needed(dtype)
-    if weights + kv_cache <= memory:
-        return
+    if weights + kv_cache <= memory:  # and a second copy of the weights? (choose_cpu_kernels)
+        return 2 * weights + kv_cache <= memory
     # on a CPU without native bfloat16, say
     if dtype == "float32" and sum(needed("bfloat16")) <= memory:
         fix = f"dtype='bfloat16' (--dtype bfloat16) needs {in_units(sum(needed('bfloat16')))}"
@@ -1771,7 +1773,9 @@ class LLM:
         device, dtype = choose_device_and_dtype(config, tp, device, dtype)
         self.max_model_len = max_len = check_max_model_len(config, max_model_len)
         budget = check_max_num_batched_tokens(max_num_batched_tokens, max_num_seqs, tp, device)
-        num_blocks = check_kv_cache(config, tp, device, dtype, cache, max_num_seqs, max_len)
+        num_blocks, blocks_fit = check_kv_cache(
+            config, tp, device, dtype, cache, max_num_seqs, max_len
+        )
         check_engine_choices(device, dtype, cuda_graphs, load_format, async_scheduling)
         if load_format == "auto":
             check_checkpoint(config, self.model_dir)
@@ -1784,7 +1788,7 @@ class LLM:
         self.scheduler = Scheduler(max_num_seqs, max_len, budget, eos_token_ids, kv_cache_manager)
         workers = (tp, device, dtype, max_num_seqs, max_len, load_format)  # what each one runs
         options = {"cuda_graphs": cuda_graphs, "num_blocks": num_blocks, "block_size": block_size}
-        options["enforce_eager"] = enforce_eager
+        options |= {"enforce_eager": enforce_eager, "blocks_fit": blocks_fit}
         self.executor = executor_class(config, self.model_dir, *workers, **options)
         # The engine loop: one thread drives the scheduler and executor; callers use its queues
         self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)

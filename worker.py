@@ -798,10 +798,12 @@ class Worker:
         max_num_seqs: int,
         load_format: str = "auto",
         enforce_eager: bool = False,
+        blocks_fit: bool = False,
     ) -> None:
         """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy":
         random numbers), its matmuls on the CPU kernels fastest at up to max_num_seqs rows, its
-        decode steps compiled (enforce_eager: never); the config parsed, checked by the driver."""
+        decode steps compiled (enforce_eager: never); the config parsed, checked by the driver, as
+        is the memory for a second copy of the weights (blocks_fit: choose_cpu_kernels')."""
         self.config, self.max_model_len = config, max_model_len
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
@@ -820,7 +822,7 @@ class Worker:
                 candidates = ["bmm"]
             self.model.compile_decodes()
         if candidates != ["F.linear"]:
-            said = choose_cpu_kernels(self.model, candidates, max_num_seqs)
+            said = choose_cpu_kernels(self.model, candidates, max_num_seqs, blocks_fit)
             if self.group.rank == 0:
                 print(said, file=sys.stderr)
 
