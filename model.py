@@ -216,9 +216,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = new_parameter(hidden_size, shards=[Shard(name, 0, 0, hidden_size)])
         # As tensors, made once: a Python number would be turned into a tensor at every call.
-        self.size, self.eps = (
-            torch.tensor(value, dtype=torch.float32) for value in (float(hidden_size), eps)
-        )
+        self.size = torch.tensor(float(hidden_size), dtype=torch.float32)
+        self.eps = torch.tensor(eps, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:  # cast back before the weight, as transformers does
@@ -486,10 +485,8 @@ def meta_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
 
 def weight_bytes(config: ModelConfig, group: TPGroup, dtype: str) -> int:
     """Bytes of the weights that `group`'s rank holds (a tied table once; padded vocab rows too)."""
-    return (
-        sum(p.numel() for p in meta_model(config, group).parameters())
-        * getattr(torch, dtype).itemsize
-    )
+    params = meta_model(config, group).parameters()
+    return sum(p.numel() for p in params) * getattr(torch, dtype).itemsize
 
 
 def kv_cache_shape(

@@ -358,15 +358,12 @@ class Executor:
             self._start_workers(device)
             # Initialization goes through collective_rpc too, as in the design discussion.
             block = self.collective_block and self.collective_block.name
-            threads = threads_per_rank(tp)
-            self.collective_rpc(
-                "init_device", args=(device, dtype, self.store.port, threads, block)
-            )
+            device_args = (device, dtype, self.store.port, threads_per_rank(tp), block)
+            self.collective_rpc("init_device", args=device_args)
             model = (config, model_dir, max_model_len, max_num_seqs, load_format, enforce_eager)
             self.collective_rpc("load_model", args=(*model, blocks_fit))
-            self.collective_rpc(
-                "init_kv_cache", args=(num_blocks, block_size, max_num_seqs, cuda_graphs)
-            )
+            kv_cache = (num_blocks, block_size, max_num_seqs, cuda_graphs)
+            self.collective_rpc("init_kv_cache", args=kv_cache)
         except BaseException:
             self.shutdown()
             raise
@@ -375,16 +372,9 @@ class Executor:
         """The reply queues, the collective block (CPU, tp > 1), the store, and the processes."""
         context = mp.get_context("spawn")
         self.doorbell = context.Semaphore(0)  # one for all reply queues: we wait on all at once
+        reply_queue = {"num_readers": 1, "num_chunks": 4, "chunk_bytes": 1 << 18, "reader": 0}
         for _ in range(self.tp):
-            self.responses.append(
-                MessageQueue.create(
-                    num_readers=1,
-                    num_chunks=4,
-                    chunk_bytes=1 << 18,
-                    reader=0,
-                    doorbells=[self.doorbell],
-                )
-            )
+            self.responses.append(MessageQueue.create(**reply_queue, doorbells=[self.doorbell]))
         if device == "cpu" and self.tp > 1:
             self.collective_block = new_shared_memory(collective_block_bytes(self.tp))
         check_free_shared_memory(
@@ -396,15 +386,9 @@ class Executor:
                 target=worker_main,
                 name=f"tinytp-rank{rank}",
                 daemon=True,
-                args=(
-                    rank,
-                    self.tp,
-                    self.broadcast.handle,
-                    self.responses[rank].handle,
-                    self.creator,
-                ),
+                args=(rank, self.tp, self.broadcast.handle, replies.handle, self.creator),
             )
-            for rank in range(self.tp)
+            for rank, replies in enumerate(self.responses)
         ]
         start_processes(self.workers)
 
@@ -875,8 +859,7 @@ class Scheduler:
                 request.finish_reason, request.stop_reason = "stop", token
             elif (
                 len(request.output_token_ids) >= request.params.max_tokens
-                or len(request.prompt_token_ids) + len(request.output_token_ids)
-                >= self.max_model_len
+                or request.num_tokens >= self.max_model_len
             ):
                 request.finish_reason = "length"
         self.release([request for request in updated if request.finish_reason is not None])
@@ -1829,11 +1812,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """The next message of a conversation ({"role", "content"} dicts), or of each in a list."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        template = (chat_template, add_generation_prompt, continue_final_message)
-        prompts = [
-            self.chat_prompt(conversation, *template, chat_template_kwargs)
-            for conversation in conversations
-        ]
+        args = (chat_template, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        prompts = [self.chat_prompt(conversation, *args) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt(self, conversation: list[dict], *args, **kwargs) -> dict:

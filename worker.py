@@ -401,17 +401,12 @@ class MessageQueue:
         # The block (README, "The shared-memory queue"): all chunks' flags, then the chunks. The
         # *_at offsets are computed once: enqueue and dequeue run a few times a step, and each
         # Python operation in them counts.
-        flags_bytes = 1 + handle.num_readers
-        self.written_at = [i * flags_bytes for i in range(handle.num_chunks)]
-        self.read_flags_at = [
-            slice(i * flags_bytes + 1, (i + 1) * flags_bytes) for i in range(handle.num_chunks)
-        ]
+        flags_bytes, chunks = 1 + handle.num_readers, range(handle.num_chunks)
+        self.written_at = [i * flags_bytes for i in chunks]
+        self.read_flags_at = [slice(i * flags_bytes + 1, (i + 1) * flags_bytes) for i in chunks]
         if reader is not None:
-            self.my_read_at = [i * flags_bytes + 1 + reader for i in range(handle.num_chunks)]
-        self.chunk_at = [
-            handle.num_chunks * flags_bytes + i * handle.chunk_bytes
-            for i in range(handle.num_chunks)
-        ]
+            self.my_read_at = [i * flags_bytes + 1 + reader for i in chunks]
+        self.chunk_at = [handle.num_chunks * flags_bytes + i * handle.chunk_bytes for i in chunks]
         self.capacity = handle.chunk_bytes - CHUNK_HEADER.size  # payload bytes per chunk
         self.no_reads, self.all_read = bytes(handle.num_readers), bytes([1] * handle.num_readers)
         self.who_waits = (
@@ -550,12 +545,9 @@ class SharedMemoryGroup(TPGroup):
         super().__init__(rank, size)
         self.shm = attach_shared_memory(block_name)
         self.published = torch.frombuffer(self.shm.buf, dtype=torch.int64, count=size)
-        self.buffers = torch.frombuffer(
-            self.shm.buf,
-            dtype=torch.uint8,
-            offset=8 * size,
-            count=2 * size * COLLECTIVE_BUFFER_BYTES,
-        ).view(2, size, -1)
+        count = 2 * size * COLLECTIVE_BUFFER_BYTES
+        buffers = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=8 * size, count=count)
+        self.buffers = buffers.view(2, size, -1)
         self.generation = 0
 
     def exchange(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -996,11 +988,8 @@ class Worker:
             request.prompt_logprobs_from = max(request.prompt_logprobs_from, request.num_computed)
         for request_id, token in tokens.items():
             self.requests[request_id].token_ids.append(token)
-        return ModelRunnerOutput(
-            [tokens.get(i) for i in scheduler_output.scheduled_ids],
-            time.perf_counter() - start,
-            *logprobs,
-        )
+        sampled_token_ids = [tokens.get(i) for i in scheduler_output.scheduled_ids]
+        return ModelRunnerOutput(sampled_token_ids, time.perf_counter() - start, *logprobs)
 
     def close(self, unlink_collective_block: bool = False) -> None:
         if isinstance(self.group, SharedMemoryGroup):
