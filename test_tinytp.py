@@ -7320,7 +7320,8 @@ def test_a_prompt_one_token_a_step_on_blocks_gives_transformers_tokens(monkeypat
 
 def test_one_row_steps_that_cannot_compile_run_eagerly_and_say_why(monkeypatch, capsys, tmp_path):
     """Inductor writes C++ for the CPU: without a compiler the one-row steps run eagerly, on the
-    same blocks, and the line says why; the tokens stay transformers'."""
+    same blocks, and the line says why; the tokens stay transformers'. An engine of more rows
+    frees the blocks it kept for its one-row graph: no second copy held for nothing."""
     monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing compiled before
@@ -7332,6 +7333,17 @@ def test_one_row_steps_that_cannot_compile_run_eagerly_and_say_why(monkeypatch, 
     tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
     hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
     assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)
+    race = mock.patch.object(
+        model_code,
+        "kernel_seconds",
+        side_effect=lambda w, candidates, rows: dict.fromkeys(candidates, 5.0) | {"F.linear": 1.0},
+    )
+    with race:
+        worker = worker_in_process([PROMPTS[3]], 10, max_num_seqs=4, blocks_fit=True)
+    said = capsys.readouterr().err
+    assert "blocks for one-row steps kept beside" in said and worker.model.compiled is None, said
+    assert not any(getattr(m, "one_row_weight", None) is not None for m in worker.model.modules())
+    assert worker.requests[0].token_ids[len(PROMPTS[3]) :] == tokens
 
 
 def test_kernel_seconds_times_every_kernel_on_the_first_layers_weights_up_to_timed_bytes(
