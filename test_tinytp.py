@@ -7180,6 +7180,15 @@ def test_an_engine_of_more_rows_compiles_its_decode_steps_on_the_kernels_it_chos
             assert_tokens_match_hf(hf_model, prompt, worker.requests[i].token_ids[len(prompt) :])
 
 
+def race_won_by(kernel: str):
+    """choose_cpu_kernels' race, stubbed: `kernel` the fastest of the candidates, 5x the next."""
+
+    def timed(weights, candidates, rows):
+        return dict.fromkeys(candidates, 5.0) | {kernel: 1.0}
+
+    return mock.patch.object(model_code, "kernel_seconds", side_effect=timed)
+
+
 @pytest.mark.parametrize("blocks_fit", [True, False])
 def test_a_lone_row_in_an_engine_of_more_streams_bmm_blocks_kept_beside_where_memory_allows(
     monkeypatch, capsys, compiled_steps, tmp_path, blocks_fit
@@ -7196,12 +7205,7 @@ def test_a_lone_row_in_an_engine_of_more_streams_bmm_blocks_kept_beside_where_me
     monkeypatch.setattr(
         model_code, "onednn_linear", lambda x, w: rows_called.append(len(x)) or onednn_linear(x, w)
     )
-    race = mock.patch.object(
-        model_code,
-        "kernel_seconds",
-        side_effect=lambda w, candidates, rows: dict.fromkeys(candidates, 5.0) | {"oneDNN": 1.0},
-    )
-    with race:
+    with race_won_by("oneDNN"):
         worker = worker_in_process([PROMPTS[3]], 10, max_num_seqs=4, blocks_fit=blocks_fit)
     said = capsys.readouterr().err
     beside = "kept beside" if blocks_fit else "not kept (no memory to spare)"
@@ -7333,12 +7337,7 @@ def test_one_row_steps_that_cannot_compile_run_eagerly_and_say_why(monkeypatch, 
     tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
     hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
     assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)
-    race = mock.patch.object(
-        model_code,
-        "kernel_seconds",
-        side_effect=lambda w, candidates, rows: dict.fromkeys(candidates, 5.0) | {"F.linear": 1.0},
-    )
-    with race:
+    with race_won_by("F.linear"):
         worker = worker_in_process([PROMPTS[3]], 10, max_num_seqs=4, blocks_fit=True)
     said = capsys.readouterr().err
     assert "blocks for one-row steps kept beside" in said and worker.model.compiled is None, said
