@@ -560,7 +560,8 @@ def choose_cpu_kernels(
             path = os.path.join(cache_dir(), "tinytp-kernels.json")
             kept = dict(json.loads(pathlib.Path(path).read_text()))
     chosen, machine = [], (torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
-    two_layouts = blocks_fit and model.compiled is not None and rows != [1]
+    compiled_for_more_rows = model.compiled is not None and rows != [1]
+    two_layouts = blocks_fit and compiled_for_more_rows
     for kind, modules in kinds.items():
         first = modules[0].weight
         key = repr((kind, *first.shape, first.dtype, rows, candidates, *machine))
@@ -591,7 +592,7 @@ def choose_cpu_kernels(
         else f"the fastest at {' and '.join(map(str, rows))} row{'s' * (rows != [1])} on this CPU, "
         "timed on the model's weights (how much faster than the next)"
     )
-    if model.compiled is not None and rows != [1]:
+    if compiled_for_more_rows:
         beside = "kept beside" if two_layouts else "not kept (no memory to spare)"
         why += f"; bmm's blocks for one-row steps {beside}"
     if path and timed:  # a file cut short (two engines writing at once) is raced again

@@ -848,7 +848,8 @@ class Worker:
             except Exception as error:  # no C++ compiler for inductor, say: the same step, eagerly
                 self.model.compiled = None
                 for module in self.model.modules():  # nor the one-row graph's second copy
-                    module.one_row_weight = None
+                    if hasattr(module, "one_row_weight"):
+                        module.one_row_weight = None
                 said = "left eager: " + str(error).strip().split("\n", 1)[0]
             print(f"tinytp: decode steps {said}", file=sys.stderr)
 
