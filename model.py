@@ -438,10 +438,17 @@ class LlamaForCausalLM(nn.Module):
         at one row turns a matmul on bmm's blocks into a loop streaming the weight, the norm before
         it and RoPE, SiLU or the residual add fused in (docs/performance.md). Compiled at
         init_kv_cache, kept in inductor's cache. The model never changes once loaded: the guards on
-        its modules (~1,000, checked every call) are left out. Its wrapper is C++ (cpp_wrapper)."""
-        skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        options = {"guard_filter_fn": skip, "cpp_wrapper": True}
+        its modules (~1,000, checked every call) are left out, and the one on torch's global state,
+        whose one change in a worker is its thread count (worker.ThreadsForTheLoad): the kernels
+        read it as they run (inductor's, where the threads were all the cores), and a graph compiled
+        anew would take a minute. Its wrapper is C++ (cpp_wrapper)."""
+        options = {"guard_filter_fn": guards_kept, "cpp_wrapper": True}
         self.compiled = torch.compile(LlamaForCausalLM.step, options=options)
+
+
+def guards_kept(guards: list) -> list[bool]:  # compile_decodes'
+    modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(guards)
+    return [keep and guard.guard_type != "GLOBAL_STATE" for keep, guard in zip(modules, guards)]
 
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from dataclasses import replace
 from multiprocessing import shared_memory
 from unittest import mock
@@ -7320,6 +7321,63 @@ def test_a_prompt_one_token_a_step_on_blocks_gives_transformers_tokens(monkeypat
     assert len(tokens) == 9
     hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
     assert_tokens_match_hf(hf_model, prompt, tokens)
+
+
+def test_a_cpu_worker_halves_its_threads_while_its_steps_wait_for_a_core(monkeypatch):
+    """ThreadsForTheLoad on a clock and a schedstat of our own, a look each step (a quarter of a
+    second): a wait over a fifth of the steps' time halves the threads; none doubles them again, a
+    second after the halving, then twice as long after each try that found the cores still taken,
+    and a second again once a try holds. Without schedstat (not Linux) the threads stay."""
+    clock, waited, set_to = [0.0], [0.0], []
+    monkeypatch.setattr(worker_code, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(worker_code.ThreadsForTheLoad, "waited_seconds", lambda self: waited[0])
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    load = worker_code.ThreadsForTheLoad(4)
+
+    def steps(count: int, busy: float) -> int:
+        for _ in range(count):
+            start, before = clock[0], waited[0]
+            clock[0], waited[0] = start + 0.25, before + busy * 0.25
+            load.count(start, before)
+        return load.threads
+
+    assert steps(1, busy=0.15) == 4  # not contended
+    assert steps(1, busy=0.5) == 2 and steps(1, busy=0.5) == 1  # the next try at 1.75 s
+    assert steps(3, busy=0) == 1 and steps(1, busy=0) == 2
+    assert steps(1, busy=0.5) == 1  # the try failed: the next at 4.0 s, two seconds on
+    assert steps(7, busy=0) == 1 and steps(1, busy=0) == 2
+    assert steps(1, busy=0) == 4 and steps(1, busy=0) == 4 and load.retry_seconds == 1  # held
+    assert steps(1, busy=0.3) == 2 and load.retry_at == clock[0] + 1
+    assert set_to == [4, 2, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 2, 4, 4, 2]
+    monkeypatch.undo()
+    monkeypatch.setattr(worker_code, "SCHEDSTAT", "/proc/no such file")
+    assert worker_code.ThreadsForTheLoad(4).most == 1
+
+
+def test_a_compiled_engine_changes_its_thread_count_without_compiling_again(
+    monkeypatch, compiled_steps
+):
+    """A worker on a busy CPU halves its threads (ThreadsForTheLoad) and doubles them again: its
+    compiled graphs run on, not compiled anew (a minute cold), for their kernels read the count as
+    they run. The tokens stay transformers', with one thread and with two."""
+    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
+    threads = torch.get_num_threads()
+    worker = worker_in_process(PROMPTS[2:4], decode_steps=2)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    ids = [0, 1]
+    try:
+        for count in (1, 2, 1):
+            torch.set_num_threads(count)
+            for _ in range(2):
+                worker.execute_model(SchedulerOutput([], ids, [1, 1], []))
+            worker.execute_model(SchedulerOutput([], [1], [1], []))  # one row
+    finally:
+        torch.set_num_threads(threads)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert compiled_steps == {"step": 2 + 2 + 3 * 3}  # the warm-ups, then every decode step
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
+    for i, prompt in enumerate(PROMPTS[2:4]):
+        assert_tokens_match_hf(hf_model, prompt, worker.requests[i].token_ids[len(prompt) :])
 
 
 def test_one_row_steps_that_cannot_compile_run_eagerly_and_say_why(monkeypatch, capsys, tmp_path):

@@ -728,6 +728,55 @@ def step_logprobs(
     return sampled, {i: [next(entries) for _ in positions] for i, _, positions in prompts}
 
 
+# A busy CPU: as many threads as the cores others leave ---------------------------------
+SCHEDSTAT = "/proc/thread-self/schedstat"  # Linux's: this thread's time on a core, and waiting
+CONTENDED = 0.2  # of the steps' time spent waiting for a core (runnable): others hold ours
+LOOK_SECONDS = 0.2  # of steps between two looks
+
+
+class ThreadsForTheLoad:
+    """A CPU worker's threads. Each OpenMP region of a step waits for all its threads, and one
+    queued behind another process holds up the rest: beside one busy process, two threads on two
+    cores take longer over a step than one. So each LOOK_SECONDS of steps: the steps' thread
+    contended for its core, half the threads; not, twice as many (up to `most`), tried twice as
+    late each time the cores are still taken."""
+
+    def __init__(self, most: int):
+        self.most = self.threads = most
+        try:
+            self.waited_seconds()
+        except OSError:  # no schedstat (not Linux): the threads stay
+            self.most = self.threads = 1
+        self.seconds = self.waited = 0.0  # the steps since the last look, and their waits
+        self.retry_seconds, self.retry_at, self.trying = 1.0, 0.0, False
+
+    def waited_seconds(self) -> float:
+        """The calling thread's time runnable but not running, in all (schedstat's second field)."""
+        if self.most == 1:
+            return 0.0
+        with open(SCHEDSTAT, "rb", buffering=0) as schedstat:
+            return int(schedstat.read().split()[1]) / 1e9
+
+    def count(self, start: float, waited_before: float) -> None:
+        """A step, from `start` (perf_counter) and waited_seconds() then, to now."""
+        if self.most == 1:
+            return
+        now, waited = time.perf_counter(), self.waited_seconds() - waited_before
+        self.seconds, self.waited = self.seconds + now - start, self.waited + waited
+        if self.seconds < LOOK_SECONDS:
+            return
+        contended = self.waited > CONTENDED * self.seconds
+        if self.trying:  # more threads since the last look: if still taken, try twice as late
+            self.retry_seconds = min(2 * self.retry_seconds, 60) if contended else 1
+        self.trying = not contended and self.threads < self.most and now >= self.retry_at
+        if contended and self.threads > 1:
+            self.threads, self.retry_at = self.threads // 2, now + self.retry_seconds
+        elif self.trying:
+            self.threads = min(2 * self.threads, self.most)
+        torch.set_num_threads(self.threads)
+        self.seconds = self.waited = 0.0
+
+
 def choose_cuda_attention_backends() -> None:
     """cuDNN's attention, PyTorch's first choice on Hopper, builds a plan for each new set of sizes,
     the key length included: each decode step at a new length would pay for one. Off: flash
@@ -743,6 +792,7 @@ class Worker:
         self.group = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
         self.steps_run = self.steps_with_the_next_waiting = 0  # counted by worker_main
+        self.threads_for_load = ThreadsForTheLoad(1)  # init_device's, for a CPU
 
     def init_device(
         self,
@@ -757,6 +807,7 @@ class Worker:
         tests) over gloo, which carries CUDA tensors through the host: nccl refuses two ranks on
         one GPU. A collective block (CPU, tp > 1): shared memory."""
         torch.set_num_threads(num_threads)
+        self.threads_for_load = ThreadsForTheLoad(num_threads if device == "cpu" else 1)
         self.device = (
             torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
         )
@@ -958,7 +1009,7 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step: update the requests from the deltas, run the model, sample, append the tokens
         to our copies."""
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), self.threads_for_load.waited_seconds()
         for request_id in scheduler_output.finished_ids:
             self.requests.pop(request_id, None)  # after an interrupted generate, maybe never sent
         for new in scheduler_output.new_requests:
@@ -992,6 +1043,7 @@ class Worker:
         for request_id, token in tokens.items():
             self.requests[request_id].token_ids.append(token)
         sampled_token_ids = [tokens.get(i) for i in scheduler_output.scheduled_ids]
+        self.threads_for_load.count(start, waited)
         return ModelRunnerOutput(sampled_token_ids, time.perf_counter() - start, *logprobs)
 
     def close(self, unlink_collective_block: bool = False) -> None:
