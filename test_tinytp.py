@@ -7325,9 +7325,10 @@ def test_a_prompt_one_token_a_step_on_blocks_gives_transformers_tokens(monkeypat
 
 def test_a_cpu_worker_halves_its_threads_while_its_steps_wait_for_a_core(monkeypatch):
     """ThreadsForTheLoad on a clock and a schedstat of our own, a look each step (a quarter of a
-    second): a wait over a fifth of the steps' time halves the threads; none doubles them again, a
-    second after the halving, then twice as long after each try that found the cores still taken,
-    and a second again once a try holds. Without schedstat (not Linux) the threads stay."""
+    second): a wait over a fifth of the steps' time at two looks running halves the threads; none
+    doubles them again, a second after the halving, then twice as long after each try that found
+    the cores still taken, and a second again once a try holds. Without schedstat (not Linux) the
+    threads stay."""
     clock, waited, set_to = [0.0], [0.0], []
     monkeypatch.setattr(worker_code, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(worker_code.ThreadsForTheLoad, "waited_seconds", lambda self: waited[0])
@@ -7342,13 +7343,15 @@ def test_a_cpu_worker_halves_its_threads_while_its_steps_wait_for_a_core(monkeyp
         return load.threads
 
     assert steps(1, busy=0.15) == 4  # not contended
-    assert steps(1, busy=0.5) == 2 and steps(1, busy=0.5) == 1  # the next try at 1.75 s
+    assert steps(1, busy=0.5) == 4 and steps(1, busy=0) == 4  # contended at one look: a blip
+    assert steps(1, busy=0.5) == 4 and steps(1, busy=0.5) == 2  # at two: the next try at 2.25 s
+    assert steps(1, busy=0.5) == 1  # the next try at 2.5 s
     assert steps(3, busy=0) == 1 and steps(1, busy=0) == 2
-    assert steps(1, busy=0.5) == 1  # the try failed: the next at 4.0 s, two seconds on
+    assert steps(1, busy=0.5) == 2 and steps(1, busy=0.5) == 1  # failed: the next at 5.0 s
     assert steps(7, busy=0) == 1 and steps(1, busy=0) == 2
     assert steps(1, busy=0) == 4 and steps(1, busy=0) == 4 and load.retry_seconds == 1  # held
-    assert steps(1, busy=0.3) == 2 and load.retry_at == clock[0] + 1
-    assert set_to == [4, 2, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 2, 4, 4, 2]
+    assert steps(1, busy=0.3) == 4 and steps(1, busy=0.3) == 2 and load.retry_at == clock[0] + 1
+    assert set_to == [4] * 4 + [2] + [1] * 4 + [2] * 2 + [1] * 8 + [2, 4, 4, 4, 2]
     monkeypatch.undo()
     monkeypatch.setattr(worker_code, "SCHEDSTAT", "/proc/no such file")
     assert worker_code.ThreadsForTheLoad(4).most == 1

@@ -738,8 +738,8 @@ class ThreadsForTheLoad:
     """A CPU worker's threads. Each OpenMP region of a step waits for all its threads, and one
     queued behind another process holds up the rest: beside one busy process, two threads on two
     cores take longer over a step than one. So each LOOK_SECONDS of steps: the steps' thread
-    contended for its core, half the threads; not, twice as many (up to `most`), tried twice as
-    late each time the cores are still taken."""
+    contended for its core at two looks running, half the threads; not, twice as many (up to
+    `most`), tried twice as late each time the cores are still taken."""
 
     def __init__(self, most: int):
         self.most = self.threads = most
@@ -748,7 +748,7 @@ class ThreadsForTheLoad:
         except OSError:  # no schedstat (not Linux): the threads stay
             self.most = self.threads = 1
         self.seconds = self.waited = 0.0  # the steps since the last look, and their waits
-        self.retry_seconds, self.retry_at, self.trying = 1.0, 0.0, False
+        self.retry_seconds, self.retry_at, self.trying, self.was_contended = 1.0, 0.0, False, False
 
     def waited_seconds(self) -> float:
         """The calling thread's time runnable but not running, in all (schedstat's second field)."""
@@ -769,12 +769,13 @@ class ThreadsForTheLoad:
         if self.trying:  # more threads since the last look: if still taken, try twice as late
             self.retry_seconds = min(2 * self.retry_seconds, 60) if contended else 1
         self.trying = not contended and self.threads < self.most and now >= self.retry_at
-        if contended and self.threads > 1:
+        if contended and self.was_contended and self.threads > 1:  # twice running: not a blip
             self.threads, self.retry_at = self.threads // 2, now + self.retry_seconds
         elif self.trying:
             self.threads = min(2 * self.threads, self.most)
         torch.set_num_threads(self.threads)
         self.seconds = self.waited = 0.0
+        self.was_contended = contended
 
 
 def choose_cuda_attention_backends() -> None:
