@@ -22,9 +22,8 @@ from torch import nn
 # The tensor-parallel group ------------------------------------------------------------
 class TPGroup:
     """This rank's place in the tensor-parallel group (`rank` of `size`), and the two collectives
-    the parallel layers run in it, over torch.distributed (gloo on CPU, nccl on CUDA). On one CPU
-    machine a worker runs them through shared memory instead (worker.SharedMemoryGroup, a
-    subclass): a layer calls self.group.all_reduce(y) either way."""
+    the parallel layers call (self.group.all_reduce(y), say): over torch.distributed (gloo on CPU,
+    nccl on CUDA), or on one CPU machine over shared memory (subclass worker.SharedMemoryGroup)."""
 
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
@@ -43,8 +42,7 @@ class TPGroup:
 # Parallel layers (Megatron-style) -----------------------------------------------------
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's rows (output features) split across ranks: no communication. The rank's
-    weight may stack several checkpoint tensors (q, k and v; gate and up) for one matmul: `shards`
-    lists the rows taken from each."""
+    weight may stack tensors (q, k, v; gate, up) for one matmul; `shards` lists the rows of each."""
 
     def __init__(self, in_features: int, shards: list[Shard]):
         super().__init__()
@@ -79,9 +77,8 @@ def vocab_rows_per_rank(vocab_size: int, tp: int) -> int:
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table with its rows (the vocabulary) split across ranks, padded with zero rows so
-    that every rank holds as many. A rank looks up the ids in its slice only, zeros for the rest:
-    an all-reduce (a sum) adds them."""
+    """Embedding table split by rows (the vocabulary) across ranks, padded with zero rows so each
+    rank holds as many. A rank looks up its own ids, zeros for the rest: an all-reduce sums them."""
 
     def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup, name: str):
         super().__init__()
@@ -319,12 +316,11 @@ class LlamaAttention(nn.Module):
 
 
 def attend_decodes(q, k, v, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
-    """Keys and values of all N rows into their slots (block, offset); then one call for the first
-    B rows (one token each), up to the longest context, over their requests' slots in the order of
-    their block tables (index_select: many times faster than a tensor index on CPU). Grouped-query
-    attention as plain attention: the query heads that share a KV head go in as one longer query
-    (a view). The mask, if any, hides each row's later positions and whatever an earlier request
-    left in its last block (or the null block of a shorter table)."""
+    """All N rows' keys and values into their slots (block, offset); then one call for the first B
+    rows (one token each), up to the longest context, over their requests' slots in table order
+    (index_select: far faster on CPU than indexing). Grouped-query attention as plain attention: the
+    query heads sharing a KV head go in as one longer query (a view). A mask hides a row's later
+    positions and what an earlier request left in its last block (or a short table's null block)."""
     B, kv_heads, hd = len(inputs.context_slots), k.shape[1], k.shape[2] * k.shape[3]
     # Indexing the cache itself, not a view of it: compiled (compile_decodes), the write stays a
     # write of N slots in place; into a view, torch.compile would copy the whole cache a step.
@@ -460,10 +456,9 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def load_checkpoint(model: nn.Module, files: dict, show_progress: bool) -> None:
-    """Copy into every parameter exactly the slices its `shards` name, from `files` (each tensor's
-    open safetensors file: checkpoints.open_checkpoint): `get_slice` reads only those bytes, so a
-    rank never holds a whole weight it does not need. (checkpoints.check_checkpoint has compared
-    the shapes with config.json.)"""
+    """Copy into each parameter the slices its `shards` name, from `files` (each tensor's open
+    safetensors file: checkpoints.open_checkpoint): `get_slice` reads only those bytes, so a rank
+    never holds a whole weight it does not need. (check_checkpoint has checked the shapes.)"""
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 
     embedding = model.embed_tokens.weight
@@ -517,9 +512,8 @@ TRIES_SECONDS = 0.5  # but no more tries of a kind after this long: a busy CPU's
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype) -> list[str]:
     """The kernels a matmul may run on, for choose_cpu_kernels: F.linear; on a CPU, oneDNN's packed
-    kernel in float32 and in bfloat16 where the CPU runs it natively, and bmm on blocks in float32
-    (in bfloat16 a step ran slower on it than on F.linear). TINYTP_PACK_WEIGHTS=0, 1 or 2 keeps one,
-    to read, compare or test."""
+    kernel in float32, in bfloat16 where the CPU runs it natively, and bmm on blocks in float32 (in
+    bfloat16 it was slower). TINYTP_PACK_WEIGHTS=0, 1 or 2 keeps one, to read, compare or test."""
     native = {torch.float32: torch.backends.mkldnn.is_available()}
     if dtype == torch.bfloat16:
         native[dtype] = cpu_has_native_bfloat16()
@@ -542,17 +536,16 @@ def cpu_kernels(device: torch.device, dtype: torch.dtype) -> list[str]:
 def choose_cpu_kernels(
     model: nn.Module, candidates: list[str], max_num_seqs: int, blocks_fit: bool = False
 ) -> str:
-    """Give each kind of matmul (qkv_proj, o_proj, ... : one shape in every layer) the fastest of
-    the candidate CPU kernels here, and say which (the line returned): F.linear on the weight as
-    loaded, or oneDNN's packed kernel (as torch.compile does on CPU) or bmm on a copy laid out for
-    it (the same results but for rounding). Which wins depends on the CPU, the shape and the rows
-    (docs/performance.md), so all run this model's own weights, in turn, at the rows a decode step
-    of this engine may have. A prefill runs the decode's pick. The copy replaces the plain one,
-    but in a tied LM head: the embedding reads its table. A compiled engine of more rows also keeps
-    bmm's blocks (one_row_weight), where a second copy fits (blocks_fit: check_memory's answer),
-    for its one-row graph to stream as max_num_seqs 1's does. Near ties flip from one start to the
-    next, and in a compiled model each choice is another graph, compiled cold: it keeps its first
-    start's, beside inductor's graphs."""
+    """Give each kind of matmul (qkv_proj, o_proj, ...: one shape in every layer) the fastest
+    candidate kernel on this CPU, and return a line saying which: F.linear on the weight as loaded,
+    or oneDNN's packed kernel (as torch.compile does on CPU) or bmm on a copy laid out for it (the
+    same results but for rounding). Which wins depends on the CPU, the shape and the rows
+    (docs/performance.md), so all run this model's weights in turn, at the rows this engine's decode
+    steps may have; a prefill runs the decode's pick. The copy replaces the plain one, but in a tied
+    LM head (the embedding reads its table). A compiled engine of more rows also keeps bmm's blocks
+    (one_row_weight) where a second copy fits (blocks_fit: check_memory's answer), for its one-row
+    graph to stream as max_num_seqs 1's does. Near ties flip between starts, and in a compiled model
+    each choice is another graph, compiled cold: it keeps its first start's, in inductor's cache."""
     start = time.perf_counter()
     rows = sorted({min(r, max_num_seqs) for r in DECODE_ROWS})
     kinds: dict[str, list[nn.Module]] = {}
@@ -692,8 +685,7 @@ def _(x, packed_weight):
     return x.new_empty(x.shape[0], packed_weight.shape[0])  # len() would fix the rows' count
 
 
-# Each CPU kernel: how it lays a weight out (None: as loaded), and its matmul
-CPU_KERNELS = {
+CPU_KERNELS = {  # Each CPU kernel: how it lays a weight out (None: as loaded), and its matmul
     "F.linear": (None, F.linear),
     "oneDNN": (onednn_pack, onednn_linear),
     "bmm": (blocks_of, blocked_linear),

@@ -282,27 +282,24 @@ class StepFuture:
     result: Callable[[], ModelRunnerOutput]
 
 
-# Spins of an OpenMP thread before it sleeps: by libgomp's own estimate of its pace, about the gap
-# between two of a step's operations; ten times as many starved a busy server's driver of the core
-# (docs/performance.md, "A busy CPU").
+# Spins of an OpenMP thread before it sleeps: by libgomp's pace estimate, about the gap between a
+# step's operations; ten times as many starved a busy server's driver (docs/performance.md).
 OPENMP_SPINS = 1_000
 
 
 def start_processes(workers: list[mp.Process]) -> None:
-    """Start the workers' processes. Ctrl-C and SIGTERM are blocked while they start: they inherit
-    the mask, so a signal sent to the process group reaches the driver (when we unblock it) and
-    never N workers mid-import; worker_main then ignores both. A thread done with its part of an
-    OpenMP region waits for the others, spinning 300,000 turns by default (libgomp, torch's runtime
-    on Linux): on a busy CPU that holds a core a descheduled peer, the driver or another process
-    needs, and each of a step's regions stalls; sleeping at once instead wakes a thread at every
-    region, which a quiet CPU pays in every step. So the threads spin OPENMP_SPINS turns, then sleep
-    (GOMP_SPINCOUNT, libgomp's; runtimes without it read OMP_WAIT_POLICY=PASSIVE and sleep at once).
-    The runtime reads these as torch loads, so they go in the environment the workers start with; a
-    caller's own setting of either stands."""
+    """Start the workers. Ctrl-C and SIGTERM are blocked while they start: they inherit the mask, so
+    a signal sent to the process group reaches the driver (when we unblock it) and never N workers
+    mid-import; worker_main then ignores both. A thread done with its part of an OpenMP region waits
+    for the others, spinning 300,000 turns by default (libgomp, torch's runtime on Linux): on a busy
+    CPU that holds a core a descheduled peer, the driver or another process needs, and each of a
+    step's regions stalls; sleeping at once instead costs a quiet CPU a wake-up at every region. So
+    the threads spin OPENMP_SPINS turns, then sleep (GOMP_SPINCOUNT, libgomp's; runtimes without it
+    read OMP_WAIT_POLICY=PASSIVE and sleep at once). The runtime reads these as torch loads, so they
+    go in the workers' starting environment, unless a caller set either."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     ours = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(OPENMP_SPINS)}
-    if any(name in os.environ for name in ours):
-        ours = {}
+    ours = {} if any(name in os.environ for name in ours) else ours
     os.environ.update(ours)
     try:
         for process in workers:
@@ -316,9 +313,8 @@ def start_processes(workers: list[mp.Process]) -> None:
 
 class Executor:
     """Spawns one worker process per rank, rank 0 included (design discussion: "N worker processes
-    rather than N-1"), and runs methods on all of them. Calls go out on one shared-memory broadcast
-    queue (one writer, N readers); each worker answers on its own queue, and a step (execute_model)
-    rank 0 alone: every rank sampled the same tokens."""
+    rather than N-1"), and runs methods on all: calls go out on one shared-memory broadcast queue,
+    and each worker answers on its own (a step: rank 0 alone, as all sampled alike)."""
 
     def __init__(
         self,
@@ -563,11 +559,10 @@ def hash_block_tokens(parent_block_hash: bytes | None, token_ids: list[int]) -> 
 class KVCacheManager:
     """vLLM V1's KVCacheManager, with its BlockPool inside: num_blocks blocks of block_size
     positions; a request holds ceil(tokens / block_size) of them, its block table. Block 0 is vLLM's
-    null block, never handed out: block tables are padded with it and the fixed-shape decode
-    step's pad rows write there. Prefix caching (enable_caching): a full block is cached under its
-    hash (hash_block_tokens); a new request starts from its longest run of cached blocks; a freed
-    block keeps its hash in free_block_queue (least recently freed first) until it is taken for
-    another request, which evicts it."""
+    null block, never handed out: it pads block tables, and the fixed-shape decode step's pad rows
+    write there. Prefix caching (enable_caching): a full block is cached under its hash
+    (hash_block_tokens); a new request starts from its longest run of cached blocks; a freed block
+    stays cached in free_block_queue (least recently freed first) until another request takes it."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -642,9 +637,8 @@ class KVCacheManager:
     def cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
     ) -> None:
-        """Cache the blocks that its first num_tokens fill. Blocks are cached when scheduled, as in
-        vLLM: the step that computes one runs before any later step reads it, and within a step
-        every layer writes its keys and values before it attends."""
+        """Cache the blocks its first num_tokens fill, when scheduled as in vLLM: the step computing
+        one runs before any later step reads it, and in a step each layer writes, then attends."""
         start, end = self.num_cached_block.get(request.request_id, 0), num_tokens // self.block_size
         self.hash_full_blocks(request)
         for block, block_hash in zip(blocks[start:end], request.block_hashes[start:end]):
@@ -691,11 +685,9 @@ class Scheduler:
         eos_token_ids: set[int],
         kv_cache_manager: KVCacheManager,
     ):
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.eos_token_ids = eos_token_ids
-        self.kv_cache_manager = kv_cache_manager
+        self.eos_token_ids, self.kv_cache_manager = eos_token_ids, kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # every unfinished request by id (vLLM's): running, waiting, preempted with tokens in flight
@@ -713,11 +705,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput | None:
-        """The next step: the running requests in the order they came, then the waiting ones that
-        free blocks and the budget admit; None if there is nothing to run (each waits for the
-        tokens it has in flight). Only the last request admitted can be part-way through its
-        prompt (the budget ran out in it), so every decoding request, before it in the order,
-        gets its token at every step: the budget is at least max_num_seqs."""
+        """The next step: the running requests in arrival order, then the waiting ones that free
+        blocks and the budget admit; None if nothing can run (each waits for its tokens in flight).
+        Only the last one admitted can be cut in its prompt (the budget ran out), so every decoding
+        request (before it) gets a token every step: the budget is at least max_num_seqs."""
         budget, scheduled = self.max_num_batched_tokens, []  # (a request, its tokens, new blocks)
         preempted = []
         for request in list(self.running):
@@ -735,6 +726,7 @@ class Scheduler:
         new = [] if preempted else self.admit(budget, scheduled)  # none admitted as it preempts
         if not scheduled:
             return None
+        first_new = len(scheduled) - len(new)  # the admitted ones come last
         new_requests = [
             NewRequest(
                 r.request_id,
@@ -748,7 +740,7 @@ class Scheduler:
                 if r.params.min_tokens
                 else [],
             )
-            for r, _, blocks in scheduled[len(scheduled) - len(new) :]
+            for r, _, blocks in scheduled[first_new:]
         ]
         for request, num_tokens, _ in scheduled:
             request.num_computed_tokens += num_tokens
@@ -761,11 +753,7 @@ class Scheduler:
             [r.request_id for r, _, _ in scheduled],
             [n for _, n, _ in scheduled],
             finished_ids,
-            {
-                r.request_id: blocks
-                for r, _, blocks in scheduled[: len(scheduled) - len(new)]
-                if blocks
-            },
+            {r.request_id: blocks for r, _, blocks in scheduled[:first_new] if blocks},
         )
 
     def admit(self, budget: int, scheduled: list) -> list[Request]:
@@ -836,9 +824,8 @@ class Scheduler:
         ended have finish_reason set). The token of a request finished or aborted since this step
         was sent, computed on the workers all the same, is dropped: never shown, never counted."""
         updated = []
-        for request_id, token in zip(
-            scheduler_output.scheduled_ids, runner_output.sampled_token_ids
-        ):
+        sampled = zip(scheduler_output.scheduled_ids, runner_output.sampled_token_ids)
+        for request_id, token in sampled:
             request = self.requests.get(request_id)
             if request is None:  # finished or aborted since it was sent (async): dropped
                 self.num_dropped_tokens += token is not None
@@ -894,11 +881,9 @@ class EngineCore:
     starts it). Callers in other threads reach it through queues, one in and one out per caller."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, async_scheduling: bool):
-        self.scheduler = scheduler
-        self.executor = executor
+        self.scheduler, self.executor = scheduler, executor
         # Design discussion (njhill): "make the scheduling async, so that they always have the
-        # schedule for the next step waiting when they finish the current one". Two steps in flight
-        # do that; one is synchronous.
+        # schedule for the next step waiting when they finish the current one": two steps in flight.
         self.max_steps_in_flight = 2 if async_scheduling else 1
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()  # sent, oldest first
         self.stats = {"steps": 0, "largest_batch": 0}
@@ -918,11 +903,10 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> list[Request]:
-        """Send the next step while fewer than max_steps_in_flight are on their way; then, when they
-        are that many or there is nothing more to send, wait for the oldest and return the requests
-        it gave a token (vLLM's step_with_batch_queue). Async, the step sent here runs on the
-        workers while we wait for the one before it: the workers append their own sampled tokens, so
-        a step needs nothing from the answer to the one before."""
+        """Send the next step while fewer than max_steps_in_flight are out; then, when that many are
+        or none is left to send, wait for the oldest and return the requests it gave a token (vLLM's
+        step_with_batch_queue). Async, the step sent here runs while we wait for the one before: the
+        workers append their own sampled tokens, so a step needs no earlier step's answer."""
         if len(self.batch_queue) < self.max_steps_in_flight:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output is not None:
@@ -987,9 +971,8 @@ class EngineCore:
 # engine client hands them to the engine loop and takes its reports; output processing (vLLM's
 # OutputProcessor) makes RequestOutputs. LLM, what vLLM scripts call, is a thin layer on the three.
 def default_sampling_params(model_dir: str) -> SamplingParams:
-    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p, repetition_penalty
-    and max_new_tokens from the checkpoint's generation_config.json, vLLM's defaults for the rest
-    (do_sample is not read, as in vLLM)."""
+    """vLLM's get_default_sampling_params(): temperature, top_p, top_k, min_p, repetition_penalty,
+    max_new_tokens from generation_config.json (not do_sample, as in vLLM), else vLLM's defaults."""
     path = os.path.join(model_dir, "generation_config.json")
     config = read_json_object(path) if os.path.exists(path) else {}
     try:
@@ -1056,10 +1039,8 @@ class Processor:
     def make_groups(self, prompts: str | dict | list, sampling_params) -> list[list[Request]]:
         """Each prompt's requests (its n samples), every prompt checked before any runs."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        if isinstance(sampling_params, list):
-            params = sampling_params
-        else:
-            params = [sampling_params] * len(prompts)
+        one_for_all = not isinstance(sampling_params, list)
+        params = [sampling_params] * len(prompts) if one_for_all else sampling_params
         if len(params) != len(prompts):
             raise ValueError(
                 f"{len(params)} SamplingParams for {len(prompts)} prompts: "
@@ -1127,8 +1108,7 @@ class Processor:
         elif isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("empty prompt: give at least one token id")
-            wrong_type = [t for t in prompt if not is_integer(t)]
-            if wrong_type:
+            if wrong_type := [t for t in prompt if not is_integer(t)]:
                 raise ValueError(
                     f"token ids must be integers, got {wrong_type[0]!r} "
                     f"({type(wrong_type[0]).__name__})"
@@ -1143,8 +1123,7 @@ class Processor:
         return text, token_ids
 
     def check_vocabulary(self, token_ids: list[int], what: str) -> None:
-        outside = [t for t in token_ids if not 0 <= t < self.config.vocab_size]
-        if outside:
+        if outside := [t for t in token_ids if not 0 <= t < self.config.vocab_size]:
             raise ValueError(
                 f"{what} {outside[:5]} are outside the vocabulary (0..{self.config.vocab_size - 1})"
             )
@@ -1173,8 +1152,7 @@ class Processor:
             )
         template_kwargs = dict(chat_template_kwargs or {})
         chat_arguments = {"conversation", "chat_template", "tokenize", "add_generation_prompt"}
-        taken = template_kwargs.keys() & {*chat_arguments, "continue_final_message"}
-        if taken:
+        if taken := template_kwargs.keys() & {*chat_arguments, "continue_final_message"}:
             raise ValueError(
                 f"chat_template_kwargs cannot set {sorted(taken)[0]}: chat() has an argument for it"
             )
@@ -1250,8 +1228,7 @@ class EngineClient:
         return outputs
 
     def abort(self, request_ids: list[int]) -> None:
-        """Forget these requests (a caller gone, a stop string found); nothing to do once the loop
-        has stopped, which forgets them all."""
+        """Forget these requests (a caller gone, a stop string found): a stopped loop forgot all."""
         with contextlib.suppress(RuntimeError):
             self._put(("abort", request_ids))
 
@@ -1346,9 +1323,8 @@ class RequestState:
         }
 
     def update(self, num_tokens: int, finished: bool) -> None:
-        """Take in the engine's report: the request had `num_tokens` tokens then (the engine may
-        have appended more since), and maybe finished. A token that ends in half of a multi-byte
-        character adds no text yet, but is an output all the same, as in vLLM."""
+        """Take in the engine's report: the request had `num_tokens` tokens then (maybe more since)
+        and maybe finished. A token ending mid-character is an output, with no text yet (vLLM's)."""
         request, text = self.request, self.text
         if request.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None, *map(self.logprob_dict, request.prompt_logprobs)]
@@ -1406,9 +1382,8 @@ class OutputProcessor:
     def follow(
         self, groups: list[list[Request]], client: EngineClient, stream: bool
     ) -> Iterator[tuple[int, RequestState]]:
-        """Hand the groups' requests to the engine and take in its reports: yield (a group's
-        number, the state of its sample) at each: a new token, an end. Leaving early (an
-        exception, Ctrl-C, a stream closed) aborts the requests not finished."""
+        """Hand the groups' requests to the engine; yield (a group's number, its sample's state) at
+        each token or end. Leaving early (an exception, Ctrl-C, a closed stream) aborts the rest."""
         states = {
             r.request_id: (number, RequestState(r, index, self.detokenize, self.decode_token))
             for number, group in enumerate(groups)
@@ -1626,10 +1601,8 @@ def check_kv_cache(
             f"few for one request of max_model_len={max_model_len}: give at least "
             f"{(blocks_per_request + 1) * block_bytes}, or a smaller max_model_len"
         )
-    kv_cache = (num_blocks, size, sized_by)
-    return num_blocks, check_memory(
-        config, tp, device, dtype, kv_cache, cache.gpu_memory_utilization
-    )
+    kv_cache, part = (num_blocks, size, sized_by), cache.gpu_memory_utilization
+    return num_blocks, check_memory(config, tp, device, dtype, kv_cache, part)
 
 
 MEMINFO = "/proc/meminfo"  # the kernel's account of memory, MemAvailable among it
@@ -1643,10 +1616,9 @@ def check_memory(
     kv_cache: tuple[int, int, str],
     gpu_memory_utilization: float,
 ) -> bool:
-    """What the workers will hold, each rank's weights and KV cache (one GPU's share, or on cpu
-    every rank's), against the memory it goes in: one line now, not a worker killed by the
-    kernel while it loads (exit code -9). kv_cache: its blocks, their size, and what chose them.
-    Whether the weights fit twice beside the cache, the answer."""
+    """The workers' weights and KV cache (one GPU's share, or on cpu every rank's) against the
+    memory they go in: one line now, not a worker the kernel kills as it loads (exit code -9).
+    kv_cache: its blocks, their size, what chose them. Returns whether the weights fit twice too."""
     num_blocks, block_size, chosen_by = kv_cache
     memory = gpu_memory_utilization * (
         torch.cuda.get_device_properties(0).total_memory

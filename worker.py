@@ -90,8 +90,7 @@ LOGPROBS_WORDS = f"None or an integer from 0 to {MAX_LOGPROBS} (vLLM's max_logpr
 
 
 def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
-    """SamplingParams' values checked for type as well as range: (a field, whether it is valid,
-    what it must be)."""
+    """SamplingParams checked for type and range: (each field, whether valid, what it must be)."""
 
     def within(value, low: float, high: float) -> bool:  # (a NaN is in no range)
         return is_number(value) and low <= value <= high
@@ -106,8 +105,7 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
         ("top_p", within(params.top_p, 0, 1) and params.top_p > 0, "a number in (0, 1]"),
         ("top_k", is_integer(top_k) and top_k >= -1, "an integer >= 1, or 0 or -1 for all tokens"),
         ("min_p", within(params.min_p, 0, 1), "a number in [0, 1]"),
-        # what torch takes
-        (
+        (  # what torch takes
             "seed",
             params.seed is None or is_integer(params.seed) and 0 <= params.seed < 2**64,
             "None or an integer in [0, 2**64)",
@@ -222,8 +220,7 @@ class NewRequest:
 
 @dataclass
 class SchedulerOutput:
-    """One step, as deltas: never the last sampled token, which every worker appended to its own
-    copy of the request."""
+    """One step, as deltas: never the last sampled token, which each worker appended to its copy."""
 
     new_requests: list[NewRequest]
     scheduled_ids: list[int]  # requests that run this step, in batch order
@@ -297,8 +294,7 @@ YIELD_SECONDS = 1e-3
 SLEEP_FRACTION = 0.05  # then, with no doorbell, sleep 5% of the time waited so far
 MIN_SLEEP, MAX_SLEEP = 100e-6, 10e-3
 # With a doorbell, the ring ends the sleep, and its timeout only spaces the liveness checks: long,
-# since each timed wake-up of the driver takes a core from a rank (naps of 5% woke it often each
-# step, slowing every tp).
+# since each timed wake-up of the driver takes a core from a rank (frequent naps slowed every tp).
 DOORBELL_SLEEP = 50e-3
 
 
@@ -310,9 +306,8 @@ def wait_until(
     doorbell=None,
 ) -> None:
     """Return once ready() is true; after `timeout` seconds, raise TimeoutError naming `what` (or
-    what(), a message worth building only then). Past the polling, call check(), which raises if
-    waiting is pointless (a worker or the driver died), then sleep; a `doorbell` (a semaphore the
-    writer releases after each chunk) ends the sleep."""
+    what(), a message built only then). Past the polling, call check() (it raises if a worker or the
+    driver died), then sleep; a `doorbell` (a semaphore the writer releases) ends the sleep."""
     start = time.perf_counter()
     while not ready():
         waited = time.perf_counter() - start
@@ -349,9 +344,8 @@ def new_shared_memory(size: int) -> shared_memory.SharedMemory:
 
 
 def check_free_shared_memory(blocks: list[shared_memory.SharedMemory | None]) -> None:
-    """New blocks are sparse: tmpfs hands out a page when it is first touched, and when /dev/shm is
-    full that touch is a SIGBUS ("Bus error") that kills the process. So a creator checks that all
-    its blocks fit before using them."""
+    """New blocks are sparse: tmpfs hands out a page at its first touch, and with /dev/shm full that
+    touch is a SIGBUS ("Bus error") that kills the process: a creator checks they fit first."""
     needed = sum(block.size for block in blocks if block is not None)
     stat = os.statvfs("/dev/shm")
     if stat.f_bavail * stat.f_frsize < needed:
@@ -393,14 +387,11 @@ class MessageQueue:
     def __init__(
         self, handle: QueueHandle, shm: shared_memory.SharedMemory, reader: int | None, owner: bool
     ):
-        self.handle = handle
-        self.shm = shm
-        self.buf = shm.buf
+        self.handle, self.shm, self.buf = handle, shm, shm.buf
         self.reader = reader  # None for the writer's side
         self.owner = owner  # the creator unlinks the block
         # The block (README, "The shared-memory queue"): all chunks' flags, then the chunks. The
-        # *_at offsets are computed once: enqueue and dequeue run a few times a step, and each
-        # Python operation in them counts.
+        # *_at offsets are computed once: each Python operation counts in enqueue and dequeue.
         flags_bytes, chunks = 1 + handle.num_readers, range(handle.num_chunks)
         self.written_at = [i * flags_bytes for i in chunks]
         self.read_flags_at = [slice(i * flags_bytes + 1, (i + 1) * flags_bytes) for i in chunks]
@@ -409,10 +400,9 @@ class MessageQueue:
         self.chunk_at = [handle.num_chunks * flags_bytes + i * handle.chunk_bytes for i in chunks]
         self.capacity = handle.chunk_bytes - CHUNK_HEADER.size  # payload bytes per chunk
         self.no_reads, self.all_read = bytes(handle.num_readers), bytes([1] * handle.num_readers)
-        self.who_waits = (
+        self.who_waits = (  # built once
             f"queue {handle.name}: the writer waited for readers to free a chunk"
             if reader is None
-            # built once
             else f"queue {handle.name}: reader {reader} waited for a message"
         )
         self.next_chunk = 0  # the writer's or this reader's position in the ring
@@ -433,8 +423,7 @@ class MessageQueue:
         reader: int | None = None,
         doorbells: list | None = None,
     ) -> MessageQueue:
-        """A new queue. Readers may share a doorbell with other queues (the driver has one for all
-        its reply queues)."""
+        """A new queue; readers may share a doorbell with other queues (the driver's replies do)."""
         doorbells = doorbells or [
             multiprocessing.get_context("spawn").Semaphore(0) for _ in range(num_readers)
         ]
@@ -485,9 +474,8 @@ class MessageQueue:
                 return len(data)
 
     def dequeue(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> Any:
-        """The next message. A timeout or Ctrl-C after its first chunk leaves `cut_off` set: the
-        rest of it waits in the ring and would be read as the start of the next message, so the
-        queue is of no more use (as in enqueue)."""
+        """The next message. A timeout or Ctrl-C after its first chunk leaves `cut_off` set (as in
+        enqueue): its rest, left in the ring, would be read as the start of the next message."""
         received = 0
         while True:
             if not self.ready():
@@ -513,8 +501,7 @@ class MessageQueue:
                 return message if size == total else decode(memoryview(self.receive_buffer)[:total])
 
     def close(self) -> None:
-        """Detach; the creator also removes the block (and multiprocessing the doorbells, once
-        nothing holds them)."""
+        """Detach; the creator removes the block (multiprocessing the doorbells, once unused)."""
         self.buf = self.handle = None
         self.shm.close()
         if self.owner:
@@ -535,11 +522,10 @@ def collective_block_bytes(world_size: int) -> int:
 
 class SharedMemoryGroup(TPGroup):
     """The group's all-reduce and all-gather through one shared block, for CPU ranks on one machine
-    (gloo's TCP path costs far more per all-reduce, dozens a step: docs/performance.md). Each rank
-    copies its tensor into its buffer, publishes the step's generation number, waits until every
-    rank has, and reads all buffers; all ranks sum them in one order, so agree. Two sets of buffers
-    alternate: once everyone has published g, everyone has finished reading g-1's set, which g+1
-    reuses. MessageQueue's store-order caveat holds too."""
+    (gloo's TCP costs far more per all-reduce, dozens a step: docs/performance.md). Each rank copies
+    its tensor into its buffer, publishes its generation number, waits for all to, and reads all
+    buffers; all sum them in one order, so agree. Two buffer sets alternate: once all have published
+    g, all have read g-1's set, which g+1 reuses. MessageQueue's store-order caveat holds too."""
 
     def __init__(self, rank: int, size: int, block_name: str):
         super().__init__(rank, size)
@@ -644,10 +630,9 @@ def adjusted_row(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: list[int], num_logprobs: list[int]) -> list[tuple]:
-    """For each row of logits: its log-softmax (of the raw logits, before penalties, temperature
-    and top-k/p: vLLM's default, raw_logprobs), as (the given token, then the k likeliest: their
-    ids, their log-probabilities, the given token's rank). A rank counts the tokens at least as
-    likely, as vLLM's: 1 is the likeliest."""
+    """Each row's log-softmax (raw: before penalties, temperature and top-k/p, as vLLM's default
+    raw_logprobs) as (the given token, then the k likeliest: their ids, log-probabilities, the given
+    token's rank). A rank counts the tokens at least as likely, as vLLM's (1: the likeliest)."""
     logprobs = logits.float().log_softmax(dim=-1)
     tokens = torch.tensor(token_ids, device=logits.device)[:, None]
     chosen = logprobs.gather(1, tokens)
@@ -779,10 +764,9 @@ class ThreadsForTheLoad:
 
 
 def choose_cuda_attention_backends() -> None:
-    """cuDNN's attention, PyTorch's first choice on Hopper, builds a plan for each new set of sizes,
-    the key length included: each decode step at a new length would pay for one. Off: flash
-    attention takes the unmasked half-precision calls, memory-efficient attention the masked and
-    float32 ones (both can be captured in a graph)."""
+    """cuDNN's attention, PyTorch's first choice on Hopper, plans anew for each set of sizes, key
+    length included: each decode step at a new length would pay. Off: flash takes the unmasked
+    half-precision calls, memory-efficient the masked and float32 ones (both graph-capturable)."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
@@ -873,9 +857,8 @@ class Worker:
     def init_kv_cache(
         self, num_blocks: int, block_size: int, max_num_seqs: int, cuda_graphs: bool = False
     ) -> None:
-        """Preallocate keys and values: num_blocks blocks of block_size positions, handed out to
-        requests by the driver's KVCacheManager. Zeros: never-written positions are masked, but a
-        masked NaN would still poison the weighted sum."""
+        """Preallocate the KV cache: num_blocks blocks of block_size positions, which KVCacheManager
+        hands out. Zeros: a masked NaN, never written, would still poison the weighted sum."""
         shape = kv_cache_shape(self.config, self.group.size, num_blocks, block_size)
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers
@@ -907,8 +890,7 @@ class Worker:
 
     def context_slots(self, requests: list[CachedRequest], num_positions: int) -> torch.Tensor:
         """The slots (block x block_size + offset) of each request's first num_positions, a row
-        each: its block table, padded with the null block (0) to one width (positions its mask
-        hides), spelled out position by position."""
+        each: its block table, padded to one width with the null block 0 (masked), spelled out."""
         size, width = self.block_size, -(-num_positions // self.block_size)
         table = torch.tensor(
             [(r.block_ids + [0] * width)[:width] for r in requests], device=self.device
@@ -919,10 +901,9 @@ class Worker:
     def prepare_inputs(
         self, batch: list[tuple[CachedRequest, int]], context_len: int | None = None
     ) -> ModelInputs:
-        """The step's tokens packed, in `batch`'s order: (a request, its tokens this step), the
-        one-token ones first. Those are attended to in one call: a decoding request's token at
-        position p sees 0..p of its blocks, and so does a prompt's one-token chunk. Each longer
-        prompt chunk is attended to in a call of its own."""
+        """The step's tokens packed in `batch`'s order ((a request, its tokens this step), one-token
+        ones first), which attend in one call: a decoding request's token at position p sees 0..p of
+        its blocks, as does a prompt's one-token chunk; a longer chunk, in a call of its own."""
         size, device = self.block_size, self.device
         as_index = {"dtype": torch.long, "device": device}  # (no tokens: no rows, still indices)
         tokens = [(r, p) for r, n in batch for p in range(r.num_computed, r.num_computed + n)]
@@ -969,9 +950,8 @@ class Worker:
         )
 
     def cuda_graph_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
-        """A decode step at the one shape a CUDA graph replays: max_num_seqs rows, the scheduled
-        requests' then pad rows (NULL_ROW), attention reading a power of two of positions through
-        block tables as wide. The scheduled rows' logits."""
+        """The scheduled rows' logits of a decode step at the one shape a CUDA graph replays:
+        max_num_seqs rows (NULL_ROW pads), attention over 2**k positions (block tables as wide)."""
         rows = scheduled + [NULL_ROW] * (self.max_num_seqs - len(scheduled))
         # + 1, this step's token: at most the power of two above
         longest = max(r.num_computed for r in scheduled)
@@ -979,8 +959,7 @@ class Worker:
         inputs = self.prepare_inputs([(row, 1) for row in rows], context_len)
         if not self.capture_graphs:  # see init_kv_cache: run it as it is
             return self.model(inputs, self.kv_caches)[: len(scheduled)]
-        # at a length's first step: every rank at the same step
-        if context_len not in self.graphs:
+        if context_len not in self.graphs:  # at a length's first step: every rank at the same step
             # warm-up (this very step): lazy initialization stays out of the graph
             self.model(inputs, self.kv_caches)
             # "thread_local": nccl's watchdog thread may query its events meanwhile
@@ -1008,8 +987,7 @@ class Worker:
         return tokens
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: update the requests from the deltas, run the model, sample, append the tokens
-        to our copies."""
+        """One step: update our requests from the deltas, run the model, sample, append tokens."""
         start, waited = time.perf_counter(), self.threads_for_load.waited_seconds()
         for request_id in scheduler_output.finished_ids:
             self.requests.pop(request_id, None)  # after an interrupted generate, maybe never sent
@@ -1110,8 +1088,7 @@ def worker_main(
     except DriverGone:
         # Nobody else will unlink the blocks and doorbells now (which also keeps the dead driver's
         # resource tracker quiet): rank 0 the shared ones, each rank its reply block.
-        broadcast.owner = rank == 0
-        response.owner = True
+        broadcast.owner, response.owner = rank == 0, True
         if rank == 0:  # what the driver's exit would do
             unlink_semaphores([*broadcast.handle.doorbells, *response.handle.doorbells])
     finally:
@@ -1119,9 +1096,8 @@ def worker_main(
         worker.close(unlink_collective_block=broadcast.owner)
         broadcast.close()
         response.close()
-    # Everything is released. The interpreter's own exit would now collect torch's and the model's
-    # objects one by one, for seconds on a busy machine: longer than shutdown's grace, and a dead
-    # driver's workers would linger.
+    # All is released: the interpreter's own exit would collect torch's and the model's objects one
+    # by one, for seconds on a busy machine, past shutdown's grace (a dead driver's workers linger).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
