@@ -722,9 +722,9 @@ LOOK_SECONDS = 0.2  # of steps between two looks
 class ThreadsForTheLoad:
     """A CPU worker's threads. Each OpenMP region of a step waits for all its threads, and one
     queued behind another process holds up the rest: beside one busy process, two threads on two
-    cores take longer over a step than one. So each LOOK_SECONDS of steps: the steps' thread
-    contended for its core at two looks running, half the threads; not, twice as many (up to
-    `most`), tried twice as late each time the cores are still taken."""
+    cores take longer over a step than one (docs/performance.md). So each LOOK_SECONDS of steps:
+    the steps' thread contended for its core at two looks running, half the threads; not, twice as
+    many (up to `most`), tried twice as late each time the cores are still taken."""
 
     def __init__(self, most: int):
         self.most = self.threads = most
@@ -751,7 +751,7 @@ class ThreadsForTheLoad:
         if self.seconds < LOOK_SECONDS:
             return
         contended = self.waited > CONTENDED * self.seconds
-        if self.trying:  # more threads since the last look: if still taken, try twice as late
+        if self.trying:  # more threads since the last look: if taken, try twice as late (to 60 s)
             self.retry_seconds = min(2 * self.retry_seconds, 60) if contended else 1
         self.trying = not contended and self.threads < self.most and now >= self.retry_at
         if contended and self.was_contended and self.threads > 1:  # twice running: not a blip
