@@ -119,8 +119,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 # Which slice of which checkpoint tensor a parameter holds -----------------------------
 @dataclass(frozen=True)
 class Shard:
-    """Elements [start, start + size) along `dim` of checkpoint tensor `name`, which this rank's
-    parameter holds at [offset, offset + size) along the same dim."""
+    """Tensor `name`'s [start, start + size) along `dim`, held at [offset, offset + size)."""
 
     name: str
     dim: int
@@ -138,8 +137,7 @@ def split(name: str, full_size: int, group: TPGroup, dim: int = 0) -> Shard:
 def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
     """A parameter that knows its checkpoint slices; zeros, not empty: padded vocab rows stay 0."""
     param = nn.Parameter(torch.zeros(*shape), requires_grad=False)
-    # the parts one after another
-    offsets = itertools.accumulate([0, *(shard.size for shard in shards)])
+    offsets = itertools.accumulate([0, *(shard.size for shard in shards)])  # shards back to back
     param.shards = [replace(shard, offset=offset) for shard, offset in zip(shards, offsets)]
     return param
 
@@ -170,14 +168,12 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    # None, {"rope_type": "linear", "factor": 4.0}, Llama 3.1's {"rope_type": "llama3", ...}
-    rope_scaling: dict | None
+    rope_scaling: dict | None  # None, {"rope_type": "linear", "factor": 4.0}, Llama 3.1's "llama3"
     max_position_embeddings: int
     tie_word_embeddings: bool
     dtype: str  # the checkpoint's dtype, e.g. "bfloat16"
     eos_token_ids: list[int] = field(default_factory=list)
-    # keys transformers' Llama does not read either: ignored
-    unread_keys: list[str] = field(default_factory=list)
+    unread_keys: list[str] = field(default_factory=list)  # keys transformers' Llama ignores too
 
 
 @dataclass
@@ -190,20 +186,16 @@ class ModelInputs:
 
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N] the position of each token in its sequence
-    # where each token's keys and values go, vLLM's slot_mapping (block x block_size + offset) in
-    # its two parts, the cache's own two indices: ([N] blocks, [N] offsets in them)
-    slot_mapping: tuple[torch.Tensor, torch.Tensor]
-    # [B, L] the slot of each of the B one-token rows' first L positions (the longest context):
-    # block tables padded with block 0 (vLLM's null block), spelled out (sizes: a graph's B, L)
-    context_slots: torch.Tensor
-    # [B, 1, 1, L] True where a row may see a cached key; None where all would be
-    attn_mask: torch.Tensor | None
+    # where each token's keys and values go: vLLM's slot_mapping (block x block_size + offset)
+    slot_mapping: tuple[torch.Tensor, torch.Tensor]  # the cache's indices: [N] blocks, [N] offsets
+    # [B, L] the slot of each of the B one-token rows' first L positions (the longest context)
+    context_slots: torch.Tensor  # block tables padded with block 0 (null), to a graph's B, L
+    attn_mask: torch.Tensor | None  # [B, 1, 1, L] True where a row may see a cached key; None: all
     # each chunk: the slots of its positions up to its last, its first position, tokens, and a mask:
     # [tokens, first position + tokens] of the keys each token sees (None from position 0: causal)
     chunks: list[tuple[torch.Tensor, int, int, torch.Tensor | None]]
-    # the rows whose logits are computed: those sampled (each decode's, and each chunk's last
-    # where it ends its prompt), then those that score a prompt's next token (prompt_logprobs)
-    logits_indices: torch.Tensor
+    # the rows whose logits are computed: first those sampled (each decode's, each prompt's last)
+    logits_indices: torch.Tensor  # then those that score a prompt's next token (prompt_logprobs)
 
 
 class RMSNorm(nn.Module):
@@ -235,8 +227,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     )
     if config.rope_scaling is None:
         return inv_freq
-    # positions divided by `factor`: every rotation slowed alike
-    if config.rope_scaling["rope_type"] == "linear":
+    if config.rope_scaling["rope_type"] == "linear":  # positions / `factor`: all slowed alike
         return inv_freq / config.rope_scaling["factor"]
     # llama3: slow rotations (long wavelengths) slowed by `factor`, fast ones kept, between blended
     s = config.rope_scaling
@@ -425,8 +416,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rope_table[:, inputs.positions]  # each [N, 1, 2, hd / 2]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, inputs)
-        # only these tokens' logits are used: the sampled ones, and those scoring a prompt
-        return self.lm_head(self.norm(x[inputs.logits_indices]))
+        return self.lm_head(self.norm(x[inputs.logits_indices]))  # only rows whose logits are used
 
     def compile_decodes(self) -> None:
         """Decode steps through torch.compile, a step one graph: inductor fuses the small operations
@@ -501,11 +491,9 @@ def kv_cache_shape(
 
 
 # Each matmul's CPU kernel, chosen at load time by timing the candidates ------------------
-# A decode step's rows, at which the kernels race: one request, and a batch of a few, but no more
-# than the engine's max_num_seqs (the kernel fastest at one row may lose at eight).
-DECODE_ROWS = (1, 8)
-# A kind's weights timed: enough layers' to come from memory, as in a step, not from the cache
-TIMED_BYTES = 64 * 2**20
+# The rows at which the kernels race, as a decode step's: one request, and a batch of a few
+DECODE_ROWS = (1, 8)  # at most max_num_seqs: the kernel fastest at one row may lose at eight
+TIMED_BYTES = 64 * 2**20  # enough of a kind's weights to come from memory, as in a step, not cache
 TRIES = 5  # each kernel's best try counts: another process's time slice only ever adds to one
 TRIES_SECONDS = 0.5  # but no more tries of a kind after this long: a busy CPU's start stays short
 

@@ -96,10 +96,8 @@ class CompletionOutput:  # one sample of a prompt's completion
     token_ids: list[int]  # the generated tokens (the one that ended the sequence included)
     finish_reason: str  # "stop" (an end-of-sequence token, a stop token or string) or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    # SamplingParams.logprobs asked: the sum of its tokens' log-probabilities, and for each token
-    # {token id: Logprob}, the sampled token first, then the k likeliest (k + 1 entries, or k)
-    cumulative_logprob: float | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None  # logprobs asked: the sum of its tokens' logprobs
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the sampled one, the k likeliest
     lora_request: None = None  # vLLM's, as vLLM leaves it when none was asked for
 
 
@@ -111,10 +109,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]  # the n samples, in index order
     finished: bool = True
     # SamplingParams.prompt_logprobs asked: None for the first token, then for each {token id:
-    # Logprob}, the prompt's token first, then the k likeliest. vLLM's other fields, as vLLM leaves
-    # them unasked: tinytp has none of these but num_cached_tokens.
+    # Logprob}, the prompt's token first, then the k likeliest
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    metrics: None = None
+    metrics: None = None  # vLLM's other fields, as left unasked: tinytp has only num_cached_tokens
     lora_request: None = None
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
@@ -207,14 +204,12 @@ class Request:
     stop_reason: int | str | None = None
     num_computed_tokens: int = 0  # its tokens the steps sent so far compute (their keys and values)
     num_in_flight: int = 0  # tokens of unanswered steps (vLLM's placeholders: async scheduling)
-    # its caller's: the engine loop puts (request, tokens, finished) there
-    outputs: queue.SimpleQueue | None = None
+    outputs: queue.SimpleQueue | None = None  # its caller's: (request, tokens, finished) reports
     stream: bool = False  # each new token (a stream) or the end (generate): vLLM's output_kind
     num_cached_tokens: int = -1  # prompt tokens cached at its first admission; -1 before (vLLM's)
     # the hash of each of its full blocks, chained (KVCacheManager): kept while it is preempted
     block_hashes: list[bytes] = field(default_factory=list)
-    # the workers' logprobs_of entries, where asked: one per output token
-    logprobs: list[tuple] = field(default_factory=list)
+    logprobs: list[tuple] = field(default_factory=list)  # logprobs_of entries, one per output token
     prompt_logprobs: list[tuple] = field(default_factory=list)  # one per prompt token but the first
 
     @property
@@ -258,9 +253,8 @@ def threads_per_rank(tp: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // tp)
 
 
-# A stopped worker (SIGSTOP, state T; t under a debugger) never answers, and at tp=1 no peer
-# notices: the driver gives up after this long (not at once: a debugger's attach, Ctrl-Z, fg).
-STOPPED_GRACE = 5.0
+# A stopped worker (SIGSTOP, state T; t under a debugger) never answers; at tp=1 no peer notices
+STOPPED_GRACE = 5.0  # till the driver gives up (not at once: a debugger's attach, Ctrl-Z, fg)
 
 
 def is_stopped(pid: int) -> bool:
@@ -282,21 +276,19 @@ class StepFuture:
     result: Callable[[], ModelRunnerOutput]
 
 
-# Spins of an OpenMP thread before it sleeps: by libgomp's pace estimate, about the gap between a
-# step's operations; ten times as many starved a busy server's driver (docs/performance.md).
-OPENMP_SPINS = 1_000
+# OpenMP spins before a thread sleeps: by libgomp's pace estimate, about the gap between operations
+OPENMP_SPINS = 1_000  # ten times as many starved a busy server's driver (docs/performance.md)
 
 
 def start_processes(workers: list[mp.Process]) -> None:
     """Start the workers. Ctrl-C and SIGTERM are blocked while they start: they inherit the mask, so
     a signal sent to the process group reaches the driver (when we unblock it) and never N workers
     mid-import; worker_main then ignores both. A thread done with its part of an OpenMP region waits
-    for the others, spinning 300,000 turns by default (libgomp, torch's runtime on Linux): on a busy
-    CPU that holds a core a descheduled peer, the driver or another process needs, and each of a
-    step's regions stalls; sleeping at once instead costs a quiet CPU a wake-up at every region. So
-    the threads spin OPENMP_SPINS turns, then sleep (GOMP_SPINCOUNT, libgomp's; runtimes without it
-    read OMP_WAIT_POLICY=PASSIVE and sleep at once). The runtime reads these as torch loads, so they
-    go in the workers' starting environment, unless a caller set either."""
+    for the others, spinning 300,000 turns by default (libgomp, torch's on Linux): on a busy CPU
+    that holds a core a descheduled peer, the driver or another process needs: each region stalls;
+    sleeping at once costs a quiet CPU a wake-up at every region. So the threads spin OPENMP_SPINS
+    turns, then sleep (GOMP_SPINCOUNT; other runtimes read OMP_WAIT_POLICY=PASSIVE: at once). Read
+    as torch loads, these go in the workers' starting environment, unless a caller set either."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     ours = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(OPENMP_SPINS)}
     ours = {} if any(name in os.environ for name in ours) else ours
@@ -337,17 +329,14 @@ class Executor:
         self.call_ids = itertools.count(1)
         self.failure: str | None = None
         self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop ours
-        # made in the try below, freed if it fails
-        self.workers, self.responses, self.collective_block = [], [], None
+        self.workers, self.responses, self.collective_block = [], [], None  # made in the try below
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
-        # call id: (its name, its answers by rank, how many due)
-        self.awaited: dict[int, tuple[str, dict, int]] = {}
+        self.awaited: dict[int, tuple[str, dict, int]] = {}  # call id: (name, answers, count due)
         # One thread drives the executor: its maker's, then an LLM's engine loop's (EngineClient's
-        # doing; None: any, the loop gone). Another may still shut it down, so sending is a critical
-        # section, and `closing` makes the driving thread give up its wait at its next check.
-        self.driver: int | None = threading.get_ident()
+        # doing). Another may still shut it down, so sending is a critical section.
+        self.driver: int | None = threading.get_ident()  # None: any (the loop gone)
         self.sending = threading.RLock()
-        self.closing = threading.Event()
+        self.closing = threading.Event()  # set: the driver gives up its wait at its next check
         self.broadcast = MessageQueue.create(num_readers=tp)
         atexit.register(self.shutdown)
         try:
@@ -395,11 +384,10 @@ class Executor:
         args: tuple = (),
         kwargs: dict | None = None,
     ) -> list:
-        """Run `method` on every worker; return each rank's result, in rank order. A callable
-        (picklable: defined at module level) is called with the Worker first, pickled on its own: a
-        worker that cannot import it says so. It runs after the steps in flight (_wait_for keeps
-        their answers). args, kwargs: a tuple, a dict (vLLM's form, not the design discussion's
-        `*args, **kwargs`): no name can collide."""
+        """Run `method` on every worker; return the results in rank order. A callable (picklable:
+        module-level) gets the Worker first, pickled alone: a worker that cannot import it says so.
+        It runs after the steps in flight (_wait_for keeps their answers). args, kwargs: a tuple, a
+        dict (vLLM's form, not the design discussion's `*args, **kwargs`): no name can collide."""
         name, payload = (
             (method, method) if isinstance(method, str) else (method.__name__, pickle.dumps(method))
         )
@@ -550,9 +538,8 @@ class KVCacheBlock:
 
 
 def hash_block_tokens(parent_block_hash: bytes | None, token_ids: list[int]) -> bytes:
-    """vLLM's hash_block_tokens, with its sha256 of the pickled pair: a full block's hash covers
-    its parent's, so equal hashes mean equal tokens from position 0, not only in this block (the
-    same tokens after another prefix have other keys and values)."""
+    """vLLM's hash_block_tokens: a full block's hash covers its parent's, so equal hashes mean equal
+    tokens from position 0 (the same tokens after another prefix have other keys and values)."""
     return hashlib.sha256(pickle.dumps((parent_block_hash, tuple(token_ids)), protocol=5)).digest()
 
 
@@ -583,8 +570,7 @@ class KVCacheManager:
         return self.enable_caching and request.params.prompt_logprobs is None
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
-        """The longest run of cached blocks its tokens begin with, short of its last token: that
-        one is always computed, for its logits."""
+        """Cached blocks its tokens begin with, short of its last (always computed, for logits)."""
         if not self.reads_cache(request):
             return []
         self.hash_full_blocks(request)
@@ -649,8 +635,7 @@ class KVCacheManager:
         self.num_cached_block[request.request_id] = end
 
     def free(self, request: Request) -> None:
-        """Its blocks back to the free queue, the last first (vLLM's order): a prefix's first
-        blocks, which more requests share, are evicted last."""
+        """Its blocks freed, last first (vLLM's order): shared prefix blocks get evicted last."""
         self.num_cached_block.pop(request.request_id, None)
         for block in reversed(self.req_to_blocks.pop(request.request_id, [])):
             block.ref_cnt -= 1
@@ -670,12 +655,11 @@ class KVCacheManager:
 class Scheduler:
     """vLLM V1's scheduler: no prefill or decode steps. A request has the tokens it has computed
     (num_computed_tokens) and the tokens it has; each step gives every running request what it still
-    needs (one token when it decodes, the rest of its prompt), then admits waiting requests while
-    the KV cache has free blocks for them, all within a budget of max_num_batched_tokens: a prompt
-    that does not fit is cut, continued in the next steps (chunked prefill). A running request that
-    finds no free block for its next tokens preempts the newest running one (V1's recompute:
-    preempt). With steps in flight (async scheduling) a request counts its tokens in flight, so that
-    no step is sent that could only yield a token past max_tokens or max_model_len."""
+    needs (one token when it decodes, the rest of its prompt), then admits waiting ones while the KV
+    cache has free blocks, all within a budget of max_num_batched_tokens: a prompt that does not fit
+    is cut and continued later (chunked prefill). A running request short of blocks preempts the
+    newest one (V1's recompute: preempt). With async scheduling a request counts its tokens in
+    flight, so no step is sent that could only yield a token past max_tokens or max_model_len."""
 
     def __init__(
         self,
@@ -744,8 +728,7 @@ class Scheduler:
         ]
         for request, num_tokens, _ in scheduled:
             request.num_computed_tokens += num_tokens
-            # decoding, or its prompt done: a token
-            if request.num_computed_tokens >= request.num_tokens:
+            if request.num_computed_tokens >= request.num_tokens:  # decode, or prompt done: a token
                 request.num_in_flight += 1
         finished_ids, self.finished_ids = self.finished_ids, []
         return SchedulerOutput(
@@ -769,8 +752,7 @@ class Scheduler:
             if new_block_ids is None:
                 break  # it waits for blocks, and those behind it with it
             self.waiting.popleft()
-            # its first admission (vLLM counts a resumed one's hits apart)
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # first admission (vLLM counts resumes' hits apart)
                 request.num_cached_tokens = num_computed
                 if self.kv_cache_manager.reads_cache(request):
                     self.prefix_cache_queries += request.num_tokens
@@ -940,8 +922,7 @@ class EngineCore:
                     finished = request.finish_reason is not None
                     if request.stream or finished:
                         request.outputs.put((request, len(request.output_token_ids), finished))
-            # a worker failed or died: the executor is shut down, later steps raise too
-            except Exception as error:
+            except Exception as error:  # a worker failed or died: shut down, later steps raise too
                 self.executor.shutdown()  # already, but for driver faults: ranks may disagree now
                 self.fail_every_request(error)
 
@@ -1085,8 +1066,7 @@ class Processor:
     def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
         """A prompt's text (None if given as ids) and its token ids, checked."""
         text = prompt if isinstance(prompt, str) else None
-        # vLLM's {"prompt": text}, {"prompt_token_ids": ids}, or both (from chat)
-        if isinstance(prompt, dict):
+        if isinstance(prompt, dict):  # vLLM's {"prompt": ...}, {"prompt_token_ids": ...}, or both
             text = prompt.get("prompt")
             if (
                 not prompt
@@ -1183,8 +1163,7 @@ class EngineClient:
     def __init__(self, engine: EngineCore):
         self.engine = engine
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        # `stopped` and the queue change together: a command put before the loop stopped is
-        # drained and failed by it, one after is refused here.
+        # `stopped` and the queue change together: a command is drained and failed, or refused here.
         self.lock = threading.Lock()
         self.stopped = False
         # Callers' threads (an HTTP server's) keep the GIL up to Python's switch interval while the
@@ -1245,8 +1224,7 @@ class EngineClient:
     def shutdown(self) -> None:
         """Stop the engine loop; a step it waits for is given up at its next check."""
         if self.thread.is_alive():
-            # another kind (bench's in-process) never waits on processes
-            if isinstance(self.engine.executor, Executor):
+            if isinstance(self.engine.executor, Executor):  # others (bench's) wait on no processes
                 self.engine.executor.closing.set()
             with contextlib.suppress(RuntimeError):
                 self._put((SHUTDOWN_ENGINE, None))
@@ -1332,8 +1310,7 @@ class RequestState:
             self.logprobs += map(
                 self.logprob_dict, request.logprobs[len(self.logprobs) : num_tokens]
             )
-        # The engine ends a request with "stop" at an end-of-sequence or stop token only: kept in
-        # token_ids, left out of the text, as vLLM does.
+        # An engine "stop" is an EOS or stop token: in token_ids, left out of the text, as in vLLM.
         end = num_tokens - 1 if finished and request.finish_reason == "stop" else num_tokens
         if request.params.stop:  # every token, in order: the one that completes a stop string
             ends = list(range(self.num_tokens + 1, end + 1))
@@ -1643,8 +1620,7 @@ def check_memory(
     weights, kv_cache = needed(dtype)
     if weights + kv_cache <= memory:  # and a second copy of the weights? (choose_cpu_kernels)
         return 2 * weights + kv_cache <= memory
-    # on a CPU without native bfloat16, say
-    if dtype == "float32" and sum(needed("bfloat16")) <= memory:
+    if dtype == "float32" and sum(needed("bfloat16")) <= memory:  # a CPU without native bfloat16
         fix = f"dtype='bfloat16' (--dtype bfloat16) needs {in_units(sum(needed('bfloat16')))}"
     elif weights < memory:
         fix = "lower " + " or ".join(setting.split("=")[0] for setting in chosen_by.split(", "))
