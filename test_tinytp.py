@@ -7329,10 +7329,11 @@ def test_a_cpu_worker_halves_its_threads_while_its_steps_wait_for_a_core(monkeyp
     doubles them again, a second after the halving, then twice as long after each try that found
     the cores still taken, and a second again once a try holds. Without schedstat (not Linux) the
     threads stay."""
-    clock, waited, set_to = [0.0], [0.0], []
+    clock, waited, set_to, kept = [0.0], [0.0], [], []
     monkeypatch.setattr(worker_code, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(worker_code.ThreadsForTheLoad, "waited_seconds", lambda self: waited[0])
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(worker_code.ThreadsForTheLoad, "keep_place", lambda self, a: kept.append(a))
     load = worker_code.ThreadsForTheLoad(4)
 
     def steps(count: int, busy: float) -> int:
@@ -7352,9 +7353,80 @@ def test_a_cpu_worker_halves_its_threads_while_its_steps_wait_for_a_core(monkeyp
     assert steps(1, busy=0) == 4 and steps(1, busy=0) == 4 and load.retry_seconds == 1  # held
     assert steps(1, busy=0.3) == 4 and steps(1, busy=0.3) == 2 and load.retry_at == clock[0] + 1
     assert set_to == [4] * 4 + [2] + [1] * 4 + [2] * 2 + [1] * 8 + [2, 4, 4, 4, 2]
+    assert kept == [threads == 1 for threads in set_to]  # the place kept at one thread only
     monkeypatch.undo()
     monkeypatch.setattr(worker_code, "SCHEDSTAT", "/proc/no such file")
     assert worker_code.ThreadsForTheLoad(4).most == 1
+
+
+def process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def states_while(pid: int, busy: bool) -> str:
+    """The process's states, sampled 30 times from a thread of ours while this thread sleeps, or is
+    busy in Python (after 0.1 s: a place keeper naps once the thread has slept 50 ms)."""
+    states = []
+
+    def sample():
+        time.sleep(0.1)
+        while len(states) < 30:
+            states.append(process_state(pid))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    while busy and sampler.is_alive():
+        pass
+    sampler.join()
+    return "".join(states)
+
+
+def wait_until_bound(pid: int) -> None:
+    """Until a place keeper has bound itself to its core: its Python has started, and it watches."""
+    for _ in range(100):
+        if len(os.sched_getaffinity(pid)) == 1:
+            break
+        time.sleep(0.05)
+    time.sleep(0.1)
+
+
+@pytest.mark.skipif(not os.path.exists(worker_code.SCHEDSTAT), reason="Linux's schedstat")
+def test_a_worker_down_to_one_thread_keeps_the_other_threads_place_on_its_core():
+    """ThreadsForTheLoad at one thread binds it to its core and starts a place keeper bound there:
+    runnable (yielding) while the thread runs, asleep while the thread sleeps, gone when the threads
+    are more again, the thread's cores given back; and gone with a worker killed outright."""
+    load, cores = worker_code.ThreadsForTheLoad(2), os.sched_getaffinity(0)
+    load.keep_place(True)
+    keeper = load.place_keeper
+    try:
+        core = os.sched_getaffinity(0)
+        assert len(core) == 1 and core <= cores
+        wait_until_bound(keeper.pid)
+        assert os.sched_getaffinity(keeper.pid) == core
+        assert states_while(keeper.pid, busy=True).count("R") >= 27
+        assert states_while(keeper.pid, busy=False).count("S") >= 27
+    finally:
+        load.keep_place(False)
+    assert keeper.poll() is not None and load.place_keeper is None
+    assert os.sched_getaffinity(0) == cores
+    code = (
+        "import time, worker; load = worker.ThreadsForTheLoad(2); load.keep_place(True); "
+        "print(load.place_keeper.pid, flush=True); time.sleep(60)"
+    )
+    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    keeper_pid = int(rank.stdout.readline())
+    wait_until_bound(keeper_pid)
+    rank.kill()  # and not reaped yet: its thread's stat, a zombie's, still there to read
+    try:
+        for _ in range(100):
+            if not os.path.exists(f"/proc/{keeper_pid}") or process_state(keeper_pid) == "Z":
+                break
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{keeper_pid}") or process_state(keeper_pid) == "Z"
+    finally:
+        rank.wait()
 
 
 def test_a_compiled_engine_changes_its_thread_count_without_compiling_again(

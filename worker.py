@@ -15,6 +15,7 @@ import os
 import pickle
 import signal
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -717,6 +718,21 @@ def step_logprobs(
 SCHEDSTAT = "/proc/thread-self/schedstat"  # Linux's: this thread's time on a core, and waiting
 CONTENDED = 0.2  # of the steps' time spent waiting for a core (runnable): others hold ours
 LOOK_SECONDS = 0.2  # of steps between two looks
+# The thread given up keeps its place: a process bound to the last thread's core that only yields.
+# Linux balances cores by the tasks queued on them, so the other processes move off that core and
+# the worker runs there alone, as vLLM's bound worker does while its engine polls beside it.
+PLACE_KEEPER = """import ctypes, os, sys, time
+ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: it ends with the worker
+os.sched_setaffinity(0, {int(sys.argv[2])})
+stat, last_running = f"/proc/{os.getppid()}/task/{sys.argv[1]}/stat", time.monotonic()
+while os.path.exists(stat):
+    if open(stat, "rb").read().rsplit(b")", 1)[1][1:2] == b"R":  # the thread runs, or would
+        last_running = time.monotonic()
+    if time.monotonic() - last_running < 0.05:
+        os.sched_yield()
+    else:  # the worker is idle: so is its place
+        time.sleep(0.05)
+"""
 
 
 class ThreadsForTheLoad:
@@ -724,7 +740,8 @@ class ThreadsForTheLoad:
     queued behind another process holds up the rest: beside one busy process, two threads on two
     cores take longer over a step than one (docs/performance.md). So each LOOK_SECONDS of steps:
     the steps' thread contended for its core at two looks running, half the threads; not, twice as
-    many (up to `most`), tried twice as late each time the cores are still taken."""
+    many (up to `most`), tried twice as late each time the cores are still taken. At one thread,
+    the other's place is kept (keep_place)."""
 
     def __init__(self, most: int):
         self.most = self.threads = most
@@ -734,6 +751,7 @@ class ThreadsForTheLoad:
             self.most = self.threads = 1
         self.seconds = self.waited = 0.0  # the steps since the last look, and their waits
         self.retry_seconds, self.retry_at, self.trying, self.was_contended = 1.0, 0.0, False, False
+        self.cores, self.place_keeper = os.sched_getaffinity(0), None
 
     def waited_seconds(self) -> float:
         """The calling thread's time runnable but not running, in all (schedstat's second field)."""
@@ -759,8 +777,25 @@ class ThreadsForTheLoad:
         elif self.trying:
             self.threads = min(2 * self.threads, self.most)
         torch.set_num_threads(self.threads)
+        self.keep_place(self.threads == 1)
         self.seconds = self.waited = 0.0
         self.was_contended = contended
+
+    def keep_place(self, alone: bool) -> None:
+        """Down to one thread: bind it to its core and start a place keeper there; more: undo."""
+        if alone and self.place_keeper is None:
+            with open("/proc/thread-self/stat") as stat:
+                core = stat.read().rsplit(")", 1)[1].split()[36]  # the core it runs on
+            os.sched_setaffinity(0, {int(core)})
+            thread = str(threading.get_native_id())
+            self.place_keeper = subprocess.Popen(  # silent: a keeper's fault only costs speed
+                [sys.executable, "-c", PLACE_KEEPER, thread, core], stderr=subprocess.DEVNULL
+            )
+        elif not alone and self.place_keeper is not None:
+            self.place_keeper.kill()
+            self.place_keeper.wait()
+            self.place_keeper = None
+            os.sched_setaffinity(0, self.cores)
 
 
 def choose_cuda_attention_backends() -> None:
@@ -1026,6 +1061,7 @@ class Worker:
         return ModelRunnerOutput(sampled_token_ids, time.perf_counter() - start, *logprobs)
 
     def close(self, unlink_collective_block: bool = False) -> None:
+        self.threads_for_load.keep_place(False)
         if isinstance(self.group, SharedMemoryGroup):
             self.group.close(unlink_collective_block)
         if dist.is_initialized():
