@@ -1476,11 +1476,16 @@ def break_the_model_on_rank_1(worker):  # its next step fails before the first c
         worker.model.forward = model_that_fails
 
 
+def process_state(pid: int) -> str:
+    """Its state letter: R running or runnable, S asleep, Z a zombie, ..."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]  # after "(name)", which may hold ")"
+
+
 def process_gone(pid: int) -> bool:
     """Exited: no such process, or a zombie that nobody has reaped yet."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        return process_state(pid) == "Z"
     except FileNotFoundError:
         return True
 
@@ -7359,11 +7364,6 @@ def test_a_cpu_worker_halves_its_threads_while_its_steps_wait_for_a_core(monkeyp
     assert worker_code.ThreadsForTheLoad(4).most == 1
 
 
-def process_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0]
-
-
 def states_while(pid: int, busy: bool) -> str:
     """The process's states, sampled 30 times from a thread of ours while this thread sleeps, or is
     busy in Python (after 0.1 s: a place keeper naps once the thread has slept 50 ms)."""
@@ -7385,10 +7385,7 @@ def states_while(pid: int, busy: bool) -> str:
 
 def wait_until_bound(pid: int) -> None:
     """Until a place keeper has bound itself to its core: its Python has started, and it watches."""
-    for _ in range(100):
-        if len(os.sched_getaffinity(pid)) == 1:
-            break
-        time.sleep(0.05)
+    wait_for(lambda: len(os.sched_getaffinity(pid)) == 1, 5)
     time.sleep(0.1)
 
 
@@ -7420,11 +7417,7 @@ def test_a_worker_down_to_one_thread_keeps_the_other_threads_place_on_its_core()
     wait_until_bound(keeper_pid)
     rank.kill()  # and not reaped yet: its thread's stat, a zombie's, still there to read
     try:
-        for _ in range(100):
-            if not os.path.exists(f"/proc/{keeper_pid}") or process_state(keeper_pid) == "Z":
-                break
-            time.sleep(0.05)
-        assert not os.path.exists(f"/proc/{keeper_pid}") or process_state(keeper_pid) == "Z"
+        assert wait_for(lambda: process_gone(keeper_pid), 5)
     finally:
         rank.wait()
 
