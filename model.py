@@ -532,8 +532,9 @@ def choose_cpu_kernels(
     steps may have; a prefill runs the decode's pick. The copy replaces the plain one, but in a tied
     LM head (the embedding reads its table). A compiled engine of more rows also keeps bmm's blocks
     (one_row_weight) where a second copy fits (blocks_fit: check_memory's answer), for its one-row
-    graph to stream as max_num_seqs 1's does. Near ties flip between starts, and in a compiled model
-    each choice is another graph, compiled cold: it keeps its first start's, in inductor's cache."""
+    graph to stream as max_num_seqs 1's does; its race is then at its most rows alone. Near ties
+    flip between starts, and in a compiled model each choice is another graph, compiled cold: it
+    keeps its first start's, in inductor's cache."""
     start = time.perf_counter()
     rows = sorted({min(r, max_num_seqs) for r in DECODE_ROWS})
     kinds: dict[str, list[nn.Module]] = {}
@@ -550,6 +551,8 @@ def choose_cpu_kernels(
     chosen, machine = [], (torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
     compiled_for_more_rows = model.compiled is not None and rows != [1]
     two_layouts = blocks_fit and compiled_for_more_rows
+    if two_layouts:  # its one-row steps stream the blocks beside: the race is the others' alone
+        rows = rows[1:]
     for kind, modules in kinds.items():
         first = modules[0].weight
         key = repr((kind, *first.shape, first.dtype, rows, candidates, *machine))

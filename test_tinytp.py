@@ -7202,8 +7202,10 @@ def test_a_lone_row_in_an_engine_of_more_streams_bmm_blocks_kept_beside_where_me
     """An engine of 4 rows whose race chose oneDNN everywhere: where the memory check found room
     for a second copy of the weights, each keeps bmm's blocks beside its packing, and the one-row
     graph streams those (inductor fuses the loop with the operations around; oneDNN's op it only
-    calls), the prefill and multi-row steps on oneDNN's. Without the room, one copy: the one-row
-    graph calls oneDNN too. Either way the tokens are transformers'."""
+    calls), the prefill and multi-row steps on oneDNN's: so the race is at 4 rows alone (at 1 and
+    4, bmm's one-row speed chose it for float32 SmolLM2's 8-row steps, 1.3-1.5x slower there).
+    Without the room, one copy: the one-row graph calls oneDNN too, and the race is at 1 and 4
+    rows. Either way the tokens are transformers'."""
     monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # raced, not kept
     rows_called = []  # oneDNN's op from the graphs, its rows each call
@@ -7215,6 +7217,8 @@ def test_a_lone_row_in_an_engine_of_more_streams_bmm_blocks_kept_beside_where_me
         worker = worker_in_process([PROMPTS[3]], 10, max_num_seqs=4, blocks_fit=blocks_fit)
     said = capsys.readouterr().err
     beside = "kept beside" if blocks_fit else "not kept (no memory to spare)"
+    raced_at = "4 rows" if blocks_fit else "1 and 4 rows"
+    assert f"the fastest at {raced_at} on this CPU, timed on the model's weights" in said, said
     assert f"; bmm's blocks for one-row steps {beside};" in said, said
     assert matmul_layouts(worker) == ["oneDNN"] * 9
     layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
