@@ -585,6 +585,8 @@ def choose_cpu_kernels(
     )
     if compiled_for_more_rows:
         beside = "kept beside" if two_layouts else "not kept (no memory to spare)"
+        if all(entry.split()[1] == "bmm" for entry in chosen):  # nothing beside: the one layout
+            beside = "chosen for every kind"
         why += f"; bmm's blocks for one-row steps {beside}"
     if path and timed:  # a file cut short (two engines writing at once) is raced again
         with contextlib.suppress(OSError):

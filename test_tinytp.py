@@ -7289,6 +7289,8 @@ def test_kept_kernels_not_tinytps_or_unwritable_are_raced_anew_never_a_failed_lo
     assert race.call_count == 6 * len(written) and kept.is_dir()
     said = capsys.readouterr().err
     assert said.count("the fastest at 1 and 4 rows") == 6 and "decode steps left eager" not in said
+    # bmm won every kind: the one-row steps stream the one layout, no blocks wanted beside it
+    assert said.count("; bmm's blocks for one-row steps chosen for every kind;") == 6, said
 
 
 def test_importing_tinytp_loads_no_inductor_which_only_a_compiled_engine_needs():
