@@ -549,6 +549,7 @@ def choose_cpu_kernels(
             path = os.path.join(cache_dir(), "tinytp-kernels.json")
             kept = dict(json.loads(pathlib.Path(path).read_text()))
     chosen, machine = [], (torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
+    picked = set()  # the kernels chosen, of all kinds
     compiled_for_more_rows = model.compiled is not None and rows != [1]
     two_layouts = blocks_fit and compiled_for_more_rows
     if two_layouts:  # its one-row steps stream the blocks beside: the race is the others' alone
@@ -565,6 +566,7 @@ def choose_cpu_kernels(
             chosen.append(f"{kind} {fastest} ({seconds[runner_up] / seconds[fastest]:.2f}x)")
             kept[key], timed = fastest, True
         lay_out, kernel = CPU_KERNELS[fastest]
+        picked.add(fastest)
         for module in modules:
             weight = module.weight.detach()
             if two_layouts and fastest != "bmm":
@@ -585,7 +587,7 @@ def choose_cpu_kernels(
     )
     if compiled_for_more_rows:
         beside = "kept beside" if two_layouts else "not kept (no memory to spare)"
-        if all(entry.split()[1] == "bmm" for entry in chosen):  # nothing beside: the one layout
+        if picked == {"bmm"}:  # nothing beside: the one layout
             beside = "chosen for every kind"
         why += f"; bmm's blocks for one-row steps {beside}"
     if path and timed:  # a file cut short (two engines writing at once) is raced again
