@@ -13,7 +13,6 @@ import contextlib
 import errno
 import functools
 import gc
-import importlib.machinery
 import importlib.util
 import itertools
 import json
@@ -136,7 +135,7 @@ def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
 
 
 def test_the_8b_shapes_writer_at_a_small_width_loads_in_tinytp_and_transformers(tmp_path):
-    """checkpoints.py llama-3.1-8b-shapes, the checkpoint .ci/gpu runs on a GPU, at 1 layer and
+    """checkpoints.py llama-3.1-8b-shapes, the checkpoint .ci/gpu.py runs on a GPU, at 1 layer and
     a width of 128 (else the 8B's config: the 128,256-token vocabulary, GQA 32/8, llama3 RoPE):
     bfloat16 shards and an index that lists them, which tinytp and transformers both read."""
     config = {**llama_31_8b_config(layers=1), "hidden_size": 128, "intermediate_size": 256}
@@ -2999,11 +2998,12 @@ def test_real_llama_cli_answers_paris(smollm2, cli_env):
 
 
 # --------------------------------------------------------------------------------------
-# CUDA: the same checks on a GPU, skipped without one (`python3 .ci/gpu` runs them)
+# CUDA: the same checks on a GPU, skipped without one (`python3 .ci/gpu.py` runs them)
 # --------------------------------------------------------------------------------------
 
 NEEDS_CUDA = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA GPU here; run `python3 .ci/gpu` on a GPU machine"
+    not torch.cuda.is_available(),
+    reason="no CUDA GPU here; run `python3 .ci/gpu.py` on a GPU machine",
 )
 NEEDS_TWO_GPUS = pytest.mark.skipif(
     torch.cuda.device_count() < 2, reason="tp=2 over nccl needs 2 CUDA GPUs"
@@ -4312,24 +4312,27 @@ def test_cli_dead_worker_is_one_line_and_exit_1(cli_env):
 @pytest.mark.quick
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
 def test_ci_gpu_script_without_a_gpu_says_to_use_device_cpu(capsys):
-    # Run in this process as `python3 .ci/gpu` runs it (runpy): it refuses before its first step.
+    # Run in this process as `python3 .ci/gpu.py` runs it (runpy): it refuses before its first step.
     # it adds its root
-    with mock.patch.object(sys, "argv", [".ci/gpu"]), mock.patch.object(sys, "path", sys.path[:]):
+    with (
+        mock.patch.object(sys, "argv", [".ci/gpu.py"]),
+        mock.patch.object(sys, "path", sys.path[:]),
+    ):
         with pytest.raises(SystemExit) as exited:
-            runpy.run_path(os.path.join(HERE, ".ci", "gpu"), run_name="__main__")
+            runpy.run_path(os.path.join(HERE, ".ci", "gpu.py"), run_name="__main__")
     assert exited.value.code == 2 and capsys.readouterr().err.startswith(
-        ".ci/gpu: error: torch sees no CUDA GPU here"
+        ".ci/gpu.py: error: torch sees no CUDA GPU here"
     )
 
 
 def load_ci_gpu():
-    """.ci/gpu as a module, "ci_gpu", loaded once in this process or in a worker (import_ci_gpu):
+    """.ci/gpu.py as a module, "ci_gpu", loaded once in this process or in a worker (import_ci_gpu):
     the functions of it that collective_rpc sends are then found by that name."""
     if "ci_gpu" not in sys.modules:
-        loader = importlib.machinery.SourceFileLoader("ci_gpu", os.path.join(HERE, ".ci", "gpu"))
-        module = importlib.util.module_from_spec(importlib.util.spec_from_loader("ci_gpu", loader))
+        spec = importlib.util.spec_from_file_location("ci_gpu", os.path.join(HERE, ".ci", "gpu.py"))
+        module = importlib.util.module_from_spec(spec)
         sys.modules["ci_gpu"] = module
-        loader.exec_module(module)
+        spec.loader.exec_module(module)
     return sys.modules["ci_gpu"]
 
 
@@ -4338,12 +4341,12 @@ def import_ci_gpu(worker):  # run in the workers, through collective_rpc
 
 
 def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
-    """.ci/gpu's logic where CI can run it: the same steps on CPU with tiny models (its
+    """.ci/gpu.py's logic where CI can run it: the same steps on CPU with tiny models (its
     CUDA tests are all skipped here, each saying why)."""
     ci_gpu = load_ci_gpu()
     budget = ci_gpu.BUDGET_SECONDS * ci_gpu.CPU_SCALE
     done = subprocess.run(
-        [sys.executable, ".ci/gpu", "--device", "cpu"],
+        [sys.executable, ".ci/gpu.py", "--device", "cpu"],
         cwd=HERE,
         capture_output=True,
         text=True,
@@ -4442,7 +4445,7 @@ def stale_fixed_shape_mask(worker):  # run in the workers, through collective_rp
 
 
 def test_ci_gpu_graphs_check_finds_a_rerun_equal_and_a_stale_mask_at_its_first_step(mha_checkpoint):
-    """.ci/gpu's check of the CUDA graphs, on CPU: the fixed-shape step run eagerly twice gives
+    """.ci/gpu.py's check of the CUDA graphs, on CPU: the fixed-shape step run eagerly twice gives
     equal logits, bit for bit, at every step of both lengths; a stale mask fails it at once."""
     ci_gpu = load_ci_gpu()
     # 12 and 10 tokens: 16 positions attended, then 32
@@ -4502,7 +4505,7 @@ def semaphore_files(names: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("driver", ["stops on ctrl-c", "deaf to ctrl-c"])
 def test_ci_gpu_stops_a_step_that_ran_out_of_time_and_it_leaves_nothing(mha_checkpoint, driver):
-    """As .ci/gpu stops a step at its limit: tinytp's driver stops on SIGINT and frees its shared
+    """As .ci/gpu.py stops a step at its limit: tinytp's driver stops on SIGINT and frees its shared
     memory; one that ignores SIGINT dies of SIGTERM, and multiprocessing's resource tracker,
     which ignores both, unlinks the blocks and semaphores it made."""
     ci_gpu = load_ci_gpu()
@@ -4536,7 +4539,7 @@ def test_ci_gpu_stops_a_step_that_ran_out_of_time_and_it_leaves_nothing(mha_chec
 
 
 def test_ci_gpu_step_at_its_limit_is_stopped_and_leaves_nothing(mha_checkpoint):
-    """The same through .ci/gpu's Steps, at a limit that ends the step while tinytp starts or
+    """The same through .ci/gpu.py's Steps, at a limit that ends the step while tinytp starts or
     waits."""
     ci_gpu = load_ci_gpu()
     # the limits as they are on a GPU, unscaled
@@ -6283,7 +6286,7 @@ CUDA_LAYOUT_CALLS: collections.Counter = collections.Counter()
 
 def cuda_kernel_for(query: torch.Tensor, attn_mask: torch.Tensor | None) -> str:
     """The kernel that CUDA runs a tinytp attention call on, with cuDNN's attention off (as the
-    workers choose: choose_cuda_attention_backends) and the unfused one off (as .ci/gpu's tests
+    workers choose: choose_cuda_attention_backends) and the unfused one off (as .ci/gpu.py's tests
     step): flash takes half precision without a mask, memory-efficient all the rest (float32,
     every masked call, and so every fixed-shape step). docs/gpu.md has the table."""
     half = query.dtype in (torch.float16, torch.bfloat16)
@@ -6454,7 +6457,7 @@ def test_attention_outputs_in_cudas_layouts_give_the_normal_runs_tokens(
             assert_tokens_match_hf(hf_model, prompt, tokens)
 
 
-# .ci/gpu's sdpa step: model.py's attention call sites it runs (ci_gpu.call_sites)
+# .ci/gpu.py's sdpa step: model.py's attention call sites it runs (ci_gpu.call_sites)
 CALL_SITES = [
     "prefill, causal",
     "decode, rows of one length",
@@ -6466,7 +6469,7 @@ CALL_SITES = [
 
 @pytest.mark.quick
 def test_ci_gpu_sdpa_probe_runs_model_pys_call_sites_and_they_take_cudas_layouts(monkeypatch):
-    """.ci/gpu's sdpa step runs model.py's attention layer at each kind of step, as a GPU will:
+    """.ci/gpu.py's sdpa step runs model.py's attention layer at each kind of step, as a GPU will:
     here with SDPA's outputs in CUDA's layouts (sdpa_in_cuda_layouts), each site runs and agrees
     with the unfused kernel; in float32 every decode's output is memory-efficient's transposed
     buffer (which model.py's .view refused), in bfloat16 the unmasked ones are flash's."""
@@ -6483,7 +6486,7 @@ def test_ci_gpu_sdpa_probe_runs_model_pys_call_sites_and_they_take_cudas_layouts
 
 @pytest.mark.quick
 def test_docs_gpu_budget_table_is_ci_gpus_step_limits():
-    """docs/gpu.md's budget table states each step's limit in .ci/gpu, and the sum inside the
+    """docs/gpu.md's budget table states each step's limit in .ci/gpu.py, and the sum inside the
     budget."""
     ci_gpu = load_ci_gpu()
     with open(os.path.join(HERE, "docs", "gpu.md")) as f:

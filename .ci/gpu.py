@@ -2,8 +2,8 @@
 """Prove tinytp's GPU path in one run of under five minutes, on a bare GPU machine with a python3 of
 its own (a CUDA build of torch, transformers, pytest): nothing is installed.
 
-    python3 .ci/gpu                 # on a GPU: the CUDA tests, what a decode step is made of, the 8B
-    python3 .ci/gpu --device cpu    # the same steps on CPU with tiny models (CI runs this)
+    python3 .ci/gpu.py              # on a GPU: the CUDA tests, what a decode step is made of, the 8B
+    python3 .ci/gpu.py --device cpu # the same steps on CPU with tiny models (CI runs this)
 
 The steps, each a process of its own within a time limit (docs/gpu.md says how to read them):
   pre-flight     one rank joins a process group as tinytp's workers do (nccl on CUDA, gloo
@@ -163,7 +163,7 @@ def read_bandwidth(device: str) -> float:
 
 
 # --------------------------------------------------------------------------------------
-# The probes: each runs as `.ci/gpu --probe NAME --device D ARGS`, a process of its own, and
+# The probes: each runs as `.ci/gpu.py --probe NAME --device D ARGS`, a process of its own, and
 # prints its result as one JSON line. tinytp's workers import this file as spawn does, so the
 # functions that run in them (through collective_rpc) are found there too.
 # --------------------------------------------------------------------------------------
@@ -933,7 +933,7 @@ def figures(runs: dict, bandwidth: float) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog=".ci/gpu", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=".ci/gpu.py", description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: the same steps with tiny models, to test this script without a GPU")
     # one step, as a process of its own
@@ -941,7 +941,7 @@ def main() -> int:
     parser.add_argument("probe_args", nargs="?", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(".ci/gpu: error: torch sees no CUDA GPU here; use --device cpu to run the steps on CPU", file=sys.stderr)
+        print(".ci/gpu.py: error: torch sees no CUDA GPU here; use --device cpu to run the steps on CPU", file=sys.stderr)
         return 2
     if args.probe:
         print(PROBE_RESULT + json.dumps(PROBES[args.probe](args.device, **json.loads(args.probe_args))))
