@@ -2,8 +2,8 @@
 """Prove tinytp's GPU path in one run of under five minutes, on a bare GPU machine with a python3 of
 its own (a CUDA build of torch, transformers, pytest): nothing is installed.
 
-    python3 .ci/gpu.py              # on a GPU: the CUDA tests, what a decode step is made of, the 8B
-    python3 .ci/gpu.py --device cpu # the same steps on CPU with tiny models (CI runs this)
+    python3 .ci/gpu.py               # on a GPU: the steps below, the 8B's shapes
+    python3 .ci/gpu.py --device cpu  # the same steps on CPU with tiny models (CI runs this)
 
 The steps, each a process of its own within a time limit (docs/gpu.md says how to read them):
   pre-flight     one rank joins a process group as tinytp's workers do (nccl on CUDA, gloo
@@ -73,9 +73,19 @@ BUDGET_SECONDS = 280
 # Round 4 (docs/gpu.md, "The budget"): tests 50 and mission: tokens 35, from a review's estimates
 # of a fresh box; the 19 s they gained came from the pre-flight, decode step, mission: transformers,
 # cuda graphs and the one step that may be cut, transformers.
-STEP_LIMITS = {"pre-flight": 15, "tests": 50, "sdpa": 12, "decode step": 22, "tinytp": 35,
-               "mission: write": 15, "mission: cli": 18, "mission: tokens": 35,
-               "mission: transformers": 20, "cuda graphs": 22, "transformers": 16}
+STEP_LIMITS = {
+    "pre-flight": 15,
+    "tests": 50,
+    "sdpa": 12,
+    "decode step": 22,
+    "tinytp": 35,
+    "mission: write": 15,
+    "mission: cli": 18,
+    "mission: tokens": 35,
+    "mission: transformers": 20,
+    "cuda graphs": 22,
+    "transformers": 16,
+}
 OUTSIDE_THE_STEPS = 20
 assert sum(STEP_LIMITS.values()) <= BUDGET_SECONDS - OUTSIDE_THE_STEPS
 MAY_BE_CUT = {"transformers"}  # out of time there: reported, but the run still passes
@@ -87,49 +97,100 @@ CPU_SCALE = 4
 # SIGKILL (see stop_step).
 STOP_GRACE = 5
 # The steps that start tinytp's workers, which join a process group as the pre-flight does.
-JOIN_A_PROCESS_GROUP = {"tests", "decode step", "tinytp", "mission: cli", "mission: tokens", "cuda graphs"}
+JOIN_A_PROCESS_GROUP = {
+    "tests",
+    "decode step",
+    "tinytp",
+    "mission: cli",
+    "mission: tokens",
+    "cuda graphs",
+}
 
 # What each device runs: the model to benchmark, and bench.py's shape and dtype settings.
 with open(os.path.join(ROOT, "llama-3.1-8b-instruct.json")) as f:
     LLAMA_31_8B = json.load(f)
-TINY = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
-        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-        "eos_token_id": 2, "dtype": "float32"}
+TINY = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
+    "dtype": "float32",
+}
 SETTINGS = {
-    "cuda": {"model": ("Llama-3.1-8B-Instruct", LLAMA_31_8B), "dtype": "bfloat16", "batch": 8, "input": 128,
-             "output": 256, "warmup": 1, "iterations": 3},
-    "cpu": {"model": ("tiny Llama", TINY), "dtype": "float32", "batch": 2, "input": 16, "output": 8,
-            "warmup": 1, "iterations": 2},
+    "cuda": {
+        "model": ("Llama-3.1-8B-Instruct", LLAMA_31_8B),
+        "dtype": "bfloat16",
+        "batch": 8,
+        "input": 128,
+        "output": 256,
+        "warmup": 1,
+        "iterations": 3,
+    },
+    "cpu": {
+        "model": ("tiny Llama", TINY),
+        "dtype": "float32",
+        "batch": 2,
+        "input": 16,
+        "output": 8,
+        "warmup": 1,
+        "iterations": 2,
+    },
 }
 # transformers' eager decode is slower: fewer rounds fit
 HF_ITERATIONS = {"warmup": 1, "iterations": 1}
 # The mission's checkpoint: the 8B's shapes at 4 layers (checkpoints.py); on CPU also narrower.
-MISSION_CHECKPOINT = {"cuda": ["--layers", "4"],
-                      "cpu": ["--layers", "2", "--hidden-size", "128", "--intermediate-size", "256"]}
+MISSION_CHECKPOINT = {
+    "cuda": ["--layers", "4"],
+    "cpu": ["--layers", "2", "--hidden-size", "128", "--intermediate-size", "256"],
+}
 MISSION_PROMPT, MISSION_TOKENS = "What is the capital of France?", 32
 MISSION_DIR = "llama-3.1-8b-shapes"  # in the run's working directory
 PROBE_RESULT = "probe result: "  # the line with which a probe hands its JSON back
-UNPROVEN = ("Unproven on one GPU: nccl at tp=2 (the tp=2 runs here put both ranks on the one GPU, over gloo, "
-            "for function only), its speed, and a second GPU.")
+UNPROVEN = (
+    "Unproven on one GPU: nccl at tp=2 (the tp=2 runs here put both ranks on the one GPU, over "
+    "gloo, for function only), its speed, and a second GPU."
+)
 
 
 def versions(device: str) -> dict:
     import transformers
 
-    found = {"python": platform.python_version(), "torch": torch.__version__,
-             "transformers": transformers.__version__, "torch cuda": torch.version.cuda}
+    found = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch cuda": torch.version.cuda,
+    }
     if device == "cuda":
-        found.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
-                     gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
-                     cudnn=torch.backends.cudnn.version(), nccl=str(torch.cuda.nccl.version()))
+        found.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpus=torch.cuda.device_count(),
+            gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+            cudnn=torch.backends.cudnn.version(),
+            nccl=str(torch.cuda.nccl.version()),
+        )
         try:
-            found["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                             capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+            found["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.split("\n")[0]
         except (OSError, subprocess.TimeoutExpired):
             found["driver"] = None
     else:
-        found.update(cpu=platform.processor() or platform.machine(), cores=len(os.sched_getaffinity(0)))
+        found.update(
+            cpu=platform.processor() or platform.machine(), cores=len(os.sched_getaffinity(0))
+        )
     return found
 
 
@@ -178,7 +239,11 @@ def sdpa_calls(config: dict, settings: dict, device: str) -> dict:
     dtype = getattr(torch, settings["dtype"])
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim, group = config["hidden_size"] // heads, heads // kv_heads
-    batch, prompt, context = settings["batch"], settings["input"], settings["input"] + settings["output"]
+    batch, prompt, context = (
+        settings["batch"],
+        settings["input"],
+        settings["input"] + settings["output"],
+    )
 
     def random(*shape):
         return torch.randn(*shape, dtype=dtype, device=device)
@@ -189,12 +254,22 @@ def sdpa_calls(config: dict, settings: dict, device: str) -> dict:
     # [batch, kv_heads, context, head_dim]
     cache = random(batch, context, kv_heads, head_dim).transpose(1, 2)
     return {
-        "prefill": ((random(batch, heads, prompt, head_dim), random(batch, heads, prompt, head_dim),
-                     random(batch, heads, prompt, head_dim)), {"attn_mask": None, "is_causal": True}),
-        "decode": ((random(batch, kv_heads, group, head_dim), cache, cache.clone()),
-                   {"attn_mask": mask, "is_causal": False}),
-        "decode, one length": ((random(batch, kv_heads, group, head_dim), cache, cache.clone()),
-                               {"attn_mask": None, "is_causal": False}),
+        "prefill": (
+            (
+                random(batch, heads, prompt, head_dim),
+                random(batch, heads, prompt, head_dim),
+                random(batch, heads, prompt, head_dim),
+            ),
+            {"attn_mask": None, "is_causal": True},
+        ),
+        "decode": (
+            (random(batch, kv_heads, group, head_dim), cache, cache.clone()),
+            {"attn_mask": mask, "is_causal": False},
+        ),
+        "decode, one length": (
+            (random(batch, kv_heads, group, head_dim), cache, cache.clone()),
+            {"attn_mask": None, "is_causal": False},
+        ),
     }
 
 
@@ -213,7 +288,8 @@ def call_sites(config: dict, settings: dict, device: str, dtype: str) -> dict:
     rank.device = torch.device(device, 0) if device == "cuda" else torch.device(device)
     rank.dtype = getattr(torch, dtype)
     one_layer = config_from_dict({**config, "num_hidden_layers": 1})
-    # dummy: no directory; eager, as on a GPU (on one CPU rank a compiled step's rows are all masked)
+    # dummy: no directory; eager, as on a GPU (on one CPU rank a compiled step's rows are all
+    # masked)
     rank.load_model(one_layer, None, context, batch, load_format="dummy", enforce_eager=True)
     # Worker.init_kv_cache's blocks, random (its zeros would make every output zero), without its
     # question to a process group (this process joins none); request i in the blocks after block 0
@@ -226,9 +302,20 @@ def call_sites(config: dict, settings: dict, device: str, dtype: str) -> dict:
     layer, hidden = rank.model.layers[0].self_attn, config["hidden_size"]
 
     def rows(*requests):  # (tokens cached, tokens this step) of requests 0, 1, ...
-        return [(CachedRequest([0] * (cached + n), cached,
-                               list(range(1 + i * per_request, 1 + (i + 1) * per_request)), SamplingParams(), None), n)
-                for i, (cached, n) in enumerate(requests)]
+        return [
+            (
+                CachedRequest(
+                    [0] * (cached + n),
+                    cached,
+                    list(range(1 + i * per_request, 1 + (i + 1) * per_request)),
+                    SamplingParams(),
+                    None,
+                ),
+                n,
+            )
+            for i, (cached, n) in enumerate(requests)
+        ]
+
     different = [(prompt + i, 1) for i in range(batch)]  # decodes of different lengths
     longest = max(cached for cached, _ in different)
     sites = {
@@ -237,23 +324,34 @@ def call_sites(config: dict, settings: dict, device: str, dtype: str) -> dict:
         "decode, rows of different lengths, masked": (rows(*different), None),
         # as Worker.cuda_graph_step: every request a row, a power of two of positions
         "fixed-shape decode step (CUDA graphs' shape), masked": (
-            rows(*different), min(context, max(16, 1 << longest.bit_length()))),
+            rows(*different),
+            min(context, max(16, 1 << longest.bit_length())),
+        ),
         "a prompt's later chunk beside decodes, masked": (
-            rows(*different[:-1], (prompt // 2, prompt - prompt // 2)), None),
+            rows(*different[:-1], (prompt // 2, prompt - prompt // 2)),
+            None,
+        ),
     }
 
     def runner(scheduled, context_len):
         inputs = rank.prepare_inputs(scheduled, context_len)
-        x = torch.randn(len(inputs.input_ids), hidden, generator=generator, device=rank.device,
-                        dtype=rank.dtype)
+        x = torch.randn(
+            len(inputs.input_ids), hidden, generator=generator, device=rank.device, dtype=rank.dtype
+        )
         cos, sin = rank.model.rope_table[:, inputs.positions]
         return lambda: layer(x, cos, sin, rank.kv_caches[0], inputs)
+
     return {site: runner(*args) for site, args in sites.items()}
 
 
 def attention_operators(profile) -> list[str]:
-    return sorted({e.name for e in profile.events() if e.name.startswith("aten::_")
-                   and ("attention" in e.name or "attn" in e.name)})
+    return sorted(
+        {
+            e.name
+            for e in profile.events()
+            if e.name.startswith("aten::_") and ("attention" in e.name or "attn" in e.name)
+        }
+    )
 
 
 def probe_call_sites(config: dict, settings: dict, device: str, dtype: str) -> dict:
@@ -274,10 +372,15 @@ def probe_call_sites(config: dict, settings: dict, device: str, dtype: str) -> d
             out = sdpa(*args, **kwargs)
             layouts["contiguous" if out.is_contiguous() else "other layouts"] += 1
             return out
+
         try:
             with mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", recording):
-                with torch.inference_mode(), torch.profiler.profile(
-                        activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                with (
+                    torch.inference_mode(),
+                    torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CPU]
+                    ) as profile,
+                ):
                     out = run().float()
             with torch.inference_mode(), sdpa_kernel(SDPBackend.MATH):
                 unfused = run().float()
@@ -285,9 +388,14 @@ def probe_call_sites(config: dict, settings: dict, device: str, dtype: str) -> d
             found[f"{site}, {dtype}"] = {"ok": False, "why": [str(e).split("\n")[0]]}
             continue
         difference = ((out - unfused).abs().max() / unfused.abs().max()).item()
-        found[f"{site}, {dtype}"] = {"ok": True, "operators": attention_operators(profile),
-                                     "outputs": dict(layouts), "largest_difference": difference,
-                                     "tolerance": tolerance, "agrees": difference <= tolerance}
+        found[f"{site}, {dtype}"] = {
+            "ok": True,
+            "operators": attention_operators(profile),
+            "outputs": dict(layouts),
+            "largest_difference": difference,
+            "tolerance": tolerance,
+            "agrees": difference <= tolerance,
+        }
     if device == "cuda":
         torch.cuda.empty_cache()
     return found
@@ -314,30 +422,52 @@ def probe_sdpa(device: str, config: dict, settings: dict) -> dict:
     for way in ["tinytp", *backends, "pytorch"]:
         for call, (args, kwargs) in calls.items():
             every = [getattr(SDPBackend, b) for b in backends]
-            choice = (sdpa_kernel(getattr(SDPBackend, way)) if way in backends
-                      else sdpa_kernel(every) if way == "pytorch" else contextlib.nullcontext())
+            choice = (
+                sdpa_kernel(getattr(SDPBackend, way))
+                if way in backends
+                else sdpa_kernel(every)
+                if way == "pytorch"
+                else contextlib.nullcontext()
+            )
             with choice, warnings.catch_warnings(record=True) as reasons:
                 warnings.simplefilter("always")
                 try:
-                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                    with torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CPU]
+                    ) as profile:
                         sdpa(*args, **kwargs)
                     seconds = best_seconds(lambda: sdpa(*args, **kwargs), device)
                 except RuntimeError as e:
-                    why = [str(w.message).split("\n")[0] for w in reasons] or [str(e).split("\n")[0]]
+                    why = [str(w.message).split("\n")[0] for w in reasons] or [
+                        str(e).split("\n")[0]
+                    ]
                     runs[call][way] = {"ok": False, "why": why[:2]}
                     continue
-            runs[call][way] = {"ok": True, "ms": seconds * 1e3,
-                               "operators": attention_operators(profile)}
+            runs[call][way] = {
+                "ok": True,
+                "ms": seconds * 1e3,
+                "operators": attention_operators(profile),
+            }
     kernels = {}
     for call, ran in runs.items():
         kernels[call] = {"alone": {backend: ran[backend] for backend in backends}}
         for choice in ("pytorch", "tinytp"):
-            same = [b for b in backends if ran[b]["ok"] and ran[b]["operators"] == ran[choice].get("operators")]
+            same = [
+                b
+                for b in backends
+                if ran[b]["ok"] and ran[b]["operators"] == ran[choice].get("operators")
+            ]
             kernels[call][choice] = {**ran[choice], "backend": same[0] if same else None}
     for site in sites.values():  # the backends whose operators a site ran
-        site["backends"] = [b for b in backends if site["ok"] and any(
-            ran[b]["ok"] and set(ran[b]["operators"]) <= set(site["operators"])
-            for ran in runs.values())]
+        site["backends"] = [
+            b
+            for b in backends
+            if site["ok"]
+            and any(
+                ran[b]["ok"] and set(ran[b]["operators"]) <= set(site["operators"])
+                for ran in runs.values()
+            )
+        ]
     return {"call sites": sites, "kernels": kernels}
 
 
@@ -357,6 +487,7 @@ def profile_next_decode_step(worker) -> None:  # run in the worker, through coll
             output = run_step(scheduler_output)  # it ends with .tolist(): the GPU has finished
         worker.step_profile = device_activity(profile.events(), worker.device.type)
         return output
+
     worker.execute_model = profiled
 
 
@@ -376,9 +507,15 @@ def device_activity(events, device_type: str) -> dict:
             gaps.append(start - reached)
         busy += max(0.0, end - max(start, reached))
         reached = max(reached, end)
-    return {"kernels": len(spans), "kernel_ms": sum(end - start for start, end in spans) / 1e3,
-            "busy_ms": busy / 1e3, "span_ms": (reached - first) / 1e3, "idle_ms": sum(gaps) / 1e3,
-            "idle_gaps": len(gaps), "largest_gap_ms": max(gaps, default=0.0) / 1e3}
+    return {
+        "kernels": len(spans),
+        "kernel_ms": sum(end - start for start, end in spans) / 1e3,
+        "busy_ms": busy / 1e3,
+        "span_ms": (reached - first) / 1e3,
+        "idle_ms": sum(gaps) / 1e3,
+        "idle_gaps": len(gaps),
+        "largest_gap_ms": max(gaps, default=0.0) / 1e3,
+    }
 
 
 def step_profile(worker) -> dict:  # run in the worker, through collective_rpc
@@ -395,13 +532,27 @@ def matmul_floor(config: dict, settings: dict, device: str, bandwidth: float) ->
     layer's weights serve every layer: each matrix is far larger than the GPU's L2 cache, so
     every pass reads it from memory again."""
     dtype, batch = getattr(torch, settings["dtype"]), settings["batch"]
-    hidden, inter, heads = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"]
+    hidden, inter, heads = (
+        config["hidden_size"],
+        config["intermediate_size"],
+        config["num_attention_heads"],
+    )
     head_dim = hidden // heads
     q_and_kv = (heads + 2 * config["num_key_value_heads"]) * head_dim
-    layer = [torch.randn(shape, dtype=dtype, device=device) for shape in
-             [(q_and_kv, hidden), (hidden, heads * head_dim), (2 * inter, hidden), (hidden, inter)]]
+    layer = [
+        torch.randn(shape, dtype=dtype, device=device)
+        for shape in [
+            (q_and_kv, hidden),
+            (hidden, heads * head_dim),
+            (2 * inter, hidden),
+            (hidden, inter),
+        ]
+    ]
     head = torch.randn(config["vocab_size"], hidden, dtype=dtype, device=device)
-    inputs = {size: torch.randn(batch, size, dtype=dtype, device=device) for size in {hidden, heads * head_dim, inter}}
+    inputs = {
+        size: torch.randn(batch, size, dtype=dtype, device=device)
+        for size in {hidden, heads * head_dim, inter}
+    }
 
     def matmuls():
         for _ in range(config["num_hidden_layers"]):
@@ -411,9 +562,12 @@ def matmul_floor(config: dict, settings: dict, device: str, bandwidth: float) ->
 
     weight_bytes = config["num_hidden_layers"] * sum(w.nbytes for w in layer) + head.nbytes
     seconds = best_seconds(matmuls, device)
-    return {"matmul_ms": seconds * 1e3, "weight_bytes": weight_bytes,
-            "read_rate_floor_ms": weight_bytes / bandwidth * 1e3,
-            "matmul_read_gbps": weight_bytes / seconds / 1e9}
+    return {
+        "matmul_ms": seconds * 1e3,
+        "weight_bytes": weight_bytes,
+        "read_rate_floor_ms": weight_bytes / bandwidth * 1e3,
+        "matmul_read_gbps": weight_bytes / seconds / 1e9,
+    }
 
 
 def time_decode_steps(worker) -> None:  # run in the workers, through collective_rpc
@@ -428,6 +582,7 @@ def time_decode_steps(worker) -> None:  # run in the workers, through collective
         if not scheduler_output.new_requests:  # a prefill: not a decode step
             worker.decode_seconds.append(time.perf_counter() - start)
         return output
+
     worker.execute_model = timed
 
 
@@ -451,20 +606,36 @@ def probe_decode_step(device: str, config: dict, settings: dict, bandwidth: floa
     with tempfile.TemporaryDirectory(prefix="tinytp-ci-gpu-") as model_dir:
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(config, f)
-        prompts = np.random.default_rng(0).integers(config["vocab_size"], size=(settings["batch"], settings["input"]))
-        with tinytp.LLM(model_dir, 1, device, settings["dtype"], max_num_seqs=settings["batch"],
-                 max_model_len=settings["input"] + settings["output"], load_format="dummy") as llm:
+        prompts = np.random.default_rng(0).integers(
+            config["vocab_size"], size=(settings["batch"], settings["input"])
+        )
+        with tinytp.LLM(
+            model_dir,
+            1,
+            device,
+            settings["dtype"],
+            max_num_seqs=settings["batch"],
+            max_model_len=settings["input"] + settings["output"],
+            load_format="dummy",
+        ) as llm:
             params = tinytp.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
             # warm-up: the first steps pay for setup
             llm.generate(prompts.tolist(), params, use_tqdm=False)
             _, worker_seconds = generate_timed(llm, prompts.tolist(), params)
             llm.collective_rpc(profile_next_decode_step)
-            llm.generate(prompts.tolist(), tinytp.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                         use_tqdm=False)
+            llm.generate(
+                prompts.tolist(),
+                tinytp.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                use_tqdm=False,
+            )
             profile = llm.collective_rpc(step_profile)[0]
             peak = llm.collective_rpc(peak_gpu_memory)
-    return {"step_ms": float(np.median(worker_seconds)) * 1e3, "profiled_step": profile,
-            "peak_memory_per_rank": peak, **matmul_floor(config, settings, device, bandwidth)}
+    return {
+        "step_ms": float(np.median(worker_seconds)) * 1e3,
+        "profiled_step": profile,
+        "peak_memory_per_rank": peak,
+        **matmul_floor(config, settings, device, bandwidth),
+    }
 
 
 class EveryRankOnGPU0(tinytp.Executor):
@@ -488,17 +659,36 @@ def probe_mission_tokens(device: str, model_dir: str, results_path: str) -> dict
     found = {}
     for tp in (1, 2):
         one_gpu = device == "cuda" and torch.cuda.device_count() < tp
-        with mock.patch.object(torch.cuda, "device_count", return_value=tp) if one_gpu else contextlib.nullcontext():
-            llm = tinytp.LLM(model_dir, tp, device, distributed_executor_backend=EveryRankOnGPU0 if one_gpu else "mp")
+        with (
+            mock.patch.object(torch.cuda, "device_count", return_value=tp)
+            if one_gpu
+            else contextlib.nullcontext()
+        ):
+            llm = tinytp.LLM(
+                model_dir,
+                tp,
+                device,
+                distributed_executor_backend=EveryRankOnGPU0 if one_gpu else "mp",
+            )
         with llm:
-            chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": MISSION_PROMPT}], tokenize=False,
-                                                     add_generation_prompt=True)
+            chat = llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": MISSION_PROMPT}],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
             prompt = llm.tokenizer(chat, add_special_tokens=False).input_ids
-            output = llm.generate([prompt], tinytp.SamplingParams(temperature=0, max_tokens=MISSION_TOKENS),
-                                  use_tqdm=False)[0].outputs[0]
-            found[f"tp={tp}"] = {"ranks": llm.collective_rpc(placement),
-                                 "prompt_ids": prompt, "token_ids": output.token_ids, "text": output.text,
-                                 "peak_memory_per_rank": llm.collective_rpc(peak_gpu_memory)}
+            output = llm.generate(
+                [prompt],
+                tinytp.SamplingParams(temperature=0, max_tokens=MISSION_TOKENS),
+                use_tqdm=False,
+            )[0].outputs[0]
+            found[f"tp={tp}"] = {
+                "ranks": llm.collective_rpc(placement),
+                "prompt_ids": prompt,
+                "token_ids": output.token_ids,
+                "text": output.text,
+                "peak_memory_per_rank": llm.collective_rpc(peak_gpu_memory),
+            }
     with open(results_path, "w") as f:
         json.dump(found, f)
     return found
@@ -519,15 +709,26 @@ def probe_mission_transformers(device: str, model_dir: str, results_path: str) -
     for name, run in runs.items():
         prompt, generated = run["prompt_ids"], run["token_ids"]
         with torch.no_grad():
-            logits = {dtype: model(torch.tensor([prompt + generated], device=device)).logits[0].float()
-                      for dtype, model in models.items()}
+            logits = {
+                dtype: model(torch.tensor([prompt + generated], device=device)).logits[0].float()
+                for dtype, model in models.items()
+            }
         # the rows that chose each generated token
-        reference = logits[torch.float32][len(prompt) - 1:-1]
+        reference = logits[torch.float32][len(prompt) - 1 : -1]
         tolerance = 2 * (logits[torch.bfloat16] - logits[torch.float32]).abs().max().item()
-        gaps = reference.max(dim=-1).values - reference[torch.arange(len(generated)), torch.tensor(generated)]
-        found[name] = {"tokens": len(generated), "tolerance": tolerance, "largest_gap": gaps.max().item(),
-                       "passed": bool(gaps.max().item() <= tolerance),
-                       "equal_to_float32_argmax": int((reference.argmax(-1).cpu() == torch.tensor(generated)).sum())}
+        gaps = (
+            reference.max(dim=-1).values
+            - reference[torch.arange(len(generated)), torch.tensor(generated)]
+        )
+        found[name] = {
+            "tokens": len(generated),
+            "tolerance": tolerance,
+            "largest_gap": gaps.max().item(),
+            "passed": bool(gaps.max().item() <= tolerance),
+            "equal_to_float32_argmax": int(
+                (reference.argmax(-1).cpu() == torch.tensor(generated)).sum()
+            ),
+        }
     if not all(run["passed"] for run in found.values()):
         raise SystemExit(f"tokens beyond transformers' tolerance: {json.dumps(found)}")
     return found
@@ -548,6 +749,7 @@ def record_steps(worker) -> None:  # run in the workers, through collective_rpc
     def recording_prepare_inputs(scheduled, context_len=None):  # once a step, a replayed one too
         worker.recorded["attended"].append(context_len)
         return prepare_inputs(scheduled, context_len)
+
     worker.sample, worker.prepare_inputs = recording_sample, recording_prepare_inputs
 
 
@@ -571,11 +773,16 @@ def timed_then_recorded(llm, prompts: list, params, record: bool = True) -> dict
     of a step)."""
     llm.generate(prompts, params, use_tqdm=False)
     _, seconds = generate_timed(llm, prompts, params)
-    run = {"step_ms": statistics.median(seconds) * 1e3, "captured_lengths": llm.collective_rpc(captured_lengths)[0]}
+    run = {
+        "step_ms": statistics.median(seconds) * 1e3,
+        "captured_lengths": llm.collective_rpc(captured_lengths)[0],
+    }
     if record:
         llm.collective_rpc(record_steps)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        run.update(llm.collective_rpc(recorded_steps)[0], tokens=[o.outputs[0].token_ids for o in outputs])
+        run.update(
+            llm.collective_rpc(recorded_steps)[0], tokens=[o.outputs[0].token_ids for o in outputs]
+        )
     return run
 
 
@@ -584,23 +791,36 @@ def compare_steps(tested: dict, reference: dict) -> dict:
     give equal logits, bit for bit, so any difference is an input the step did not get (a
     stale mask, position or token), however small, and long before the tokens part."""
     if tested["attended"] != reference["attended"]:
-        raise ValueError(f"the runs' steps differ in shape: {tested['attended']} against {reference['attended']}")
+        raise ValueError(
+            f"the runs' steps differ in shape: {tested['attended']} against {reference['attended']}"
+        )
     pairs = list(zip(tested["logits"], reference["logits"], strict=True))
     differing = [step for step, (a, b) in enumerate(pairs) if not torch.equal(a, b)]
-    attended = collections.Counter("prefill" if length is None else str(length) for length in tested["attended"])
-    return {"logits_equal": not differing, "steps_compared": dict(attended), "steps_differing": len(differing),
-            "first_differing_step": differing[0] if differing else None,
-            "largest_logit_difference": max((a - b).abs().max().item() for a, b in pairs),
-            "largest_logit": max(b.abs().max().item() for _, b in pairs),
-            "tokens_equal": tested["tokens"] == reference["tokens"]}
+    attended = collections.Counter(
+        "prefill" if length is None else str(length) for length in tested["attended"]
+    )
+    return {
+        "logits_equal": not differing,
+        "steps_compared": dict(attended),
+        "steps_differing": len(differing),
+        "first_differing_step": differing[0] if differing else None,
+        "largest_logit_difference": max((a - b).abs().max().item() for a, b in pairs),
+        "largest_logit": max(b.abs().max().item() for _, b in pairs),
+        "tokens_equal": tested["tokens"] == reference["tokens"],
+    }
 
 
 # Prompts and greedy tokens: decode contexts of 101 to 140 positions, so that the fixed-shape step
 # attends over 128, then 256 (on CPU, where one step is slower, 13 to 20: over 16, then 32).
-GRAPH_RUN = {"cuda": {"prompt_length": 100, "tokens": 40}, "cpu": {"prompt_length": 12, "tokens": 8}}
+GRAPH_RUN = {
+    "cuda": {"prompt_length": 100, "tokens": 40},
+    "cpu": {"prompt_length": 12, "tokens": 8},
+}
 
 
-def probe_cuda_graphs(device: str, model_dir: str, batch: int, prompt_length: int, tokens: int) -> dict:
+def probe_cuda_graphs(
+    device: str, model_dir: str, batch: int, prompt_length: int, tokens: int
+) -> dict:
     """LLM(cuda_graphs=True) on the mission's checkpoint at tp=1, in one engine (init_kv_cache
     again switches the way: one load fits the step's time), on random prompts, greedy: every
     step of the graphs against the same fixed-shape step run eagerly, and the decode step's time
@@ -613,18 +833,26 @@ def probe_cuda_graphs(device: str, model_dir: str, batch: int, prompt_length: in
     prompts = np.random.default_rng(0).integers(vocab_size, size=(batch, prompt_length)).tolist()
     params = tinytp.SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     runs = {}
-    with tinytp.LLM(model_dir, 1, device, max_num_seqs=batch, max_model_len=256, cuda_graphs=device == "cuda") as llm:
+    with tinytp.LLM(
+        model_dir, 1, device, max_num_seqs=batch, max_model_len=256, cuda_graphs=device == "cuda"
+    ) as llm:
         for way in ("cuda graphs", "fixed shape, eager", "eager"):
             # a fresh cache (the prefix cache forgotten with it), and no graphs yet
             kv = llm.scheduler.kv_cache_manager
-            llm.collective_rpc("init_kv_cache", args=(kv.num_blocks, kv.block_size, batch, way != "eager"))
+            llm.collective_rpc(
+                "init_kv_cache", args=(kv.num_blocks, kv.block_size, batch, way != "eager")
+            )
             assert llm.reset_prefix_cache()
             if way == "fixed shape, eager":
                 llm.collective_rpc(without_graphs)
             runs[way] = timed_then_recorded(llm, prompts, params, record=way != "eager")
     graphs = runs["cuda graphs"]
-    return {**compare_steps(graphs, runs["fixed shape, eager"]), "captured_lengths": graphs["captured_lengths"],
-            "step_ms": {way: run["step_ms"] for way, run in runs.items()}, "tokens": tokens}
+    return {
+        **compare_steps(graphs, runs["fixed shape, eager"]),
+        "captured_lengths": graphs["captured_lengths"],
+        "step_ms": {way: run["step_ms"] for way, run in runs.items()},
+        "tokens": tokens,
+    }
 
 
 def probe_pre_flight(device: str) -> dict:
@@ -644,9 +872,14 @@ def probe_pre_flight(device: str) -> dict:
         rank.close()
 
 
-PROBES = {"pre-flight": probe_pre_flight, "sdpa": probe_sdpa, "decode step": probe_decode_step,
-          "mission: tokens": probe_mission_tokens, "mission: transformers": probe_mission_transformers,
-          "cuda graphs": probe_cuda_graphs}
+PROBES = {
+    "pre-flight": probe_pre_flight,
+    "sdpa": probe_sdpa,
+    "decode step": probe_decode_step,
+    "mission: tokens": probe_mission_tokens,
+    "mission: transformers": probe_mission_transformers,
+    "cuda graphs": probe_cuda_graphs,
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -672,7 +905,11 @@ def group_pids(group: int) -> list[int]:
 def shm_blocks_of(pids: set[int]) -> list[str]:
     """The shared-memory blocks that these processes made and did not unlink: tinytp names each
     after its maker."""
-    return sorted(name for name in os.listdir("/dev/shm") if any(name.startswith(f"tinytp_{pid}_") for pid in pids))
+    return sorted(
+        name
+        for name in os.listdir("/dev/shm")
+        if any(name.startswith(f"tinytp_{pid}_") for pid in pids)
+    )
 
 
 def stop_step(process: subprocess.Popen) -> tuple[str, str, str]:
@@ -686,7 +923,9 @@ def stop_step(process: subprocess.Popen) -> tuple[str, str, str]:
         with contextlib.suppress(ProcessLookupError):  # the group has ended already
             os.killpg(process.pid, stop)
         try:
-            stdout, stderr = process.communicate(timeout=None if stop == signal.SIGKILL else STOP_GRACE)
+            stdout, stderr = process.communicate(
+                timeout=None if stop == signal.SIGKILL else STOP_GRACE
+            )
             return stdout, stderr, stop.name
         except subprocess.TimeoutExpired:
             continue
@@ -707,16 +946,26 @@ class Steps:
         """("passed", or what went wrong; its stdout), its stderr kept in the log."""
         print(f"\n=== {name}: {' '.join(command)}", flush=True)
         # Its own limit, or what is left of the budget after the time to stop it
-        limit = min(STEP_LIMITS[name] * self.scale, self.deadline - time.monotonic() - 2 * STOP_GRACE)
-        if name in JOIN_A_PROCESS_GROUP and self.not_run or limit < 5:
-            outcome = f"not run: {self.not_run if name in JOIN_A_PROCESS_GROUP and self.not_run else 'out of budget'}"
+        limit = min(
+            STEP_LIMITS[name] * self.scale, self.deadline - time.monotonic() - 2 * STOP_GRACE
+        )
+        skipped = self.not_run if name in JOIN_A_PROCESS_GROUP else None
+        if skipped or limit < 5:
+            outcome = f"not run: {skipped or 'out of budget'}"
             print(outcome, flush=True)
             return outcome, ""
         start = time.monotonic()
         # A session (and process group) of its own, so that a step out of time is stopped with its
         # workers: they would hold its output pipes open, and a stuck one would hang us.
-        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True, env=env)
+        process = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=env,
+        )
         # of shared-memory blocks: tinytp's driver, which is the step's own process
         makers = {process.pid}
         try:
@@ -729,31 +978,72 @@ class Steps:
         left = shm_blocks_of(makers)
         if left:
             outcome += f"; it left {len(left)} blocks in /dev/shm ({', '.join(left)})"
-        print("\n".join(line for line in stdout.splitlines() if not line.startswith(PROBE_RESULT)), flush=True)
+        print(
+            "\n".join(line for line in stdout.splitlines() if not line.startswith(PROBE_RESULT)),
+            flush=True,
+        )
         # tqdm's progress bars fill stderr: shown only when something went wrong
         if outcome != "passed":
             print(stderr[-3000:], end="", flush=True)
-        print(f"{name}: {outcome} after {time.monotonic() - start:.0f} s of its {limit:.0f}", flush=True)
+        print(
+            f"{name}: {outcome} after {time.monotonic() - start:.0f} s of its {limit:.0f}",
+            flush=True,
+        )
         if self.out:
-            with open(os.path.join(self.out, f"{name.replace(': ', '-').replace(' ', '-')}.log"), "w") as f:
+            with open(
+                os.path.join(self.out, f"{name.replace(': ', '-').replace(' ', '-')}.log"), "w"
+            ) as f:
                 f.write(f"$ {' '.join(command)}\n{stdout}\n--- stderr ---\n{stderr}")
         return outcome, stdout
 
     def probe(self, name: str, device: str, env: dict | None = None, **kwargs) -> dict:
-        outcome, stdout = self.run(name, [sys.executable, os.path.abspath(__file__), "--device", device,
-                                          "--probe", name, json.dumps(kwargs)], env)
+        outcome, stdout = self.run(
+            name,
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--device",
+                device,
+                "--probe",
+                name,
+                json.dumps(kwargs),
+            ],
+            env,
+        )
         if outcome != "passed":
             return {"error": outcome}
-        return json.loads(next(line for line in stdout.splitlines() if line.startswith(PROBE_RESULT))
-                          [len(PROBE_RESULT):])
+        return json.loads(
+            next(line for line in stdout.splitlines() if line.startswith(PROBE_RESULT))[
+                len(PROBE_RESULT) :
+            ]
+        )
 
 
 def run_tests(steps: Steps) -> dict:
     start = time.monotonic()
-    outcome, stdout = steps.run("tests", [sys.executable, "-m", "pytest", "test_tinytp.py", "-k", "test_cuda_",
-                                          "-q", "-rs", "-p", "no:cacheprovider"])
-    summary = next((line.strip("= ") for line in reversed(stdout.splitlines())
-                    if re.search(r"\d+ (passed|failed|skipped|error)", line)), "")
+    outcome, stdout = steps.run(
+        "tests",
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "test_tinytp.py",
+            "-k",
+            "test_cuda_",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+        ],
+    )
+    summary = next(
+        (
+            line.strip("= ")
+            for line in reversed(stdout.splitlines())
+            if re.search(r"\d+ (passed|failed|skipped|error)", line)
+        ),
+        "",
+    )
     found = {"summary": summary, "seconds": time.monotonic() - start}
     return found if outcome == "passed" else {**found, "error": outcome}
 
@@ -761,22 +1051,49 @@ def run_tests(steps: Steps) -> dict:
 # transformers' benchmark runs in a process that first chooses tinytp's attention backends, as
 # tinytp's workers do: both runs' attention takes the same kernels (on CUDA; on CPU it changes
 # nothing).
-BENCH_WITH_TINYTPS_ATTENTION = ["-c", "import sys, bench, worker; worker.choose_cuda_attention_backends(); "
-                                      "sys.exit(bench.main())"]
+BENCH_WITH_TINYTPS_ATTENTION = [
+    "-c",
+    "import sys, bench, worker; worker.choose_cuda_attention_backends(); sys.exit(bench.main())",
+]
 
 
-def run_bench(steps: Steps, name: str, backend: str, config: dict, device: str, settings: dict,
-              workdir: str) -> dict:
+def run_bench(
+    steps: Steps, name: str, backend: str, config: dict, device: str, settings: dict, workdir: str
+) -> dict:
     config_path = os.path.join(workdir, f"{name.replace(' ', '-')}.json")
     results_path = config_path.replace(".json", "-results.json")
     with open(config_path, "w") as f:
         json.dump(config, f)
     program = ["bench.py"] if backend == "tinytp" else BENCH_WITH_TINYTPS_ATTENTION
-    outcome, _ = steps.run(name, [
-        sys.executable, *program, "--config", config_path, "--backend", backend, "--device", device, "--tp", "1",
-        "--dtype", settings["dtype"], "--batch-size", str(settings["batch"]), "--input-len", str(settings["input"]),
-        "--output-len", str(settings["output"]), "--num-iters-warmup", str(settings["warmup"]),
-        "--num-iters", str(settings["iterations"]), "--output-json", results_path])
+    outcome, _ = steps.run(
+        name,
+        [
+            sys.executable,
+            *program,
+            "--config",
+            config_path,
+            "--backend",
+            backend,
+            "--device",
+            device,
+            "--tp",
+            "1",
+            "--dtype",
+            settings["dtype"],
+            "--batch-size",
+            str(settings["batch"]),
+            "--input-len",
+            str(settings["input"]),
+            "--output-len",
+            str(settings["output"]),
+            "--num-iters-warmup",
+            str(settings["warmup"]),
+            "--num-iters",
+            str(settings["iterations"]),
+            "--output-json",
+            results_path,
+        ],
+    )
     if outcome != "passed":
         return {"error": outcome}
     with open(results_path) as f:
@@ -785,38 +1102,93 @@ def run_bench(steps: Steps, name: str, backend: str, config: dict, device: str, 
 
 def run_mission(steps: Steps, device: str, workdir: str) -> dict:
     """The mission's command in spirit, on a checkpoint written here."""
-    model_dir, results_path = os.path.join(workdir, MISSION_DIR), os.path.join(workdir, "mission.json")
-    outcome, _ = steps.run("mission: write", [sys.executable, "checkpoints.py", "llama-3.1-8b-shapes", model_dir,
-                                              *MISSION_CHECKPOINT[device]])
+    model_dir, results_path = (
+        os.path.join(workdir, MISSION_DIR),
+        os.path.join(workdir, "mission.json"),
+    )
+    outcome, _ = steps.run(
+        "mission: write",
+        [
+            sys.executable,
+            "checkpoints.py",
+            "llama-3.1-8b-shapes",
+            model_dir,
+            *MISSION_CHECKPOINT[device],
+        ],
+    )
     if outcome != "passed":
         return {"error": f"writing the checkpoint: {outcome}"}
-    outcome, stdout = steps.run("mission: cli", [sys.executable, "tinytp.py", "--device", device, "--model",
-                                                 model_dir, "--prompt", MISSION_PROMPT,
-                                                 "--max-tokens", str(MISSION_TOKENS), "--temperature", "0"])
-    cli = ({"text": stdout.split("\nOutput: ", 1)[1].removesuffix("\n")}
-           if outcome == "passed" and "\nOutput: " in stdout else {"error": outcome})
+    outcome, stdout = steps.run(
+        "mission: cli",
+        [
+            sys.executable,
+            "tinytp.py",
+            "--device",
+            device,
+            "--model",
+            model_dir,
+            "--prompt",
+            MISSION_PROMPT,
+            "--max-tokens",
+            str(MISSION_TOKENS),
+            "--temperature",
+            "0",
+        ],
+    )
+    cli = (
+        {"text": stdout.split("\nOutput: ", 1)[1].removesuffix("\n")}
+        if outcome == "passed" and "\nOutput: " in stdout
+        else {"error": outcome}
+    )
     tokens = steps.probe("mission: tokens", device, model_dir=model_dir, results_path=results_path)
-    checked = (steps.probe("mission: transformers", device, model_dir=model_dir, results_path=results_path)
-               if "error" not in tokens else {"error": "no tokens to check"})
+    checked = (
+        steps.probe("mission: transformers", device, model_dir=model_dir, results_path=results_path)
+        if "error" not in tokens
+        else {"error": "no tokens to check"}
+    )
     if "error" not in cli and "error" not in tokens:
         cli["same_text_as_tp=1"] = cli["text"] == tokens["tp=1"]["text"]
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
-    return {"checkpoint": {key: config[key] for key in ("num_hidden_layers", "hidden_size", "vocab_size",
-                                                        "num_attention_heads", "num_key_value_heads", "rope_scaling")},
-            "cli": cli, "tokens": tokens, "transformers": checked}
+    return {
+        "checkpoint": {
+            key: config[key]
+            for key in (
+                "num_hidden_layers",
+                "hidden_size",
+                "vocab_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "rope_scaling",
+            )
+        },
+        "cli": cli,
+        "tokens": tokens,
+        "transformers": checked,
+    }
 
 
 def passed(report: dict) -> bool:
     mission, sdpa, graphs = report["mission"], report["sdpa"], report["cuda_graphs"]
-    failures = [*("error" in report[step] for step in ("pre_flight", "tests", "decode_step")), "error" in sdpa,
-                *(not call["tinytp"]["ok"] for call in sdpa.get("kernels", {}).values()),
-                *(not site["ok"] or not site["agrees"]
-                  for site in sdpa.get("call sites", {}).values()),
-                *("error" in run for name, run in report["runs"].items() if name not in MAY_BE_CUT),
-                *("error" in part for part in (mission, mission.get("cli", {}), mission.get("tokens", {}),
-                                               mission.get("transformers", {}), graphs)),
-                mission.get("cli", {}).get("same_text_as_tp=1") is False, graphs.get("logits_equal") is False]
+    failures = [
+        *("error" in report[step] for step in ("pre_flight", "tests", "decode_step")),
+        "error" in sdpa,
+        *(not call["tinytp"]["ok"] for call in sdpa.get("kernels", {}).values()),
+        *(not site["ok"] or not site["agrees"] for site in sdpa.get("call sites", {}).values()),
+        *("error" in run for name, run in report["runs"].items() if name not in MAY_BE_CUT),
+        *(
+            "error" in part
+            for part in (
+                mission,
+                mission.get("cli", {}),
+                mission.get("tokens", {}),
+                mission.get("transformers", {}),
+                graphs,
+            )
+        ),
+        mission.get("cli", {}).get("same_text_as_tp=1") is False,
+        graphs.get("logits_equal") is False,
+    ]
     return not any(failures)
 
 
@@ -830,51 +1202,83 @@ def describe(report: dict, model_name: str) -> str:
     """The report: what each step found, in a few lines each."""
     bandwidth = report["read_bandwidth_gbps"] * 1e9
     pre_flight = report["pre_flight"]
-    lines = [f"memory read rate (a sum over a large tensor): {bandwidth / 1e9:,.0f} GB/s",
-             f"pre-flight: {pre_flight.get('error') or 'a 1-rank all-reduce over ' + pre_flight['backend']}", ""]
+    joined = pre_flight.get("error") or f"a 1-rank all-reduce over {pre_flight['backend']}"
+    lines = [
+        f"memory read rate (a sum over a large tensor): {bandwidth / 1e9:,.0f} GB/s",
+        f"pre-flight: {joined}",
+        "",
+    ]
 
     def ran(choice: dict) -> str:
-        return (f"{choice['backend'] or 'no one backend'} ({choice['ms']:.3f} ms)" if choice["ok"]
-                else "nothing (failed)")
+        return (
+            f"{choice['backend'] or 'no one backend'} ({choice['ms']:.3f} ms)"
+            if choice["ok"]
+            else "nothing (failed)"
+        )
+
     for site, found in report["sdpa"].get("call sites", {}).items():
-        lines.append(f"sdpa at model.py's call site {site}: " + (
-            f"{' and '.join(found['backends']) or 'no one backend'}, SDPA's outputs "
-            + ", ".join(f"{count} {layout}" for layout, count in found["outputs"].items())
-            + f"; within {found['largest_difference']:.2g} of the unfused kernel (tolerance "
-            f"{found['tolerance']:g}): {'agrees' if found['agrees'] else 'DIFFERS'}"
-            if found["ok"] else f"FAILED ({'; '.join(found['why'])})"))
+        lines.append(
+            f"sdpa at model.py's call site {site}: "
+            + (
+                f"{' and '.join(found['backends']) or 'no one backend'}, SDPA's outputs "
+                + ", ".join(f"{count} {layout}" for layout, count in found["outputs"].items())
+                + f"; within {found['largest_difference']:.2g} of the unfused kernel (tolerance "
+                f"{found['tolerance']:g}): {'agrees' if found['agrees'] else 'DIFFERS'}"
+                if found["ok"]
+                else f"FAILED ({'; '.join(found['why'])})"
+            )
+        )
     for call, found in report["sdpa"].get("kernels", {}).items():
-        alone = ", ".join(f"{backend.lower()} " + (f"{run['ms']:.3f} ms" if run["ok"] else "failed")
-                          for backend, run in found["alone"].items())
-        lines.append(f"sdpa {call}: tinytp's choice runs {ran(found['tinytp'])}, PyTorch's own "
-                     f"{ran(found['pytorch'])}; each alone: {alone}")
+        alone = ", ".join(
+            f"{backend.lower()} " + (f"{run['ms']:.3f} ms" if run["ok"] else "failed")
+            for backend, run in found["alone"].items()
+        )
+        lines.append(
+            f"sdpa {call}: tinytp's choice runs {ran(found['tinytp'])}, PyTorch's own "
+            f"{ran(found['pytorch'])}; each alone: {alone}"
+        )
     if "error" in report["sdpa"]:
         lines.append(f"sdpa: {report['sdpa']['error']}")
     step = report["decode_step"]
     if "error" not in step:
-        gpu = step["profiled_step"]
-        lines += [f"decode step ({model_name}, batch {report['settings']['batch']}): {step['step_ms']:.2f} ms in the "
-                  f"worker; profiled: {gpu['kernels']} kernels, {gpu['kernel_ms']:.2f} ms of kernel time, device busy "
-                  f"{gpu['busy_ms']:.2f} of {gpu['span_ms']:.2f} ms, idle {gpu['idle_ms']:.2f} ms in "
-                  f"{gpu['idle_gaps']} gaps (largest {gpu['largest_gap_ms']:.3f} ms)",
-                  f"floors: the step's matmuls alone, back to back: {step['matmul_ms']:.2f} ms "
-                  f"({step['matmul_read_gbps']:,.0f} GB/s); its {step['weight_bytes'] / 1e9:.2f} GB of weights at the "
-                  f"read rate: {step['read_rate_floor_ms']:.2f} ms",
-                  f"peak GPU memory per rank: {gib(step['peak_memory_per_rank'])}"]
+        gpu, batch = step["profiled_step"], report["settings"]["batch"]
+        lines += [
+            f"decode step ({model_name}, batch {batch}): {step['step_ms']:.2f} ms in the worker; "
+            f"profiled: {gpu['kernels']} kernels, {gpu['kernel_ms']:.2f} ms of kernel time, "
+            f"device busy {gpu['busy_ms']:.2f} of {gpu['span_ms']:.2f} ms, idle "
+            f"{gpu['idle_ms']:.2f} ms in {gpu['idle_gaps']} gaps (largest "
+            f"{gpu['largest_gap_ms']:.3f} ms)",
+            f"floors: the step's matmuls alone, back to back: {step['matmul_ms']:.2f} ms "
+            f"({step['matmul_read_gbps']:,.0f} GB/s); its {step['weight_bytes'] / 1e9:.2f} GB of "
+            f"weights at the read rate: {step['read_rate_floor_ms']:.2f} ms",
+            f"peak GPU memory per rank: {gib(step['peak_memory_per_rank'])}",
+        ]
     else:
         lines.append(f"decode step: {step['error']}")
-    lines += ["", f"{'':38}{'avg latency':>12}{'prefill':>11}{'decode step':>13}{'roofline':>10}{'latency / hf':>14}"]
+    lines += [
+        "",
+        f"{'':38}{'avg latency':>12}{'prefill':>11}{'decode step':>13}{'roofline':>10}"
+        f"{'latency / hf':>14}",
+    ]
     for name, run in report["runs"].items():
         label = f"{'tinytp' if name == 'tinytp' else 'transformers'}, {model_name}"
         if "error" in run:
             lines.append(f"{label:38}  {run['error']}")
             continue
         figures = report["figures"][name]
-        ratio = f"{figures['latency_over_hf']:14.2f}" if "latency_over_hf" in figures else f"{'-':>14}"
-        lines.append(f"{label:38}{run['avg_latency']:10.3f} s{run['prefill_seconds'] * 1e3:8.1f} ms"
-                     f"{run['decode_step_seconds'] * 1e3:10.2f} ms{figures['roofline_of_read_bandwidth']:10.0%}{ratio}")
-    lines += ["roofline: the weights a decode step reads (the input embedding left out) over the read rate",
-              "transformers runs with tinytp's attention backends (cuDNN's off on CUDA)"]
+        ratio = (
+            f"{figures['latency_over_hf']:14.2f}" if "latency_over_hf" in figures else f"{'-':>14}"
+        )
+        lines.append(
+            f"{label:38}{run['avg_latency']:10.3f} s{run['prefill_seconds'] * 1e3:8.1f} ms"
+            f"{run['decode_step_seconds'] * 1e3:10.2f} ms"
+            f"{figures['roofline_of_read_bandwidth']:10.0%}{ratio}"
+        )
+    lines += [
+        "roofline: the weights a decode step reads (the input embedding left out) over the read "
+        "rate",
+        "transformers runs with tinytp's attention backends (cuDNN's off on CUDA)",
+    ]
     mission = report["mission"]
     lines.append("")
     if "error" in mission:
@@ -883,20 +1287,33 @@ def describe(report: dict, model_name: str) -> str:
         lines.append(f"mission checkpoint: {json.dumps(mission['checkpoint'])}")
         cli = mission["cli"]
         same = cli.get("same_text_as_tp=1")
-        lines.append(f"mission cli: {cli.get('error') or 'ran'}"
-                     + ("" if same is None else f"; its text the same as tp=1's through the API: {same}"))
+        lines.append(
+            f"mission cli: {cli.get('error') or 'ran'}"
+            + ("" if same is None else f"; its text the same as tp=1's through the API: {same}")
+        )
         checked = mission["transformers"]
         for name, run in mission["tokens"].items() if "error" not in mission["tokens"] else []:
             verdict = checked.get(name)
-            lines.append(f"mission {name} ({'; '.join(run['ranks'])}): {len(run['token_ids'])} greedy tokens; "
-                         + (f"largest gap to transformers' best {verdict['largest_gap']:.4f} "
-                            f"within {verdict['tolerance']:.4f}"
-                            f", {verdict['equal_to_float32_argmax']} equal to its float32 argmax" if verdict
-                            else f"transformers: {checked.get('error')}")
-                         + f"; peak GPU memory per rank: {gib(run['peak_memory_per_rank'])}")
+            lines.append(
+                f"mission {name} ({'; '.join(run['ranks'])}): {len(run['token_ids'])} greedy "
+                "tokens; "
+                + (
+                    f"largest gap to transformers' best {verdict['largest_gap']:.4f} "
+                    f"within {verdict['tolerance']:.4f}"
+                    f", {verdict['equal_to_float32_argmax']} equal to its float32 argmax"
+                    if verdict
+                    else f"transformers: {checked.get('error')}"
+                )
+                + f"; peak GPU memory per rank: {gib(run['peak_memory_per_rank'])}"
+            )
         if "error" in mission["tokens"]:
             lines.append(f"mission tokens: {mission['tokens']['error']}")
-    lines += ["", *describe_graphs(report["cuda_graphs"], report["settings"]["batch"]), "", UNPROVEN]
+    lines += [
+        "",
+        *describe_graphs(report["cuda_graphs"], report["settings"]["batch"]),
+        "",
+        UNPROVEN,
+    ]
     return "\n".join(lines)
 
 
@@ -905,16 +1322,24 @@ def describe_graphs(graphs: dict, batch: int) -> list[str]:
         return [f"cuda graphs: {graphs['error']}"]
     ms = graphs["step_ms"]
     steps = ", ".join(f"{count} at {length}" for length, count in graphs["steps_compared"].items())
-    verdict = ("equal, bit for bit, at every step" if graphs["logits_equal"] else
-               f"NOT equal at {graphs['steps_differing']} steps, from step {graphs['first_differing_step']} "
-               f"(largest difference {graphs['largest_logit_difference']:.4g}, logits up to "
-               f"{graphs['largest_logit']:.2f}; tokens equal: {graphs['tokens_equal']})")
+    verdict = (
+        "equal, bit for bit, at every step"
+        if graphs["logits_equal"]
+        else f"NOT equal at {graphs['steps_differing']} steps, from step "
+        f"{graphs['first_differing_step']} (largest difference "
+        f"{graphs['largest_logit_difference']:.4g}, logits up to "
+        f"{graphs['largest_logit']:.2f}; tokens equal: {graphs['tokens_equal']})"
+    )
     graphed = "as graphs" if graphs["captured_lengths"] else "at the fixed shape (uncaptured)"
-    return [f"cuda graphs (the mission's checkpoint, tp=1, batch {batch}, {graphs['tokens']} greedy tokens; "
-            f"captured for lengths {graphs['captured_lengths']}):",
-            f"  decode step {ms['cuda graphs']:.2f} ms {graphed}, {ms['fixed shape, eager']:.2f} ms at the fixed "
-            f"shape eagerly, {ms['eager']:.2f} ms on the default eager path ({ms['eager'] / ms['cuda graphs']:.2f}x)",
-            f"  logits against the fixed-shape step run eagerly, steps by positions attended ({steps}): {verdict}"]
+    return [
+        f"cuda graphs (the mission's checkpoint, tp=1, batch {batch}, {graphs['tokens']} greedy "
+        f"tokens; captured for lengths {graphs['captured_lengths']}):",
+        f"  decode step {ms['cuda graphs']:.2f} ms {graphed}, {ms['fixed shape, eager']:.2f} ms "
+        f"at the fixed shape eagerly, {ms['eager']:.2f} ms on the default eager path "
+        f"({ms['eager'] / ms['cuda graphs']:.2f}x)",
+        f"  logits against the fixed-shape step run eagerly, steps by positions attended "
+        f"({steps}): {verdict}",
+    ]
 
 
 def figures(runs: dict, bandwidth: float) -> dict:
@@ -925,26 +1350,41 @@ def figures(runs: dict, bandwidth: float) -> dict:
         if "error" in run:
             continue
         step = run["decode_step_seconds"]
-        found[name] = {"roofline_of_read_bandwidth": run["weight_bytes_per_decode_step"] / step / bandwidth}
+        found[name] = {
+            "roofline_of_read_bandwidth": run["weight_bytes_per_decode_step"] / step / bandwidth
+        }
         if "error" not in hf:
-            found[name].update(latency_over_hf=run["avg_latency"] / hf["avg_latency"],
-                               decode_step_over_hf=step / hf["decode_step_seconds"])
+            found[name].update(
+                latency_over_hf=run["avg_latency"] / hf["avg_latency"],
+                decode_step_over_hf=step / hf["decode_step_seconds"],
+            )
     return found
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog=".ci/gpu.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="cpu: the same steps with tiny models, to test this script without a GPU")
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: the same steps with tiny models, to test this script without a GPU",
+    )
     # one step, as a process of its own
     parser.add_argument("--probe", choices=PROBES, help=argparse.SUPPRESS)
     parser.add_argument("probe_args", nargs="?", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(".ci/gpu.py: error: torch sees no CUDA GPU here; use --device cpu to run the steps on CPU", file=sys.stderr)
+        print(
+            ".ci/gpu.py: error: torch sees no CUDA GPU here; use --device cpu to run the steps "
+            "on CPU",
+            file=sys.stderr,
+        )
         return 2
     if args.probe:
-        print(PROBE_RESULT + json.dumps(PROBES[args.probe](args.device, **json.loads(args.probe_args))))
+        print(
+            PROBE_RESULT
+            + json.dumps(PROBES[args.probe](args.device, **json.loads(args.probe_args)))
+        )
         return 0
     out = os.environ.get("OUT") or None
     if out:
@@ -952,38 +1392,65 @@ def main() -> int:
     started = time.monotonic()
     settings = SETTINGS[args.device]
     model_name, config = settings["model"]
-    report = {"device": args.device, "versions": versions(args.device), "settings": {**settings, "model": model_name}}
+    report = {
+        "device": args.device,
+        "versions": versions(args.device),
+        "settings": {**settings, "model": model_name},
+    }
     print("\n".join(f"{key}: {value}" for key, value in report["versions"].items()), flush=True)
     bandwidth = read_bandwidth(args.device)
     report["read_bandwidth_gbps"] = bandwidth / 1e9
-    print(f"memory read bandwidth (a sum over a large tensor): {bandwidth / 1e9:,.0f} GB/s", flush=True)
+    print(
+        f"memory read bandwidth (a sum over a large tensor): {bandwidth / 1e9:,.0f} GB/s",
+        flush=True,
+    )
 
     steps = Steps(out, args.device, started)
-    report["pre_flight"] = steps.probe("pre-flight", args.device, env={**os.environ, "NCCL_DEBUG": "WARN"})
+    report["pre_flight"] = steps.probe(
+        "pre-flight", args.device, env={**os.environ, "NCCL_DEBUG": "WARN"}
+    )
     if "error" in report["pre_flight"]:
         backend = "nccl" if args.device == "cuda" else "gloo"
         steps.not_run = f"the {backend} pre-flight failed"
-        print(f"{steps.not_run} ({report['pre_flight']['error']}): the steps that start tinytp's workers will not run",
-              flush=True)
+        print(
+            f"{steps.not_run} ({report['pre_flight']['error']}): the steps that start tinytp's "
+            "workers will not run",
+            flush=True,
+        )
     report["tests"] = run_tests(steps)
     report["sdpa"] = steps.probe("sdpa", args.device, config=config, settings=settings)
-    report["decode_step"] = steps.probe("decode step", args.device, config=config, settings=settings,
-                                        bandwidth=bandwidth)
+    report["decode_step"] = steps.probe(
+        "decode step", args.device, config=config, settings=settings, bandwidth=bandwidth
+    )
     with tempfile.TemporaryDirectory(prefix="tinytp-ci-gpu-") as workdir:
-        report["runs"] = {"tinytp": run_bench(steps, "tinytp", "tinytp", config, args.device, settings, workdir)}
+        report["runs"] = {
+            "tinytp": run_bench(steps, "tinytp", "tinytp", config, args.device, settings, workdir)
+        }
         report["mission"] = run_mission(steps, args.device, workdir)
-        report["cuda_graphs"] = (steps.probe("cuda graphs", args.device, batch=settings["batch"],
-                                             model_dir=os.path.join(workdir, MISSION_DIR), **GRAPH_RUN[args.device])
-                                 if "error" not in report["mission"] else {"error": "no mission checkpoint"})
-        report["runs"]["transformers"] = run_bench(steps, "transformers", "hf", config, args.device,
-                                                   {**settings, **HF_ITERATIONS}, workdir)
+        report["cuda_graphs"] = (
+            steps.probe(
+                "cuda graphs",
+                args.device,
+                batch=settings["batch"],
+                model_dir=os.path.join(workdir, MISSION_DIR),
+                **GRAPH_RUN[args.device],
+            )
+            if "error" not in report["mission"]
+            else {"error": "no mission checkpoint"}
+        )
+        report["runs"]["transformers"] = run_bench(
+            steps, "transformers", "hf", config, args.device, {**settings, **HF_ITERATIONS}, workdir
+        )
     report["figures"] = figures(report["runs"], bandwidth)
     report["table"] = describe(report, model_name)
     report["seconds"] = time.monotonic() - started
     report["passed"] = passed(report)
-    print(f"\n{report['table']}\n\ntests: {report['tests']['summary'] or 'no summary'}; "
-          f"{'all steps passed' if report['passed'] else 'NOT all steps passed'}, in {report['seconds']:.0f} s",
-          flush=True)
+    print(
+        f"\n{report['table']}\n\ntests: {report['tests']['summary'] or 'no summary'}; "
+        f"{'all steps passed' if report['passed'] else 'NOT all steps passed'}, "
+        f"in {report['seconds']:.0f} s",
+        flush=True,
+    )
     if out:
         with open(os.path.join(out, "gpu.json"), "w") as f:
             json.dump(report, f, indent=2)
