@@ -18,7 +18,6 @@ import argparse
 import importlib.util
 import json
 import math
-import numbers
 import os
 import re
 import sys
@@ -28,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from model import ModelConfig, TPGroup, meta_model
+from worker import is_integer, is_number, token_id_list
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -247,21 +247,6 @@ def one_of(raw: dict, key: str, allowed: tuple):
     return value
 
 
-def is_integer(value) -> bool:
-    """An int (numpy's too), but not a bool, which Python counts as one."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def check_count(name: str, value) -> None:
-    """Refuse a count (n, max_tokens, max_num_seqs) that is not an integer >= 1."""
-    if not is_integer(value) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 def positive(raw: dict, key: str, default: float | None = None, kind: type = int):
     """raw[key] (`default` where missing or null): a positive integer, or with kind=float a finite
     positive number."""
@@ -276,14 +261,6 @@ def positive(raw: dict, key: str, default: float | None = None, kind: type = int
             f"{key} must be a positive {'number' if kind is float else 'integer'}, got {value!r}"
         )
     return kind(value)
-
-
-def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
-    """Config files give token ids such as eos_token_id as one int or a list."""
-    ids = [] if value is None else [value] if isinstance(value, int) else value
-    if not isinstance(ids, list) or not all(is_integer(i) and i >= 0 for i in ids):
-        raise ValueError(f"{key} must be a token id or a list of them, got {value!r}")
-    return list(ids)
 
 
 def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:

@@ -4,13 +4,8 @@ and checking a checkpoint, before any of this runs, is checkpoints.py's.)"""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import math
-import os
-import pathlib
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -47,10 +42,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, shards: list[Shard]):
         super().__init__()
         self.weight = new_parameter(sum(s.size for s in shards), in_features, shards=shards)
-        self.packed_weight = self.one_row_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self)
+        return F.linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -62,10 +56,9 @@ class RowParallelLinear(nn.Module):
         self.group = group
         shard = split(name, in_features, group, dim=1)
         self.weight = new_parameter(out_features, shard.size, shards=[shard])
-        self.packed_weight = self.one_row_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self)
+        y = F.linear(x, self.weight)
         if self.group.size > 1:
             self.group.all_reduce(y)
         return y
@@ -107,10 +100,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     slice's logits; an all-gather (not a gather to rank 0) gives every rank all logits, as each
     samples (design discussion: "the logits_processor has an AllGather instead of a Gather")."""
 
-    packed_weight = one_row_weight = None
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self)
+        logits = F.linear(hidden, self.weight)
         if self.group.size > 1:
             logits = self.group.all_gather(logits)
         return logits[..., : self.vocab_size]  # drop the padding rows' logits
@@ -140,17 +131,6 @@ def new_parameter(*shape: int, shards: list[Shard]) -> nn.Parameter:
     offsets = itertools.accumulate([0, *(shard.size for shard in shards)])  # shards back to back
     param.shards = [replace(shard, offset=offset) for shard, offset in zip(shards, offsets)]
     return param
-
-
-def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """y = x W^T for x of shape [tokens, in]: F.linear, or the kernel choose_cpu_kernels chose for
-    the layer's kind, on W laid out for it (packed_weight); in a compiled one-row graph, on bmm's
-    blocks where it kept them beside (one_row_weight), which inductor streams."""
-    if layer.one_row_weight is not None and len(x) == 1 and torch.compiler.is_compiling():
-        return blocked_linear(x, layer.one_row_weight)
-    if layer.packed_weight is None:
-        return F.linear(x, layer.weight)
-    return layer.kernel(x, layer.packed_weight)
 
 
 # Llama --------------------------------------------------------------------------------
@@ -313,7 +293,7 @@ def attend_decodes(q, k, v, kv_cache: torch.Tensor, inputs: ModelInputs) -> torc
     query heads sharing a KV head go in as one longer query (a view). A mask hides a row's later
     positions and what an earlier request left in its last block (or a short table's null block)."""
     B, kv_heads, hd = len(inputs.context_slots), k.shape[1], k.shape[2] * k.shape[3]
-    # Indexing the cache itself, not a view of it: compiled (compile_decodes), the write stays a
+    # Indexing the cache itself, not a view of it: compiled (Worker.load_model), the write stays a
     # write of N slots in place; into a view, torch.compile would copy the whole cache a step.
     blocks, offsets = inputs.slot_mapping
     kv_cache[:, blocks, offsets] = torch.cat((k, v)).view(2, -1, kv_heads, hd)
@@ -394,47 +374,13 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         table = torch.stack((torch.stack((cos, cos), 1), torch.stack((-sin, sin), 1)))[:, :, None]
         self.register_buffer("rope_table", table.to(torch.get_default_dtype()), persistent=False)
-        self.compiled = None  # compile_decodes' step
 
     def forward(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        # A decode step (every row one token, sampled, past position 0) through the compiled graphs:
-        # one for a lone row, one for more (masked: prepare_inputs), each for every B and L
-        rows, (decodes, context_len) = len(inputs.input_ids), inputs.context_slots.shape
-        decode = rows == decodes == len(inputs.logits_indices) and context_len > 1
-        if self.compiled is not None and decode:
-            torch._dynamo.mark_dynamic(inputs.context_slots, [0, 1] if rows > 1 else 1)
-            if rows > 1:
-                torch._dynamo.mark_dynamic(inputs.attn_mask, [0, 3])
-                for tensor in (*inputs.slot_mapping, inputs.input_ids, inputs.positions):
-                    torch._dynamo.mark_dynamic(tensor, 0)
-                torch._dynamo.mark_dynamic(inputs.logits_indices, 0)
-            return self.compiled(self, inputs, kv_caches)
-        return self.step(inputs, kv_caches)
-
-    def step(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         x = self.embed_tokens(inputs.input_ids)  # [N, hidden]
         cos, sin = self.rope_table[:, inputs.positions]  # each [N, 1, 2, hd / 2]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, inputs)
         return self.lm_head(self.norm(x[inputs.logits_indices]))  # only rows whose logits are used
-
-    def compile_decodes(self) -> None:
-        """Decode steps through torch.compile, a step one graph: inductor fuses the small operations
-        between the kernels (eagerly each an OpenMP region, whose threads wait for each other), and
-        at one row turns a matmul on bmm's blocks into a loop streaming the weight, the norm before
-        it and RoPE, SiLU or the residual add fused in (docs/performance.md). Compiled at
-        init_kv_cache, kept in inductor's cache. The model never changes once loaded: the guards on
-        its modules (~1,000, checked every call) are left out, and the one on torch's global state,
-        whose one change in a worker is its thread count (worker.ThreadsForTheLoad): the kernels
-        read it as they run (inductor's, where the threads were all the cores), and a graph compiled
-        anew would take a minute. Its wrapper is C++ (cpp_wrapper)."""
-        options = {"guard_filter_fn": guards_kept, "cpp_wrapper": True}
-        self.compiled = torch.compile(LlamaForCausalLM.step, options=options)
-
-
-def guards_kept(guards: list) -> list[bool]:  # compile_decodes'
-    modules = torch.compiler.skip_guard_on_all_nn_modules_unsafe(guards)
-    return [keep and guard.guard_type != "GLOBAL_STATE" for keep, guard in zip(modules, guards)]
 
 
 # Loading: each rank reads only its own slices of the safetensors files ----------------
@@ -490,198 +436,7 @@ def kv_cache_shape(
     return 2, num_blocks, block_size, max(1, config.num_kv_heads // tp), config.head_dim
 
 
-# Each matmul's CPU kernel, chosen at load time by timing the candidates ------------------
-# The rows at which the kernels race, as a decode step's: one request, and a batch of a few
-DECODE_ROWS = (1, 8)  # at most max_num_seqs: the kernel fastest at one row may lose at eight
-TIMED_BYTES = 64 * 2**20  # enough of a kind's weights to come from memory, as in a step, not cache
-TRIES = 5  # each kernel's best try counts: another process's time slice only ever adds to one
-TRIES_SECONDS = 0.5  # but no more tries of a kind after this long: a busy CPU's start stays short
-
-
-def cpu_kernels(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """The kernels a matmul may run on, for choose_cpu_kernels: F.linear; on a CPU, oneDNN's packed
-    kernel in float32, in bfloat16 where the CPU runs it natively, and bmm on blocks in float32 (in
-    bfloat16 it was slower). TINYTP_PACK_WEIGHTS=0, 1 or 2 keeps one, to read, compare or test."""
-    native = {torch.float32: torch.backends.mkldnn.is_available()}
-    if dtype == torch.bfloat16:
-        native[dtype] = cpu_has_native_bfloat16()
-    on_cpu = device.type == "cpu"
-    offered = ["F.linear"] + ["oneDNN"] * (on_cpu and native.get(dtype, False))
-    offered += ["bmm"] * (on_cpu and dtype == torch.float32)
-    value = os.environ.get("TINYTP_PACK_WEIGHTS")
-    if value not in (None, "0", "1", "2"):
-        raise ValueError(f"TINYTP_PACK_WEIGHTS must be 0, 1 or 2, not {value!r}")
-    forced = value and list(CPU_KERNELS)[int(value)]
-    if forced and forced not in offered:
-        name = str(dtype).removeprefix("torch.")
-        raise ValueError(
-            f"TINYTP_PACK_WEIGHTS={value} asks for {forced}, which does not run {name} on {device} "
-            f"here (what does: {', '.join(offered)}): set another or unset it"
-        )
-    return [forced] if forced else offered
-
-
-def choose_cpu_kernels(
-    model: nn.Module, candidates: list[str], max_num_seqs: int, blocks_fit: bool = False
-) -> str:
-    """Give each kind of matmul (qkv_proj, o_proj, ...: one shape in every layer) the fastest
-    candidate kernel on this CPU, and return a line saying which: F.linear on the weight as loaded,
-    or oneDNN's packed kernel (as torch.compile does on CPU) or bmm on a copy laid out for it (the
-    same results but for rounding). Which wins depends on the CPU, the shape and the rows
-    (docs/performance.md), so all run this model's weights in turn, at the rows this engine's decode
-    steps may have; a prefill runs the decode's pick. The copy replaces the plain one, but in a tied
-    LM head (the embedding reads its table). A compiled engine of more rows also keeps bmm's blocks
-    (one_row_weight) where a second copy fits (blocks_fit: check_memory's answer), for its one-row
-    graph to stream as max_num_seqs 1's does; its race is then at its most rows alone. Near ties
-    flip between starts, and in a compiled model each choice is another graph, compiled cold: it
-    keeps its first start's, in inductor's cache."""
-    start = time.perf_counter()
-    rows = sorted({min(r, max_num_seqs) for r in DECODE_ROWS})
-    kinds: dict[str, list[nn.Module]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-            kinds.setdefault(name.rsplit(".", 1)[-1], []).append(module)
-    path, kept, timed = None, {}, False
-    if model.compiled is not None:  # none yet, unreadable, cut short, edited: race anew
-        from torch._inductor.runtime.cache_dir_utils import cache_dir  # not public, slow to import
-
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            path = os.path.join(cache_dir(), "tinytp-kernels.json")
-            kept = dict(json.loads(pathlib.Path(path).read_text()))
-    chosen, machine = [], (torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
-    picked = set()  # the kernels chosen, of all kinds
-    compiled_for_more_rows = model.compiled is not None and rows != [1]
-    two_layouts = blocks_fit and compiled_for_more_rows
-    if two_layouts:  # its one-row steps stream the blocks beside: the race is the others' alone
-        rows = rows[1:]
-    for kind, modules in kinds.items():
-        first = modules[0].weight
-        key = repr((kind, *first.shape, first.dtype, rows, candidates, *machine))
-        fastest = kept.get(key) if len(candidates) > 1 else candidates[0]
-        if fastest in candidates:  # TINYTP_PACK_WEIGHTS, or a compiled model's earlier race
-            chosen.append(f"{kind} {fastest}")
-        else:
-            seconds = kernel_seconds([m.weight.detach() for m in modules], candidates, rows)
-            fastest, runner_up = sorted(seconds, key=seconds.get)[:2]
-            chosen.append(f"{kind} {fastest} ({seconds[runner_up] / seconds[fastest]:.2f}x)")
-            kept[key], timed = fastest, True
-        lay_out, kernel = CPU_KERNELS[fastest]
-        picked.add(fastest)
-        for module in modules:
-            weight = module.weight.detach()
-            if two_layouts and fastest != "bmm":
-                module.one_row_weight = blocks_of(weight)
-            if lay_out:
-                module.packed_weight, module.kernel = lay_out(weight), kernel
-                if module.weight is not model.embed_tokens.weight:
-                    module.weight.data = torch.empty(0, dtype=weight.dtype)  # free the plain copy
-    why = (
-        "compiled for one-row steps (max_num_seqs 1)"
-        if model.compiled is not None and rows == [1]
-        else f"TINYTP_PACK_WEIGHTS={list(CPU_KERNELS).index(candidates[0])}"
-        if len(candidates) == 1
-        else f"as timed at an earlier start, kept for its compiled graphs ({path})"
-        if not timed
-        else f"the fastest at {' and '.join(map(str, rows))} row{'s' * (rows != [1])} on this CPU, "
-        "timed on the model's weights (how much faster than the next)"
-    )
-    if compiled_for_more_rows:
-        beside = "kept beside" if two_layouts else "not kept (no memory to spare)"
-        if picked == {"bmm"}:  # nothing beside: the one layout
-            beside = "chosen for every kind"
-        why += f"; bmm's blocks for one-row steps {beside}"
-    if path and timed:  # a file cut short (two engines writing at once) is raced again
-        with contextlib.suppress(OSError):
-            pathlib.Path(path).write_text(json.dumps(kept))
-    return (
-        f"tinytp: matmul kernels: {', '.join(chosen)}: {why}; {time.perf_counter() - start:.2f} s"
-    )
-
-
-def kernel_seconds(
-    weights: list[torch.Tensor], candidates: list[str], rows: list[int]
-) -> dict[str, float]:
-    """Each candidate's best time over TRIES (those that fit in TRIES_SECONDS) on a kind's first
-    layers' weights, at each of `rows`, the kernels taking turns (all see the same load)."""
-    timed = []
-    for weight in weights:
-        timed.append(weight)
-        if sum(w.nbytes for w in timed) >= TIMED_BYTES:
-            break
-    kernels = {}
-    for name in candidates:
-        lay_out, kernel = CPU_KERNELS[name]
-        kernels[name] = (kernel, [lay_out(w) for w in timed] if lay_out else timed)
-    x = torch.ones(max(rows), timed[0].shape[1], dtype=timed[0].dtype)
-    best = dict.fromkeys(kernels, math.inf)
-    began = time.perf_counter()
-    for _ in range(TRIES):
-        for name, (kernel, laid_out) in kernels.items():
-            start = time.perf_counter()
-            for n in rows:
-                for weight in laid_out:
-                    kernel(x[:n], weight)
-            best[name] = min(best[name], time.perf_counter() - start)
-        if time.perf_counter() - began > TRIES_SECONDS:
-            break
-    return best
-
-
-# bmm on W in blocks (issue 44): a GEMV that streams. A block of output features keeps its weights
-# input by input, [in, block], so one row's matmul reads each block once, front to back, into the
-# block's sums; torch.bmm runs the blocks, split over the threads. A block is 64 bytes wide, a cache
-# line (16 float32 features, 32 bfloat16): inductor's loop over one reads whole lines, faster than
-# at half or twice that (docs/performance.md). From BMM_ROWS rows (a prompt) bmm would read x once
-# per block: one mm runs on W laid back out (a copy, small beside the work).
-BLOCK_BYTES, BMM_ROWS = 64, 256
-
-
-def blocks_of(weight: torch.Tensor) -> torch.Tensor:
-    """W [out, in] as [out / block, in, block], the block BLOCK_BYTES wide or what divides out."""
-    out, features = weight.shape
-    block = math.gcd(out, BLOCK_BYTES // weight.element_size())
-    return weight.view(out // block, block, features).transpose(1, 2).contiguous()
-
-
-def blocked_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-    if len(x) >= BMM_ROWS:  # W^T back from the blocks: [in, out]
-        return x @ blocked.transpose(0, 1).reshape(blocked.shape[1], -1)
-    y = torch.bmm(x.expand(len(blocked), -1, -1), blocked)  # [blocks, tokens, block]
-    return y.transpose(0, 1).reshape(len(x), len(blocked) * blocked.shape[2])  # (0 rows too)
-
-
 # Not PyTorch's public API, in one place -------------------------------------------------
-# oneDNN's packed linear, as torch.compile's CPU backend (inductor) calls it: no public API packs a
-# weight once for oneDNN (F.linear, the public path, races it). Signatures as in torch 2.x.
 def cpu_has_native_bfloat16() -> bool:
     """Does oneDNN run bfloat16 natively on this CPU (AVX-512 BF16, AMX)? Nothing public says."""
     return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight)
-
-
-def onednn_linear(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # in compile_decodes' graphs: the op below
-        return onednn_linear_op(x, packed_weight)
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, None, "none", [], "")  # no bias
-
-
-# Inductor lowers oneDNN's linear only on weights it packed itself (freezing): in a graph it is an
-# op of tinytp's own, left as it is; not in an eager step, where the op's dispatch would add up.
-@torch.library.custom_op("tinytp::onednn_linear", mutates_args=())
-def onednn_linear_op(x: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
-    return onednn_linear(x, packed_weight)
-
-
-@onednn_linear_op.register_fake
-def _(x, packed_weight):
-    return x.new_empty(x.shape[0], packed_weight.shape[0])  # len() would fix the rows' count
-
-
-CPU_KERNELS = {  # Each CPU kernel: how it lays a weight out (None: as loaded), and its matmul
-    "F.linear": (None, F.linear),
-    "oneDNN": (onednn_pack, onednn_linear),
-    "bmm": (blocks_of, blocked_linear),
-}

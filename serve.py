@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import hmac
 import ipaddress
+import itertools
 import json
 import re
 import select
@@ -26,7 +27,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 
 import tinytp
-from tinytp import LLM, Counter, SamplingParams
+from scheduler import Counter
+from tinytp import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 MAX_BODY_BYTES = 16 << 20  # a larger request body is refused (413) without being read
 SOCKET_TIMEOUT = 60.0  # a client that neither sends nor reads for this long is dropped
@@ -70,6 +72,60 @@ ROUTES = {
     "/metrics": {"GET": ("metrics", None)},
 }
 GENERATED = '"%s": %d prompts, %d tokens out (engine: %d steps so far, at most %d requests in one)'
+
+
+# OpenAI's shapes of the outputs ------------------------------------------------------
+def counts(prompt: int, completion: int) -> dict:
+    total = prompt + completion
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+
+
+def usage(final: list[RequestOutput]) -> dict:
+    prompt = sum(len(output.prompt_token_ids) for output in final)  # once, whatever n is
+    total = counts(prompt, sum(len(c.token_ids) for output in final for c in output.outputs))
+    cached = sum(output.num_cached_tokens or 0 for output in final)  # found in the prefix cache
+    return total | {"prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def choice(number: int, c: CompletionOutput, text: str, logprobs, chat: bool, stream: bool) -> dict:
+    """A choice in a response (its text), or in a stream's chunk (the new text)."""
+    content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    if chat and stream:  # "" too, for a token that ends in half of a character: vLLM's chunk
+        content = {"delta": {"content": text}}
+    ends = {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    return {"index": number, **content, "logprobs": logprobs, **ends}
+
+
+def logprob_value(logprob: Logprob) -> float:
+    return max(logprob.logprob, -9999.0)  # JSON has no infinity: a -inf is OpenAI's -9999.0
+
+
+def chat_logprobs(tokens: list[int], entries: list[dict[int, Logprob]], k: int) -> dict:
+    """The chat's: each token's text, log-probability, UTF-8 bytes and the k likeliest's."""
+
+    def item(logprob: Logprob) -> dict:
+        text = logprob.decoded_token
+        return {"token": text, "logprob": logprob_value(logprob), "bytes": list(text.encode())}
+
+    ranked = [sorted(entry.values(), key=lambda logprob: logprob.rank)[:k] for entry in entries]
+    content = [
+        {**item(e[t]), "top_logprobs": [*map(item, top)]}
+        for t, e, top in zip(tokens, entries, ranked)
+    ]
+    return {"content": content}
+
+
+def completion_logprobs(tokens: list[int], entries: list, offset: int, tokenizer) -> dict:
+    """The completions': each token's text and where it begins (from offset), its log-probability
+    and the likeliest ones' by text (with the sampled one, as vLLM's: k + 1 or k); an entry None
+    (the prompt's first token) is null, its text the tokenizer's."""
+    texts = [
+        tokenizer.decode([t]) if e is None else e[t].decoded_token for t, e in zip(tokens, entries)
+    ]
+    offsets = list(itertools.accumulate(map(len, texts), initial=offset))[: len(texts)]
+    values = [e and logprob_value(e[t]) for t, e in zip(tokens, entries)]
+    tops = [e and {lp.decoded_token: logprob_value(lp) for lp in e.values()} for e in entries]
+    return {"text_offset": offsets, "token_logprobs": values, "tokens": texts, "top_logprobs": tops}
 
 
 class APIError(Exception):
@@ -402,16 +458,16 @@ class Handler(BaseHTTPRequestHandler):
                 stopping = self.server.stopping.is_set() and "the server is shutting down"
                 raise APIError(503, self.server.failure or stopping or str(e)) from None
         # logged before the answer ends: a client that has it finds it in the log
-        out, stats = tinytp.usage(final)["completion_tokens"], self.server.llm.stats()
+        out, stats = usage(final)["completion_tokens"], self.server.llm.stats()
         numbers = len(prompts), out, stats["steps"], stats["largest_batch"]
         self.log_message(GENERATED, self.requestline, *numbers)
         if stream:
             if self.usage_in_chunks:
-                self.send_event({**head, "choices": [], "usage": tinytp.usage(final)})
+                self.send_event({**head, "choices": [], "usage": usage(final)})
             self.send_event("[DONE]")
         else:
             choices = [piece for piece, _, _ in self.choices(final, {}, params.n, chat, False)]
-            self.send_body(200, {**head, "choices": choices, "usage": tinytp.usage(final)})
+            self.send_body(200, {**head, "choices": choices, "usage": usage(final)})
 
     def choices(self, outputs: list, sent: dict, n: int, chat: bool, stream: bool) -> Iterator:
         """Each choice that has a token or an end since `sent` (characters, end, tokens sent, by
@@ -431,16 +487,16 @@ class Handler(BaseHTTPRequestHandler):
                 if (len(text), c.finish_reason, len(tokens)) != (characters, ended, num_tokens):
                     new, logprobs = (tokens[num_tokens:], entries[num_tokens:]), None
                     if self.top_logprobs is not None and chat:
-                        logprobs = tinytp.chat_logprobs(*new, self.top_logprobs)
+                        logprobs = chat_logprobs(*new, self.top_logprobs)
                     elif self.top_logprobs is not None:
-                        logprobs = tinytp.completion_logprobs(*new, characters, self.tokenizer())
-                    piece = tinytp.choice(number, c, text[characters:], logprobs, chat, stream)
+                        logprobs = completion_logprobs(*new, characters, self.tokenizer())
+                    piece = choice(number, c, text[characters:], logprobs, chat, stream)
                     sent[number] = len(text), c.finish_reason, len(tokens)
                     yield piece, len(output.prompt_token_ids), len(c.token_ids)
 
     def send_chunk(self, head: dict, piece: dict, prompt_tokens: int, tokens: int) -> None:
         """A stream's chunk of one choice, with the usage asked for (usage_in_chunks)."""
-        so_far = tinytp.counts(prompt_tokens, tokens) if self.usage_in_chunks == "so far" else None
+        so_far = counts(prompt_tokens, tokens) if self.usage_in_chunks == "so far" else None
         usage_field = {"usage": so_far} if self.usage_in_chunks else {}
         self.send_event({**head, "choices": [piece], **usage_field})
 

@@ -3,8 +3,9 @@
     python tinytp.py --tp 2                                     # a tiny random model, CPU
     python tinytp.py --tp 2 --model meta-llama/Llama-3.1-8B-Instruct --prompt "Hi"
 
-The driver: finding a checkpoint, the `Executor` (one worker process per rank, rank 0
-included), the `Scheduler`, the `LLM` front end and the command line.
+The driver, in the order a step flows: the `Executor` (one worker process per rank, rank 0
+included), the engine loop around the `Scheduler` (scheduler.py), then the front end: requests
+made and checked, text made from tokens, the `LLM` and the command line.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import concurrent.futures
 import contextlib
 import functools
 import gc
-import hashlib
 import inspect
 import itertools
 import math
@@ -28,8 +28,8 @@ import socket
 import sys
 import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
@@ -38,41 +38,40 @@ import torch.multiprocessing as mp
 
 from checkpoints import (
     check_checkpoint,
-    check_count,
     check_tensor_parallel_size,
     has_tokenizer,
-    is_integer,
-    is_number,
     load_tokenizer,
     read_json_object,
     read_model_config,
     resolve_model,
-    token_id_list,
 )
 from model import (
     ModelConfig,
     TPGroup,
     cpu_has_native_bfloat16,
-    cpu_kernels,
     kv_cache_shape,
     weight_bytes,
 )
+from scheduler import KVCacheManager, Metric, Request, Scheduler
 from worker import (
     SHUTDOWN,
     MessageQueue,
     ModelRunnerOutput,
-    NewRequest,
     RPCCall,
     RPCResult,
     SamplingParams,
     SchedulerOutput,
+    check_count,
     check_free_shared_memory,
     collective_block_bytes,
     forget_child_processes,
     importing_main_for_spawn,
+    is_integer,
+    is_number,
     new_shared_memory,
+    token_id_list,
     unlink_semaphores,
-    wait_until,
+    wait_for_messages,
     worker_main,
 )
 
@@ -118,103 +117,6 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # its prompt tokens the prefix cache held (first sample)
     multi_modal_placeholders: dict | None = None
     kv_transfer_params: dict | None = None
-
-
-# OpenAI's shapes of the outputs (serve.py's: they need no HTTP) ---------------------
-def counts(prompt: int, completion: int) -> dict:
-    total = prompt + completion
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
-
-
-def usage(final: list[RequestOutput]) -> dict:
-    prompt = sum(len(output.prompt_token_ids) for output in final)  # once, whatever n is
-    total = counts(prompt, sum(len(c.token_ids) for output in final for c in output.outputs))
-    cached = sum(output.num_cached_tokens or 0 for output in final)  # found in the prefix cache
-    return total | {"prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def choice(number: int, c: CompletionOutput, text: str, logprobs, chat: bool, stream: bool) -> dict:
-    """A choice in a response (its text), or in a stream's chunk (the new text)."""
-    content = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-    if chat and stream:  # "" too, for a token that ends in half of a character: vLLM's chunk
-        content = {"delta": {"content": text}}
-    ends = {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-    return {"index": number, **content, "logprobs": logprobs, **ends}
-
-
-def logprob_value(logprob: Logprob) -> float:
-    return max(logprob.logprob, -9999.0)  # JSON has no infinity: a -inf is OpenAI's -9999.0
-
-
-def chat_logprobs(tokens: list[int], entries: list[dict[int, Logprob]], k: int) -> dict:
-    """The chat's: each token's text, log-probability, UTF-8 bytes and the k likeliest's."""
-
-    def item(logprob: Logprob) -> dict:
-        text = logprob.decoded_token
-        return {"token": text, "logprob": logprob_value(logprob), "bytes": list(text.encode())}
-
-    ranked = [sorted(entry.values(), key=lambda logprob: logprob.rank)[:k] for entry in entries]
-    content = [
-        {**item(e[t]), "top_logprobs": [*map(item, top)]}
-        for t, e, top in zip(tokens, entries, ranked)
-    ]
-    return {"content": content}
-
-
-def completion_logprobs(tokens: list[int], entries: list, offset: int, tokenizer) -> dict:
-    """The completions': each token's text and where it begins (from offset), its log-probability
-    and the likeliest ones' by text (with the sampled one, as vLLM's: k + 1 or k); an entry None
-    (the prompt's first token) is null, its text the tokenizer's."""
-    texts = [
-        tokenizer.decode([t]) if e is None else e[t].decoded_token for t, e in zip(tokens, entries)
-    ]
-    offsets = list(itertools.accumulate(map(len, texts), initial=offset))[: len(texts)]
-    values = [e and logprob_value(e[t]) for t, e in zip(tokens, entries)]
-    tops = [e and {lp.decoded_token: logprob_value(lp) for lp in e.values()} for e in entries]
-    return {"text_offset": offsets, "token_logprobs": values, "tokens": texts, "top_logprobs": tops}
-
-
-@dataclass
-class Metric:  # vLLM's vllm.v1.metrics.reader: what LLM.get_metrics() returns
-    name: str
-    labels: dict[str, str]
-
-
-@dataclass
-class Counter(Metric):
-    value: int
-
-
-@dataclass
-class Gauge(Metric):
-    value: float
-
-
-@dataclass
-class Request:
-    """The driver's view of one sample of a prompt; the workers keep their own (`CachedRequest`)."""
-
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seed: int
-    output_token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_computed_tokens: int = 0  # its tokens the steps sent so far compute (their keys and values)
-    num_in_flight: int = 0  # tokens of unanswered steps (vLLM's placeholders: async scheduling)
-    outputs: queue.SimpleQueue | None = None  # its caller's: (request, tokens, finished) reports
-    stream: bool = False  # each new token (a stream) or the end (generate): vLLM's output_kind
-    num_cached_tokens: int = -1  # prompt tokens cached at its first admission; -1 before (vLLM's)
-    # the hash of each of its full blocks, chained (KVCacheManager): kept while it is preempted
-    block_hashes: list[bytes] = field(default_factory=list)
-    logprobs: list[tuple] = field(default_factory=list)  # logprobs_of entries, one per output token
-    prompt_logprobs: list[tuple] = field(default_factory=list)  # one per prompt token but the first
-
-    @property
-    def num_tokens(self) -> int:  # vLLM's: its prompt and the tokens sampled so far
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 # The executor: N worker processes and the queues between them and us ------------------
@@ -276,29 +178,15 @@ class StepFuture:
     result: Callable[[], ModelRunnerOutput]
 
 
-# OpenMP spins before a thread sleeps: by libgomp's pace estimate, about the gap between operations
-OPENMP_SPINS = 1_000  # ten times as many starved a busy server's driver (docs/performance.md)
-
-
 def start_processes(workers: list[mp.Process]) -> None:
     """Start the workers. Ctrl-C and SIGTERM are blocked while they start: they inherit the mask, so
     a signal sent to the process group reaches the driver (when we unblock it) and never N workers
-    mid-import; worker_main then ignores both. A thread done with its part of an OpenMP region waits
-    for the others, spinning 300,000 turns by default (libgomp, torch's on Linux): on a busy CPU
-    that holds a core a descheduled peer, the driver or another process needs: each region stalls;
-    sleeping at once costs a quiet CPU a wake-up at every region. So the threads spin OPENMP_SPINS
-    turns, then sleep (GOMP_SPINCOUNT; other runtimes read OMP_WAIT_POLICY=PASSIVE: at once). Read
-    as torch loads, these go in the workers' starting environment, unless a caller set either."""
+    mid-import; worker_main then ignores both."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    ours = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(OPENMP_SPINS)}
-    ours = {} if any(name in os.environ for name in ours) else ours
-    os.environ.update(ours)
     try:
         for process in workers:
             process.start()
     finally:
-        for name in ours:
-            del os.environ[name]
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     forget_child_processes(workers)
 
@@ -323,7 +211,6 @@ class Executor:
         num_blocks: int,
         block_size: int,
         enforce_eager: bool = False,
-        blocks_fit: bool = False,
     ):
         self.tp = tp
         self.call_ids = itertools.count(1)
@@ -345,8 +232,8 @@ class Executor:
             block = self.collective_block and self.collective_block.name
             device_args = (device, dtype, self.store.port, threads_per_rank(tp), block)
             self.collective_rpc("init_device", args=device_args)
-            model = (config, model_dir, max_model_len, max_num_seqs, load_format, enforce_eager)
-            self.collective_rpc("load_model", args=(*model, blocks_fit))
+            model = (config, model_dir, max_model_len, load_format, enforce_eager)
+            self.collective_rpc("load_model", args=model)
             kv_cache = (num_blocks, block_size, max_num_seqs, cuda_graphs)
             self.collective_rpc("init_kv_cache", args=kv_cache)
         except BaseException:
@@ -436,22 +323,23 @@ class Executor:
         """Wait for a call's answers (rank order), keeping other awaited calls' answers that come
         meanwhile. After a timeout or Ctrl-C it is no longer awaited: late answers are dropped."""
         name, answers, count = self.awaited[call_id]
-
-        def answered() -> bool:
-            self._take_replies()
-            return len(answers) == count
-
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            wait_until(
-                answered, timeout, f"{name} on the workers", self._check_workers, self.doorbell
-            )
+            while len(answers) < count:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                what = f"{name} on the workers"
+                ranks = wait_for_messages(
+                    self.responses, left, what, self._check_workers, self.doorbell
+                )
+                self._take_replies(ranks)
         finally:
             del self.awaited[call_id]
         return [answers[rank] for rank in sorted(answers)]
 
-    def _take_replies(self) -> None:
-        """Every reply come from any rank (a failed one sends its error unasked), filed by call."""
-        for rank, replies in enumerate(self.responses):
+    def _take_replies(self, ranks: list[int]) -> None:
+        """Every reply come from these ranks (a failed one sends its error unasked), by call."""
+        for rank in ranks:
+            replies = self.responses[rank]
             while replies.ready():
                 reply: RPCResult = replies.dequeue(check=self._check_workers)  # may span chunks
                 if reply.call_id not in self.awaited:
@@ -525,336 +413,8 @@ class Executor:
             self.store = self.doorbell = None
 
 
-# The KV cache's blocks, and the scheduler ------------------------------------------------
-@dataclass(eq=False)
-class KVCacheBlock:
-    """One block of the KV cache (vLLM's name): block_size positions of every layer, on every
-    rank. ref_cnt: the requests whose block tables hold it; block_hash: set once it is full and
-    cached (found by the next request that begins with the same tokens)."""
-
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: bytes | None = None
-
-
-def hash_block_tokens(parent_block_hash: bytes | None, token_ids: list[int]) -> bytes:
-    """vLLM's hash_block_tokens: a full block's hash covers its parent's, so equal hashes mean equal
-    tokens from position 0 (the same tokens after another prefix have other keys and values)."""
-    return hashlib.sha256(pickle.dumps((parent_block_hash, tuple(token_ids)), protocol=5)).digest()
-
-
-class KVCacheManager:
-    """vLLM V1's KVCacheManager, with its BlockPool inside: num_blocks blocks of block_size
-    positions; a request holds ceil(tokens / block_size) of them, its block table. Block 0 is vLLM's
-    null block, never handed out: it pads block tables, and the fixed-shape decode step's pad rows
-    write there. Prefix caching (enable_caching): a full block is cached under its hash
-    (hash_block_tokens); a new request starts from its longest run of cached blocks; a freed block
-    stays cached in free_block_queue (least recently freed first) until another request takes it."""
-
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_caching = enable_caching
-        # vLLM's free_block_queue, a doubly linked list there: a hit takes a block out of its middle
-        self.free_block_queue = OrderedDict((i, KVCacheBlock(i)) for i in range(1, num_blocks))
-        self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
-        self.req_to_blocks: dict[int, list[KVCacheBlock]] = {}
-        self.num_cached_block: dict[int, int] = {}  # its first blocks that cache_full_blocks saw
-
-    def usage(self) -> float:
-        """The share of blocks held by requests (vLLM's kv_cache_usage_perc, a fraction)."""
-        return 1 - len(self.free_block_queue) / (self.num_blocks - 1)
-
-    def reads_cache(self, request: Request) -> bool:
-        """A request asking for prompt logprobs computes its whole prompt (vLLM's choice): a cached
-        block has keys and values, not logits. Its blocks are cached all the same."""
-        return self.enable_caching and request.params.prompt_logprobs is None
-
-    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
-        """Cached blocks its tokens begin with, short of its last (always computed, for logits)."""
-        if not self.reads_cache(request):
-            return []
-        self.hash_full_blocks(request)
-        hits = []
-        for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
-            if block_hash not in self.cached_block_hash_to_block:
-                break
-            hits.append(self.cached_block_hash_to_block[block_hash])
-        return hits
-
-    def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed: list[KVCacheBlock] = ()
-    ) -> list[int] | None:
-        """Blocks for its next num_new_tokens, after its computed ones (the cached blocks it starts
-        with, at admission), appended to its block table: their ids; None if too few are free."""
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_tokens = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        needed = max(0, -(-num_tokens // self.block_size) - len(blocks) - len(computed))
-        # cached blocks that no request holds are in the free queue: taking them leaves fewer
-        if needed > len(self.free_block_queue) - sum(b.ref_cnt == 0 for b in computed):
-            return None
-        for block in computed:
-            if block.ref_cnt == 0:
-                del self.free_block_queue[block.block_id]
-            block.ref_cnt += 1
-        new_blocks = [*computed, *(self.take_free_block() for _ in range(needed))]
-        blocks += new_blocks
-        if self.enable_caching:  # its full blocks whose tokens are known (async: some in flight)
-            self.cache_full_blocks(request, blocks, min(num_tokens, request.num_tokens))
-        return [block.block_id for block in new_blocks]
-
-    def take_free_block(self) -> KVCacheBlock:
-        """The least recently freed block, its cached contents evicted."""
-        _, block = self.free_block_queue.popitem(last=False)
-        if block.block_hash is not None:
-            del self.cached_block_hash_to_block[block.block_hash]
-            block.block_hash = None
-        block.ref_cnt = 1
-        return block
-
-    def hash_full_blocks(self, request: Request) -> None:
-        """Extend request.block_hashes to its tokens' full blocks, each chained to its parent."""
-        hashes, size = request.block_hashes, self.block_size
-        if len(hashes) < request.num_tokens // size:
-            token_ids = request.prompt_token_ids + request.output_token_ids
-            for start in range(len(hashes) * size, request.num_tokens // size * size, size):
-                parent = hashes[-1] if hashes else None
-                hashes.append(hash_block_tokens(parent, token_ids[start : start + size]))
-
-    def cache_full_blocks(
-        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
-    ) -> None:
-        """Cache the blocks its first num_tokens fill, when scheduled as in vLLM: the step computing
-        one runs before any later step reads it, and in a step each layer writes, then attends."""
-        start, end = self.num_cached_block.get(request.request_id, 0), num_tokens // self.block_size
-        self.hash_full_blocks(request)
-        for block, block_hash in zip(blocks[start:end], request.block_hashes[start:end]):
-            # hit, or another request computed the same tokens first: that block stays the one
-            if block_hash not in self.cached_block_hash_to_block:
-                block.block_hash = block_hash
-                self.cached_block_hash_to_block[block_hash] = block
-        self.num_cached_block[request.request_id] = end
-
-    def free(self, request: Request) -> None:
-        """Its blocks freed, last first (vLLM's order): shared prefix blocks get evicted last."""
-        self.num_cached_block.pop(request.request_id, None)
-        for block in reversed(self.req_to_blocks.pop(request.request_id, [])):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_block_queue[block.block_id] = block
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (vLLM's reset_prefix_cache); False while any block is held."""
-        if len(self.free_block_queue) < self.num_blocks - 1:
-            return False
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
-        self.cached_block_hash_to_block.clear()
-        return True
-
-
-class Scheduler:
-    """vLLM V1's scheduler: no prefill or decode steps. A request has the tokens it has computed
-    (num_computed_tokens) and the tokens it has; each step gives every running request what it still
-    needs (one token when it decodes, the rest of its prompt), then admits waiting ones while the KV
-    cache has free blocks, all within a budget of max_num_batched_tokens: a prompt that does not fit
-    is cut and continued later (chunked prefill). A running request short of blocks preempts the
-    newest one (V1's recompute: preempt). With async scheduling a request counts its tokens in
-    flight, so no step is sent that could only yield a token past max_tokens or max_model_len."""
-
-    def __init__(
-        self,
-        max_num_seqs: int,
-        max_model_len: int,
-        max_num_batched_tokens: int,
-        eos_token_ids: set[int],
-        kv_cache_manager: KVCacheManager,
-    ):
-        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.eos_token_ids, self.kv_cache_manager = eos_token_ids, kv_cache_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        # every unfinished request by id (vLLM's): running, waiting, preempted with tokens in flight
-        self.requests: dict[int, Request] = {}
-        self.finished_ids: list[int] = []  # told to the workers with the next step
-        # vLLM's counters (LLM.get_metrics): prompt tokens looked up and found in the prefix cache
-        self.prefix_cache_queries = self.prefix_cache_hits = self.num_preemptions = 0
-        self.num_dropped_tokens = 0  # sampled for a request that had ended: README, exercise 14
-
-    def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
-        self.requests[request.request_id] = request
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def schedule(self) -> SchedulerOutput | None:
-        """The next step: the running requests in arrival order, then the waiting ones that free
-        blocks and the budget admit; None if nothing can run (each waits for its tokens in flight).
-        Only the last one admitted can be cut in its prompt (the budget ran out), so every decoding
-        request (before it) gets a token every step: the budget is at least max_num_seqs."""
-        budget, scheduled = self.max_num_batched_tokens, []  # (a request, its tokens, new blocks)
-        preempted = []
-        for request in list(self.running):
-            needed = 0 if request in preempted else min(self.num_tokens_needed(request), budget)
-            if not needed:
-                continue
-            # no free block for it: the newest running request makes room, maybe itself
-            while (new_block_ids := self.kv_cache_manager.allocate_slots(request, needed)) is None:
-                preempted.append(self.preempt(self.running.pop()))
-                if preempted[-1] is request:
-                    break
-            else:
-                scheduled.append((request, needed, new_block_ids))
-                budget -= needed
-        new = [] if preempted else self.admit(budget, scheduled)  # none admitted as it preempts
-        if not scheduled:
-            return None
-        first_new = len(scheduled) - len(new)  # the admitted ones come last
-        new_requests = [
-            NewRequest(
-                r.request_id,
-                r.prompt_token_ids,
-                blocks,
-                r.params,
-                r.seed,
-                r.num_computed_tokens,
-                # vLLM's: the end-of-sequence tokens too, whatever ignore_eos says
-                sorted(self.eos_token_ids | {*r.params.stop_token_ids})
-                if r.params.min_tokens
-                else [],
-            )
-            for r, _, blocks in scheduled[first_new:]
-        ]
-        for request, num_tokens, _ in scheduled:
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens >= request.num_tokens:  # decode, or prompt done: a token
-                request.num_in_flight += 1
-        finished_ids, self.finished_ids = self.finished_ids, []
-        return SchedulerOutput(
-            new_requests,
-            [r.request_id for r, _, _ in scheduled],
-            [n for _, n, _ in scheduled],
-            finished_ids,
-            {r.request_id: blocks for r, _, blocks in scheduled[:first_new] if blocks},
-        )
-
-    def admit(self, budget: int, scheduled: list) -> list[Request]:
-        """Waiting requests, first come first served, while there are free blocks for their first
-        chunk: each starts after its cached prefix (prefix caching), and joins `scheduled`."""
-        new = []
-        while self.waiting and budget and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            computed = self.kv_cache_manager.get_computed_blocks(request)
-            num_computed = len(computed) * self.kv_cache_manager.block_size
-            num_tokens = min(request.num_tokens - num_computed, budget)
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_tokens, computed)
-            if new_block_ids is None:
-                break  # it waits for blocks, and those behind it with it
-            self.waiting.popleft()
-            if request.num_cached_tokens < 0:  # first admission (vLLM counts resumes' hits apart)
-                request.num_cached_tokens = num_computed
-                if self.kv_cache_manager.reads_cache(request):
-                    self.prefix_cache_queries += request.num_tokens
-                    self.prefix_cache_hits += num_computed
-            request.num_computed_tokens = num_computed
-            self.running.append(request)
-            new.append(request)
-            scheduled.append((request, num_tokens, new_block_ids))
-            budget -= num_tokens
-        return new
-
-    def make_metrics(self) -> list[Metric]:
-        """vLLM's metrics of the scheduler and its KV cache, by their Prometheus names."""
-        return [
-            Counter("vllm:prefix_cache_queries", {}, self.prefix_cache_queries),
-            Counter("vllm:prefix_cache_hits", {}, self.prefix_cache_hits),
-            Counter("vllm:num_preemptions", {}, self.num_preemptions),
-            Gauge("vllm:kv_cache_usage_perc", {}, self.kv_cache_manager.usage()),
-            Gauge("vllm:num_requests_running", {}, len(self.running)),
-            Gauge("vllm:num_requests_waiting", {}, len(self.waiting)),
-        ]
-
-    def preempt(self, request: Request) -> Request:
-        """V1's recompute: its blocks freed, its computed tokens forgotten, to the front of the
-        waiting queue. Its tokens in flight still come (Scheduler.requests); the workers keep their
-        copy of it, generator included, so a seeded request samples as if never preempted."""
-        self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
-        self.waiting.appendleft(request)
-        self.num_preemptions += 1
-        return request
-
-    def num_tokens_needed(self, request: Request) -> int:
-        """The rest of its prompt (after a preemption: of all its tokens); else 1 (its last token,
-        sampled or in flight) if it may need another token."""
-        left = request.num_tokens + request.num_in_flight - request.num_computed_tokens
-        return left if left > 1 else int(self.may_need_another_token(request))
-
-    def may_need_another_token(self, request: Request) -> bool:
-        """Below max_tokens and max_model_len, counting tokens in flight (which may yet stop it)."""
-        tokens = len(request.output_token_ids) + request.num_in_flight
-        return (
-            tokens < request.params.max_tokens
-            and len(request.prompt_token_ids) + tokens < self.max_model_len
-        )
-
-    def update(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-    ) -> list[Request]:
-        """Append each sampled token to its request; return the requests that got one (those it
-        ended have finish_reason set). The token of a request finished or aborted since this step
-        was sent, computed on the workers all the same, is dropped: never shown, never counted."""
-        updated = []
-        sampled = zip(scheduler_output.scheduled_ids, runner_output.sampled_token_ids)
-        for request_id, token in sampled:
-            request = self.requests.get(request_id)
-            if request is None:  # finished or aborted since it was sent (async): dropped
-                self.num_dropped_tokens += token is not None
-                continue
-            request.prompt_logprobs += runner_output.prompt_logprobs.get(request_id, [])
-            if token is None:  # part-way in its prompt
-                continue
-            request.num_in_flight -= 1
-            request.output_token_ids.append(token)
-            if request.params.logprobs is not None:
-                request.logprobs.append(runner_output.logprobs[request_id])
-            updated.append(request)
-            # An end-of-sequence or stop token ends it here; a stop string, a matter of text, is
-            # found by the front end (OutputProcessor), which then aborts the request.
-            if token in self.eos_token_ids and not request.params.ignore_eos:
-                request.finish_reason = "stop"
-            elif token in request.params.stop_token_ids:
-                request.finish_reason, request.stop_reason = "stop", token
-            elif (
-                len(request.output_token_ids) >= request.params.max_tokens
-                or request.num_tokens >= self.max_model_len
-            ):
-                request.finish_reason = "length"
-        self.release([request for request in updated if request.finish_reason is not None])
-        return updated
-
-    def release(self, requests: list[Request]) -> None:
-        """Free the requests' blocks at once (running ones, or preempted: waiting, known to the
-        workers); the workers forget them with the next step."""
-        for request in requests:
-            del self.requests[request.request_id]
-            (self.running if request in self.running else self.waiting).remove(request)
-            self.kv_cache_manager.free(request)
-            self.finished_ids.append(request.request_id)
-
-    def abort_requests(self, request_ids: set[int]) -> None:
-        """Forget these requests: those never admitted (unknown to the workers) are dropped, the
-        others free their blocks (their tokens in flight are dropped when they come)."""
-        unknown = {r.request_id for r in self.waiting if r.num_cached_tokens < 0} & request_ids
-        self.waiting = deque(r for r in self.waiting if r.request_id not in unknown)
-        for request_id in unknown:
-            del self.requests[request_id]
-        self.release([r for r in (*self.running, *self.waiting) if r.request_id in request_ids])
-
-
 # The engine: the scheduler and the executor, driven by one thread ---------------------
-SHUTDOWN_ENGINE = "shutdown"
+STOP_ENGINE = "stop"
 
 
 class EngineCore:
@@ -904,7 +464,7 @@ class EngineCore:
         if not self.batch_queue:
             return []
         scheduler_output, step = self.batch_queue.popleft()
-        return self.scheduler.update(scheduler_output, step.result())
+        return self.scheduler.update_from_output(scheduler_output, step.result())
 
     def run_busy_loop(self, commands: queue.SimpleQueue) -> None:
         """vLLM's EngineCoreProc.run_busy_loop, as a thread: take the commands waiting (add, abort,
@@ -914,14 +474,14 @@ class EngineCore:
             try:
                 while not commands.empty() or not self.has_unfinished_requests():
                     verb, argument = commands.get()
-                    if verb == SHUTDOWN_ENGINE:
+                    if verb == STOP_ENGINE:
                         self.fail_every_request(RuntimeError("this LLM was shut down"))
                         return
                     self.run_command(verb, argument)
                 for request in self.step():
                     finished = request.finish_reason is not None
                     if request.stream or finished:
-                        request.outputs.put((request, len(request.output_token_ids), finished))
+                        request.output_queue.put((request, len(request.output_token_ids), finished))
             except Exception as error:  # a worker failed or died: shut down, later steps raise too
                 self.executor.shutdown()  # already, but for driver faults: ranks may disagree now
                 self.fail_every_request(error)
@@ -942,7 +502,7 @@ class EngineCore:
     def fail_every_request(self, error: Exception) -> None:
         requests = [*self.scheduler.waiting, *self.scheduler.running]
         for request in requests:
-            request.outputs.put(error)
+            request.output_queue.put(error)
         self.abort_request([request.request_id for request in requests])
         self.batch_queue.clear()
 
@@ -1166,9 +726,6 @@ class EngineClient:
         # `stopped` and the queue change together: a command is drained and failed, or refused here.
         self.lock = threading.Lock()
         self.stopped = False
-        # Callers' threads (an HTTP server's) keep the GIL up to Python's switch interval while the
-        # engine's waits to start its next step: a tenth of the default (docs/performance.md)
-        sys.setswitchinterval(min(sys.getswitchinterval(), 5e-4))
         self.thread = threading.Thread(target=self._run_engine, name="tinytp-engine", daemon=True)
         self.thread.start()
 
@@ -1185,7 +742,7 @@ class EngineClient:
                 verb, argument = self.commands.get()
                 if verb == "add":
                     for request in argument:
-                        request.outputs.put(stopped)
+                        request.output_queue.put(stopped)
                 elif verb == "call":
                     argument[1].set_exception(stopped)
 
@@ -1202,7 +759,7 @@ class EngineClient:
         looks for them in its text. A failure comes on the queue as an exception."""
         outputs = queue.SimpleQueue()
         for request in requests:
-            request.outputs, request.stream = outputs, stream or bool(request.params.stop)
+            request.output_queue, request.stream = outputs, stream or bool(request.params.stop)
         self._put(("add", requests))
         return outputs
 
@@ -1227,7 +784,7 @@ class EngineClient:
             if isinstance(self.engine.executor, Executor):  # others (bench's) wait on no processes
                 self.engine.executor.closing.set()
             with contextlib.suppress(RuntimeError):
-                self._put((SHUTDOWN_ENGINE, None))
+                self._put((STOP_ENGINE, None))
             self.thread.join()
 
 
@@ -1557,11 +1114,11 @@ def check_kv_cache(
     cache: CacheConfig,
     max_num_seqs: int,
     max_model_len: int,
-) -> tuple[int, bool]:
+) -> int:
     """The blocks of the KV cache, on every rank: as many as kv_cache_memory_bytes holds (vLLM's:
     a rank's, GPU's, bytes), or by default max_num_seqs requests of max_model_len tokens' worth;
     and block 0, the null block. Refused if one request of max_model_len tokens would not fit, as
-    vLLM refuses it, or if the memory has no room for them (check_memory: its answer too)."""
+    vLLM refuses it, or if the memory has no room for them (check_memory)."""
     size, memory_bytes = cache.block_size, cache.kv_cache_memory_bytes
     blocks_per_request = -(-max_model_len // size)
     layer_block = math.prod(kv_cache_shape(config, tp, 1, size))
@@ -1579,7 +1136,8 @@ def check_kv_cache(
             f"{(blocks_per_request + 1) * block_bytes}, or a smaller max_model_len"
         )
     kv_cache, part = (num_blocks, size, sized_by), cache.gpu_memory_utilization
-    return num_blocks, check_memory(config, tp, device, dtype, kv_cache, part)
+    check_memory(config, tp, device, dtype, kv_cache, part)
+    return num_blocks
 
 
 MEMINFO = "/proc/meminfo"  # the kernel's account of memory, MemAvailable among it
@@ -1592,10 +1150,10 @@ def check_memory(
     dtype: str,
     kv_cache: tuple[int, int, str],
     gpu_memory_utilization: float,
-) -> bool:
+) -> None:
     """The workers' weights and KV cache (one GPU's share, or on cpu every rank's) against the
     memory they go in: one line now, not a worker the kernel kills as it loads (exit code -9).
-    kv_cache: its blocks, their size, what chose them. Returns whether the weights fit twice too."""
+    kv_cache: its blocks, their size, what chose them."""
     num_blocks, block_size, chosen_by = kv_cache
     memory = gpu_memory_utilization * (
         torch.cuda.get_device_properties(0).total_memory
@@ -1618,8 +1176,8 @@ def check_memory(
         if device == "cpu" and available < memory:
             memory, where = available, f"{in_units(available)} this machine can give now"
     weights, kv_cache = needed(dtype)
-    if weights + kv_cache <= memory:  # and a second copy of the weights? (choose_cpu_kernels)
-        return 2 * weights + kv_cache <= memory
+    if weights + kv_cache <= memory:
+        return
     if dtype == "float32" and sum(needed("bfloat16")) <= memory:  # a CPU without native bfloat16
         fix = f"dtype='bfloat16' (--dtype bfloat16) needs {in_units(sum(needed('bfloat16')))}"
     elif weights < memory:
@@ -1634,9 +1192,7 @@ def check_memory(
     )
 
 
-def check_engine_choices(
-    device: str, dtype: str, cuda_graphs, load_format: str, async_scheduling
-) -> None:
+def check_engine_choices(device: str, cuda_graphs, load_format: str, async_scheduling) -> None:
     if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":  # graphs of CUDA kernels
         raise ValueError(
             f"cuda_graphs must be False, or True on device 'cuda'; got {cuda_graphs!r} on {device}"
@@ -1647,7 +1203,6 @@ def check_engine_choices(
         )
     if type(async_scheduling) is not bool:
         raise ValueError(f"async_scheduling must be True or False, got {async_scheduling!r}")
-    cpu_kernels(torch.device(device), getattr(torch, dtype))  # a bad TINYTP_PACK_WEIGHTS: here
 
 
 class LLM:
@@ -1704,10 +1259,8 @@ class LLM:
         device, dtype = choose_device_and_dtype(config, tp, device, dtype)
         self.max_model_len = max_len = check_max_model_len(config, max_model_len)
         budget = check_max_num_batched_tokens(max_num_batched_tokens, max_num_seqs, tp, device)
-        num_blocks, blocks_fit = check_kv_cache(
-            config, tp, device, dtype, cache, max_num_seqs, max_len
-        )
-        check_engine_choices(device, dtype, cuda_graphs, load_format, async_scheduling)
+        num_blocks = check_kv_cache(config, tp, device, dtype, cache, max_num_seqs, max_len)
+        check_engine_choices(device, cuda_graphs, load_format, async_scheduling)
         if load_format == "auto":
             check_checkpoint(config, self.model_dir)
         self.tokenizer = load_tokenizer(tokenizer, self.model_dir)
@@ -1719,7 +1272,7 @@ class LLM:
         self.scheduler = Scheduler(max_num_seqs, max_len, budget, eos_token_ids, kv_cache_manager)
         workers = (tp, device, dtype, max_num_seqs, max_len, load_format)  # what each one runs
         options = {"cuda_graphs": cuda_graphs, "num_blocks": num_blocks, "block_size": block_size}
-        options |= {"enforce_eager": enforce_eager, "blocks_fit": blocks_fit}
+        options |= {"enforce_eager": enforce_eager}
         self.executor = executor_class(config, self.model_dir, *workers, **options)
         # The engine loop: one thread drives the scheduler and executor; callers use its queues
         self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)

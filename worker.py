@@ -10,17 +10,17 @@ import math
 import multiprocessing
 import multiprocessing.synchronize
 import multiprocessing.util
+import numbers
 import operator
 import os
 import pickle
 import signal
 import struct
-import subprocess
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Callable
@@ -29,62 +29,41 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoints import check_count, is_integer, is_number, open_checkpoint, token_id_list
 from model import (
     LlamaForCausalLM,
     ModelConfig,
     ModelInputs,
     TPGroup,
-    choose_cpu_kernels,
-    cpu_kernels,
     init_dummy_weights,
     kv_cache_shape,
     load_checkpoint,
 )
 
 
-# Not Python's public API, in one place --------------------------------------------------
-# multiprocessing internals that no public call replaces in Python 3.11, each used once.
-def forget_child_processes(processes: list) -> None:
-    """Take processes off multiprocessing's list of children, whose exit hook (in a forked
-    child too) would terminate them: our workers are stopped by the Executor alone."""
-    multiprocessing.process._children.difference_update(processes)
-
-
-def importing_main_for_spawn() -> bool:
-    """Is this a spawned process importing its parent's main script? (multiprocessing's own test)"""
-    return getattr(multiprocessing.current_process(), "_inheriting", False)
-
-
-def unlink_semaphores(semaphores: list) -> None:
-    """Remove named semaphores (the doorbells) from /dev/shm now, as multiprocessing does when
-    the last reference goes (a traceback a caller keeps may hold one): by the finalizer it
-    registered where they were made, which then removes itself, else by its cleanup."""
-    names = {semaphore._semlock.name for semaphore in semaphores}
-    for finalizer in list(multiprocessing.util._finalizer_registry.values()):
-        if (
-            finalizer._callback is multiprocessing.synchronize.SemLock._cleanup
-            and finalizer._args[0] in names
-        ):
-            names.discard(finalizer._args[0])
-            finalizer()
-    for name in names:  # made by another process (a worker cleaning up for a dead driver)
-        multiprocessing.synchronize.SemLock._cleanup(name)
-
-
-def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
-    """Attach to another process's block without registering it with Python 3.11's resource
-    tracker, which would unlink it under the creator's feet (and warn of a "leak") at exit.
-    Public alternative: SharedMemory(name, track=False), from Python 3.13."""
-    register = resource_tracker.register
-    resource_tracker.register = lambda *args, **kwargs: None
-    try:
-        return shared_memory.SharedMemory(name=name)
-    finally:
-        resource_tracker.register = register
-
-
 # Messages between the driver and the workers ------------------------------------------
+def is_integer(value) -> bool:
+    """An int (numpy's too), but not a bool, which Python counts as one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_count(name: str, value) -> None:
+    """Refuse a count (n, max_tokens, max_num_seqs) that is not an integer >= 1."""
+    if not is_integer(value) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
+    """Config files give token ids such as eos_token_id as one int or a list."""
+    ids = [] if value is None else [value] if isinstance(value, int) else value
+    if not isinstance(ids, list) or not all(is_integer(i) and i >= 0 for i in ids):
+        raise ValueError(f"{key} must be a token id or a list of them, got {value!r}")
+    return list(ids)
+
+
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a lower temperature other than 0 is raised to it
 MAX_LOGPROBS = 20  # vLLM's max_logprobs default: the most log-probabilities a token may ask for
 LOGPROBS_WORDS = f"None or an integer from 0 to {MAX_LOGPROBS} (vLLM's max_logprobs)"
@@ -277,13 +256,13 @@ MESSAGE_FIELDS = {
 }
 
 
-def encode(message: Any) -> bytes:
+def pickle_message(message: Any) -> bytes:
     """Pickle a message: one of MESSAGE_CLASSES as (number, fields), anything else as (None, it)."""
     number, get_fields = MESSAGE_FIELDS.get(type(message), (None, None))
     return pickle.dumps((number, message if number is None else get_fields(message)), protocol=5)
 
 
-def decode(data: bytes | memoryview) -> Any:
+def unpickle_message(data: bytes | memoryview) -> Any:
     number, payload = pickle.loads(data)
     return payload if number is None else MESSAGE_CLASSES[number](*payload)
 
@@ -453,7 +432,7 @@ class MessageQueue:
         """Send obj to every reader; return its size in bytes, encoded. A timeout or Ctrl-C
         after a message's first chunk leaves `cut_off` set: the readers hold part of it and
         would read the next message as its rest, so the queue is of no more use."""
-        data = memoryview(encode(obj))
+        data = memoryview(pickle_message(obj))
         buf, sent = self.buf, 0
         while True:  # at least one chunk, even for an empty message
             if not self._chunk_free():  # checked first: the common case needs no message
@@ -488,7 +467,7 @@ class MessageQueue:
             start = self.chunk_at[i] + CHUNK_HEADER.size
             payload = self.buf[start : start + size]
             if size == total:  # the common case: one chunk, decoded in place
-                message = decode(payload)
+                message = unpickle_message(payload)
             else:
                 if len(self.receive_buffer) < total:
                     self.receive_buffer = bytearray(total)
@@ -499,7 +478,11 @@ class MessageQueue:
             self.next_chunk = (i + 1) % self.handle.num_chunks
             self.cut_off = received < total
             if received == total:
-                return message if size == total else decode(memoryview(self.receive_buffer)[:total])
+                return (
+                    message
+                    if size == total
+                    else unpickle_message(memoryview(self.receive_buffer)[:total])
+                )
 
     def close(self) -> None:
         """Detach; the creator removes the block (multiprocessing the doorbells, once unused)."""
@@ -509,6 +492,21 @@ class MessageQueue:
             # a driver that died while shutting down got there first
             with contextlib.suppress(FileNotFoundError):
                 self.shm.unlink()
+
+
+def wait_for_messages(
+    queues: list[MessageQueue], timeout: float | None, what: str, check: Callable, doorbell
+) -> list[int]:
+    """Wait until any of `queues` (each read by us alone, all ringing one `doorbell`) has a
+    message; return the numbers of those that have: the driver's wait for the workers' replies."""
+    ready: list[int] = []
+
+    def any_ready() -> bool:
+        ready[:] = [number for number, queue in enumerate(queues) if queue.ready()]
+        return bool(ready)
+
+    wait_until(any_ready, timeout, what, check, doorbell)
+    return ready
 
 
 # Collectives through shared memory, for ranks on one CPU machine ----------------------
@@ -714,90 +712,6 @@ def step_logprobs(
     return sampled, {i: [next(entries) for _ in positions] for i, _, positions in prompts}
 
 
-# A busy CPU: as many threads as the cores others leave ---------------------------------
-SCHEDSTAT = "/proc/thread-self/schedstat"  # Linux's: this thread's time on a core, and waiting
-CONTENDED = 0.2  # of the steps' time spent waiting for a core (runnable): others hold ours
-LOOK_SECONDS = 0.2  # of steps between two looks
-# The thread given up keeps its place: a process bound to the last thread's core that only yields.
-# Linux balances cores by the tasks queued on them, so the other processes move off that core and
-# the worker runs there alone, as vLLM's bound worker does while its engine polls beside it.
-PLACE_KEEPER = """import ctypes, os, sys, time
-ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: it ends with the worker
-os.sched_setaffinity(0, {int(sys.argv[2])})
-stat, last_running = f"/proc/{os.getppid()}/task/{sys.argv[1]}/stat", time.monotonic()
-while os.path.exists(stat):
-    if open(stat, "rb").read().rsplit(b")", 1)[1][1:2] == b"R":  # the thread runs, or would
-        last_running = time.monotonic()
-    if time.monotonic() - last_running < 0.05:
-        os.sched_yield()
-    else:  # the worker is idle: so is its place
-        time.sleep(0.05)
-"""
-
-
-class ThreadsForTheLoad:
-    """A CPU worker's threads. Each OpenMP region of a step waits for all its threads, and one
-    queued behind another process holds up the rest: beside one busy process, two threads on two
-    cores take longer over a step than one (docs/performance.md). So each LOOK_SECONDS of steps:
-    the steps' thread contended for its core at two looks running, half the threads; not, twice as
-    many (up to `most`), tried twice as late each time the cores are still taken. At one thread,
-    the other's place is kept (keep_place)."""
-
-    def __init__(self, most: int):
-        self.most = self.threads = most
-        try:
-            self.waited_seconds()
-        except OSError:  # no schedstat (not Linux): the threads stay
-            self.most = self.threads = 1
-        self.seconds = self.waited = 0.0  # the steps since the last look, and their waits
-        self.retry_seconds, self.retry_at, self.trying, self.was_contended = 1.0, 0.0, False, False
-        self.cores, self.place_keeper = os.sched_getaffinity(0), None
-
-    def waited_seconds(self) -> float:
-        """The calling thread's time runnable but not running, in all (schedstat's second field)."""
-        if self.most == 1:
-            return 0.0
-        with open(SCHEDSTAT, "rb", buffering=0) as schedstat:
-            return int(schedstat.read().split()[1]) / 1e9
-
-    def count(self, start: float, waited_before: float) -> None:
-        """A step, from `start` (perf_counter) and waited_seconds() then, to now."""
-        if self.most == 1:
-            return
-        now, waited = time.perf_counter(), self.waited_seconds() - waited_before
-        self.seconds, self.waited = self.seconds + now - start, self.waited + waited
-        if self.seconds < LOOK_SECONDS:
-            return
-        contended = self.waited > CONTENDED * self.seconds
-        if self.trying:  # more threads since the last look: if taken, try twice as late (to 60 s)
-            self.retry_seconds = min(2 * self.retry_seconds, 60) if contended else 1
-        self.trying = not contended and self.threads < self.most and now >= self.retry_at
-        if contended and self.was_contended and self.threads > 1:  # twice running: not a blip
-            self.threads, self.retry_at = self.threads // 2, now + self.retry_seconds
-        elif self.trying:
-            self.threads = min(2 * self.threads, self.most)
-        torch.set_num_threads(self.threads)
-        self.keep_place(self.threads == 1)
-        self.seconds = self.waited = 0.0
-        self.was_contended = contended
-
-    def keep_place(self, alone: bool) -> None:
-        """Down to one thread: bind it to its core and start a place keeper there; more: undo."""
-        if alone and self.place_keeper is None:
-            with open("/proc/thread-self/stat") as stat:
-                core = stat.read().rsplit(")", 1)[1].split()[36]  # the core it runs on
-            os.sched_setaffinity(0, {int(core)})
-            thread = str(threading.get_native_id())
-            self.place_keeper = subprocess.Popen(  # silent: a keeper's fault only costs speed
-                [sys.executable, "-c", PLACE_KEEPER, thread, core], stderr=subprocess.DEVNULL
-            )
-        elif not alone and self.place_keeper is not None:
-            self.place_keeper.kill()
-            self.place_keeper.wait()
-            self.place_keeper = None
-            os.sched_setaffinity(0, self.cores)
-
-
 def choose_cuda_attention_backends() -> None:
     """cuDNN's attention, PyTorch's first choice on Hopper, plans anew for each set of sizes, key
     length included: each decode step at a new length would pay. Off: flash takes the unmasked
@@ -811,8 +725,6 @@ class Worker:
     def __init__(self, rank: int, world_size: int):
         self.group = TPGroup(rank, world_size)
         self.requests: dict[int, CachedRequest] = {}
-        self.steps_run = self.steps_with_the_next_waiting = 0  # counted by worker_main
-        self.threads_for_load = ThreadsForTheLoad(1)  # init_device's, for a CPU
 
     def init_device(
         self,
@@ -827,7 +739,6 @@ class Worker:
         tests) over gloo, which carries CUDA tensors through the host: nccl refuses two ranks on
         one GPU. A collective block (CPU, tp > 1): shared memory."""
         torch.set_num_threads(num_threads)
-        self.threads_for_load = ThreadsForTheLoad(num_threads if device == "cpu" else 1)
         self.device = (
             torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
         )
@@ -858,15 +769,17 @@ class Worker:
         config: ModelConfig,
         model_dir: str,
         max_model_len: int,
-        max_num_seqs: int,
         load_format: str = "auto",
         enforce_eager: bool = False,
-        blocks_fit: bool = False,
     ) -> None:
         """Build this rank's part of the model and fill it from the checkpoint (load_format "dummy":
-        random numbers), its matmuls on the CPU kernels fastest at up to max_num_seqs rows, its
-        decode steps compiled (enforce_eager: never); the config parsed, checked by the driver, as
-        is the memory for a second copy of the weights (blocks_fit: choose_cpu_kernels')."""
+        random numbers); the config parsed and checked by the driver. On one CPU rank the decode
+        steps also run through torch.compile, as gpt-fast and vLLM compile theirs: inductor fuses
+        the small operations between the matmuls, each of them eagerly a pass over memory and a
+        wait for every thread. enforce_eager (vLLM's --enforce-eager): never. Ranks' collectives,
+        Python on shared memory, would break each graph in three: tp > 1 stays eager."""
+        from checkpoints import open_checkpoint  # (checkpoints.py reads with this module's checks)
+
         self.config, self.max_model_len = config, max_model_len
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
@@ -877,17 +790,8 @@ class Worker:
         else:
             files = open_checkpoint(model_dir)
             load_checkpoint(self.model, files, show_progress=self.group.rank == 0)
-        candidates = cpu_kernels(self.device, self.dtype)
-        # On one CPU rank, kernels unforced: decode steps compiled, on bmm's blocks for a single
-        # stream. (Ranks' collectives, Python on shared memory, would split each graph in three.)
-        if self.group.size == 1 and len(candidates) > 1 and not enforce_eager:
-            if max_num_seqs == 1:
-                candidates = ["bmm"]
-            self.model.compile_decodes()
-        if candidates != ["F.linear"]:
-            said = choose_cpu_kernels(self.model, candidates, max_num_seqs, blocks_fit)
-            if self.group.rank == 0:
-                print(said, file=sys.stderr)
+        compiles = self.device.type == "cpu" and self.group.size == 1 and not enforce_eager
+        self.compiled_model = torch.compile(self.model) if compiles else None
 
     def init_kv_cache(
         self, num_blocks: int, block_size: int, max_num_seqs: int, cuda_graphs: bool = False
@@ -906,22 +810,30 @@ class Worker:
         self.cuda_graphs = cuda_graphs
         self.capture_graphs = self.device.type == "cuda" and dist.get_backend() == "nccl"
         self.graphs: dict[int, tuple] = {}  # context length: (graph, its inputs, its logits)
-        if self.model.compiled is not None:  # compiled now, not at the first request's step
-            print("tinytp: compiling decode steps", file=sys.stderr)  # minutes, cold (no cache)
-            start = time.perf_counter()
-            try:
-                # one row, then three, in the null block, which none reads (two: B = L, one size)
-                with torch.inference_mode():
-                    for rows in [1, 3][: 1 + (max_num_seqs > 1)]:
-                        self.model(self.prepare_inputs([(NULL_ROW, 1)] * rows), self.kv_caches)
-                said = f"compiled in {time.perf_counter() - start:.1f} s"
-            except Exception as error:  # no C++ compiler for inductor, say: the same step, eagerly
-                self.model.compiled = None
-                for module in self.model.modules():  # nor the one-row graph's second copy
-                    if hasattr(module, "one_row_weight"):
-                        module.one_row_weight = None
-                said = "left eager: " + str(error).strip().split("\n", 1)[0]
-            print(f"tinytp: decode steps {said}", file=sys.stderr)
+        if self.compiled_model is not None:  # at start, as vLLM does: not in a request's first step
+            self.compile_decode_step()
+
+    def compile_decode_step(self) -> None:
+        """Compile the decode step on steps in the null block, which none reads. torch.compile
+        compiles for the shapes it is first given, and again for a size that changes, then left
+        free (dynamic); a size of 1 keeps a graph of its own: so one row at two context lengths,
+        then two rows."""
+        print(
+            "tinytp: compiling the decode step with torch.compile (about a minute on a first "
+            "start, seconds from inductor's cache; --enforce-eager skips it)",
+            file=sys.stderr,
+        )
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for rows, position in [(1, 1), (1, 2), (2, 2)][: 2 + (self.max_num_seqs > 1)]:
+                    row = replace(NULL_ROW, token_ids=[0] * (position + 1), num_computed=position)
+                    self.compiled_model(self.prepare_inputs([(row, 1)] * rows), self.kv_caches)
+        except Exception as error:  # no C++ compiler for inductor, say
+            first_line = str(error).strip().split("\n", 1)[0]
+            fix = "run with --enforce-eager (enforce_eager=True)"
+            raise RuntimeError(f"torch.compile failed ({first_line}): {fix}") from None
+        print(f"tinytp: compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
     def context_slots(self, requests: list[CachedRequest], num_positions: int) -> torch.Tensor:
         """The slots (block x block_size + offset) of each request's first num_positions, a row
@@ -937,52 +849,63 @@ class Worker:
         self, batch: list[tuple[CachedRequest, int]], context_len: int | None = None
     ) -> ModelInputs:
         """The step's tokens packed in `batch`'s order ((a request, its tokens this step), one-token
-        ones first), which attend in one call: a decoding request's token at position p sees 0..p of
-        its blocks, as does a prompt's one-token chunk; a longer chunk, in a call of its own."""
-        size, device = self.block_size, self.device
-        as_index = {"dtype": torch.long, "device": device}  # (no tokens: no rows, still indices)
+        ones first): the one-token rows attend in one call (decode_attention), each longer chunk of
+        a prompt in a call of its own (chunk_attention). Only attention asks where a row belongs."""
+        as_index = {"dtype": torch.long, "device": self.device}  # (no tokens: still indices)
         tokens = [(r, p) for r, n in batch for p in range(r.num_computed, r.num_computed + n)]
         positions = torch.tensor([p for _, p in tokens], **as_index)
-        decodes = [r for r, n in batch if n == 1]
-        contexts = [r.num_computed + 1 for r in decodes]
-        # A given context_len: cuda_graph_step's fixed shape, always masked; so are a compiled
-        # step's decodes of more rows, whose one graph takes a mask (LlamaForCausalLM.forward)
-        fixed_shape, context_len = context_len is not None, context_len or max(contexts, default=0)
-        compiled = self.model.compiled is not None and len(decodes) > 1
-        masked = fixed_shape or compiled or len(set(contexts)) > 1
         ends = list(itertools.accumulate(n for _, n in batch))  # where each request's rows end
+        decodes = [r for r, n in batch if n == 1]
         return ModelInputs(
             input_ids=torch.tensor(
                 [t for r, n in batch for t in r.token_ids[r.num_computed : r.num_computed + n]],
-                device=device,
+                **as_index,
             ),
             positions=positions,
             slot_mapping=(
-                torch.tensor([r.block_ids[p // size] for r, p in tokens], **as_index),
-                positions % size,
+                torch.tensor([r.block_ids[p // self.block_size] for r, p in tokens], **as_index),
+                positions % self.block_size,
             ),
-            context_slots=self.context_slots(decodes, context_len),
-            # all True where the contexts are one length
-            attn_mask=torch.arange(context_len, device=device)
-            <= positions[: len(decodes), None, None, None]
-            if masked
-            else None,
-            # A chunk from position 0 is plain causal attention; a later one sees cached ones too.
-            chunks=[
-                (
-                    self.context_slots([r], r.num_computed + n)[0],
-                    r.num_computed,
-                    n,
-                    None
-                    if r.num_computed == 0
-                    else torch.arange(r.num_computed + n, device=device)
-                    <= positions[end - n : end, None],
-                )
-                for (r, n), end in zip(batch, ends)
-                if n > 1
-            ],
-            logits_indices=torch.tensor(logits_rows(batch, ends), dtype=torch.long, device=device),
+            **self.decode_attention(decodes, positions[: len(decodes)], context_len),
+            chunks=self.chunk_attention(batch, positions, ends),
+            logits_indices=torch.tensor(logits_rows(batch, ends), **as_index),
         )
+
+    def decode_attention(
+        self, decodes: list[CachedRequest], positions: torch.Tensor, context_len: int | None
+    ) -> dict:
+        """The one-token rows' context: a decoding request's token at position p sees 0..p of its
+        blocks (as does a prompt's one-token chunk), up to the longest context (or a given
+        context_len: cuda_graph_step's fixed shape), masked where the rows' lengths differ. A fixed
+        shape is always masked, and so is a compiled step: one graph serves every step."""
+        contexts = [r.num_computed + 1 for r in decodes]
+        fixed_shape, context_len = context_len is not None, context_len or max(contexts, default=0)
+        compiled = self.compiled_model is not None
+        masked = fixed_shape or compiled or len(set(contexts)) > 1
+        mask = torch.arange(context_len, device=self.device) <= positions[:, None, None, None]
+        return {
+            "context_slots": self.context_slots(decodes, context_len),
+            "attn_mask": mask if masked else None,  # else all True: the contexts are one length
+        }
+
+    def chunk_attention(
+        self, batch: list[tuple[CachedRequest, int]], positions: torch.Tensor, ends: list[int]
+    ) -> list[tuple]:
+        """Each longer chunk's slots up to its last position, its first position, its length and
+        its mask: none from position 0 (plain causal attention), else the cached positions too."""
+        return [
+            (
+                self.context_slots([r], r.num_computed + n)[0],
+                r.num_computed,
+                n,
+                None
+                if r.num_computed == 0
+                else torch.arange(r.num_computed + n, device=self.device)
+                <= positions[end - n : end, None],
+            )
+            for (r, n), end in zip(batch, ends)
+            if n > 1
+        ]
 
     def cuda_graph_step(self, scheduled: list[CachedRequest]) -> torch.Tensor:
         """The scheduled rows' logits of a decode step at the one shape a CUDA graph replays:
@@ -1023,7 +946,7 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step: update our requests from the deltas, run the model, sample, append tokens."""
-        start, waited = time.perf_counter(), self.threads_for_load.waited_seconds()
+        start = time.perf_counter()
         for request_id in scheduler_output.finished_ids:
             self.requests.pop(request_id, None)  # after an interrupted generate, maybe never sent
         for new in scheduler_output.new_requests:
@@ -1042,11 +965,7 @@ class Worker:
         # every request samples its one token
         decode_only = len(sampling) == len(batch) == sum(counts.values())
         with torch.inference_mode():
-            logits = (
-                self.cuda_graph_step(list(sampling.values()))
-                if decode_only and self.cuda_graphs
-                else self.model(self.prepare_inputs(batch), self.kv_caches)
-            )
+            logits = self.run_model(batch, list(sampling.values()), decode_only)
         # .tolist() waits for the GPU
         tokens = dict(zip(sampling, self.sample(logits[: len(sampling)], list(sampling.values()))))
         # rank 0 alone answers, so it alone computes what was asked
@@ -1057,11 +976,23 @@ class Worker:
         for request_id, token in tokens.items():
             self.requests[request_id].token_ids.append(token)
         sampled_token_ids = [tokens.get(i) for i in scheduler_output.scheduled_ids]
-        self.threads_for_load.count(start, waited)
         return ModelRunnerOutput(sampled_token_ids, time.perf_counter() - start, *logprobs)
 
+    def run_model(
+        self, batch: list[tuple[CachedRequest, int]], sampled: list[CachedRequest], decode: bool
+    ) -> torch.Tensor:
+        """The step's logits. A decode-only step runs at a CUDA graph's shape (cuda_graphs), or
+        through the compiled model, but for a one-token prompt's (a context of one would be a graph
+        of its own); every other step eagerly."""
+        if decode and self.cuda_graphs:
+            return self.cuda_graph_step(sampled)
+        compiled = (
+            decode and self.compiled_model is not None and all(r.num_computed for r in sampled)
+        )
+        model = self.compiled_model if compiled else self.model
+        return model(self.prepare_inputs(batch), self.kv_caches)
+
     def close(self, unlink_collective_block: bool = False) -> None:
-        self.threads_for_load.keep_place(False)
         if isinstance(self.group, SharedMemoryGroup):
             self.group.close(unlink_collective_block)
         if dist.is_initialized():
@@ -1117,10 +1048,6 @@ def worker_main(
                 reply = RPCResult(call.call_id, error=traceback.format_exc())
             if call.unique_reply_rank in (None, rank) or reply.error is not None:
                 response.enqueue(reply, check=driver_alive)
-            # with async scheduling, the next step is already here (bench.py)
-            if call.method == "execute_model":
-                worker.steps_run += 1
-                worker.steps_with_the_next_waiting += broadcast.ready()
     except DriverGone:
         # Nobody else will unlink the blocks and doorbells now (which also keeps the dead driver's
         # resource tracker quiet): rank 0 the shared ones, each rank its reply block.
@@ -1137,3 +1064,44 @@ def worker_main(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# Not Python's public API, in one place --------------------------------------------------
+# multiprocessing internals that no public call replaces in Python 3.11, each used once.
+def forget_child_processes(processes: list) -> None:
+    """Take processes off multiprocessing's list of children, whose exit hook (in a forked
+    child too) would terminate them: our workers are stopped by the Executor alone."""
+    multiprocessing.process._children.difference_update(processes)
+
+
+def importing_main_for_spawn() -> bool:
+    """Is this a spawned process importing its parent's main script? (multiprocessing's own test)"""
+    return getattr(multiprocessing.current_process(), "_inheriting", False)
+
+
+def unlink_semaphores(semaphores: list) -> None:
+    """Remove named semaphores (the doorbells) from /dev/shm now, as multiprocessing does when
+    the last reference goes (a traceback a caller keeps may hold one): by the finalizer it
+    registered where they were made, which then removes itself, else by its cleanup."""
+    names = {semaphore._semlock.name for semaphore in semaphores}
+    for finalizer in list(multiprocessing.util._finalizer_registry.values()):
+        if (
+            finalizer._callback is multiprocessing.synchronize.SemLock._cleanup
+            and finalizer._args[0] in names
+        ):
+            names.discard(finalizer._args[0])
+            finalizer()
+    for name in names:  # made by another process (a worker cleaning up for a dead driver)
+        multiprocessing.synchronize.SemLock._cleanup(name)
+
+
+def attach_shared_memory(name: str) -> shared_memory.SharedMemory:
+    """Attach to another process's block without registering it with Python 3.11's resource
+    tracker, which would unlink it under the creator's feet (and warn of a "leak") at exit.
+    Public alternative: SharedMemory(name, track=False), from Python 3.13."""
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args, **kwargs: None
+    try:
+        return shared_memory.SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register
