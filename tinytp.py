@@ -207,10 +207,10 @@ class Executor:
         max_model_len: int,
         load_format: str = "auto",
         cuda_graphs: bool = False,
+        enforce_eager: bool = False,
         *,
         num_blocks: int,
         block_size: int,
-        enforce_eager: bool = False,
     ):
         self.tp = tp
         self.call_ids = itertools.count(1)
@@ -1069,7 +1069,9 @@ def check_vllm_arguments(
 
 
 def executor_class_for(distributed_executor_backend: str | type) -> type:
-    """vLLM's "mp" is ours; a class of one's own needs the three methods the engine calls."""
+    """vLLM's "mp" is ours; a class of one's own needs the three methods the engine calls. Either
+    starts worker processes: first, can this process start them?"""
+    check_process_can_start_workers()
     if distributed_executor_backend == "mp":
         return Executor
     needed = ("collective_rpc", "execute_model", "shutdown")
@@ -1245,13 +1247,12 @@ class LLM:
         **others,
     ):
         """Everything checked before any worker starts; then the pieces, put together."""
-        check_process_can_start_workers()
+        executor_class = executor_class_for(distributed_executor_backend)
         cache = CacheConfig(
             block_size, gpu_memory_utilization, kv_cache_memory_bytes, enable_prefix_caching
         )
         vllm_arguments = (seed, enforce_eager, cuda_graphs, trust_remote_code)
         check_vllm_arguments(others, *vllm_arguments, generation_config, cache)
-        executor_class = executor_class_for(distributed_executor_backend)
         self.model_dir = resolve_model(model)
         self.config = config = read_model_config(self.model_dir)
         tp = tensor_parallel_size
@@ -1263,21 +1264,33 @@ class LLM:
         check_engine_choices(device, cuda_graphs, load_format, async_scheduling)
         if load_format == "auto":
             check_checkpoint(config, self.model_dir)
-        self.tokenizer = load_tokenizer(tokenizer, self.model_dir)
-        defaults = {"auto": self.model_dir, "vllm": None}.get(generation_config, generation_config)
-        self.processor = Processor(config, self.model_dir, self.tokenizer, max_len, defaults, seed)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        eos_token_ids = self.processor.end_of_sequence_ids()
-        kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(max_num_seqs, max_len, budget, eos_token_ids, kv_cache_manager)
-        workers = (tp, device, dtype, max_num_seqs, max_len, load_format)  # what each one runs
-        options = {"cuda_graphs": cuda_graphs, "num_blocks": num_blocks, "block_size": block_size}
-        options |= {"enforce_eager": enforce_eager}
-        self.executor = executor_class(config, self.model_dir, *workers, **options)
+        self._make_front_end(tokenizer, generation_config, seed)
+        self.scheduler = self._make_scheduler(max_num_seqs, budget, num_blocks, cache)
+        workers = (tp, device, dtype, max_num_seqs, max_len, load_format, cuda_graphs)
+        kv_cache = {"num_blocks": num_blocks, "block_size": block_size}  # what each one runs
+        self.executor = executor_class(config, self.model_dir, *workers, enforce_eager, **kv_cache)
         # The engine loop: one thread drives the scheduler and executor; callers use its queues
         self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)
         self.engine_client = EngineClient(self.engine)
         atexit.register(self.shutdown)  # registered after the executor's, so run before it
+
+    def _make_scheduler(
+        self, max_num_seqs: int, budget: int, num_blocks: int, cache: CacheConfig
+    ) -> Scheduler:
+        """V1's scheduler over the paged KV cache's blocks, told the model's end-of-sequence ids."""
+        eos_token_ids = self.processor.end_of_sequence_ids()
+        blocks = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        return Scheduler(max_num_seqs, self.max_model_len, budget, eos_token_ids, blocks)
+
+    def _make_front_end(self, tokenizer: str | None, generation_config: str, seed) -> None:
+        """The callers' side: the tokenizer, the Processor (requests checked and made, with the
+        model's sampling defaults) and the OutputProcessor (text from tokens)."""
+        self.tokenizer = load_tokenizer(tokenizer, self.model_dir)
+        defaults = {"auto": self.model_dir, "vllm": None}.get(generation_config, generation_config)
+        self.processor = Processor(
+            self.config, self.model_dir, self.tokenizer, self.max_model_len, defaults, seed
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
 
     def generate(
         self,

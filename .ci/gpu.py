@@ -289,7 +289,7 @@ def call_sites(config: dict, settings: dict, device: str, dtype: str) -> dict:
     rank.dtype = getattr(torch, dtype)
     one_layer = config_from_dict({**config, "num_hidden_layers": 1})
     # dummy: no directory; eager: the layer is called here as it is, uncompiled, as on a GPU
-    rank.load_model(one_layer, None, context, batch, load_format="dummy", enforce_eager=True)
+    rank.load_model(one_layer, None, context, load_format="dummy", enforce_eager=True)
     # Worker.init_kv_cache's blocks, random (its zeros would make every output zero), without its
     # question to a process group (this process joins none); request i in the blocks after block 0
     block_size = 16
