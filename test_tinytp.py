@@ -27,7 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from dataclasses import replace
 from multiprocessing import shared_memory
 from unittest import mock
@@ -63,13 +62,13 @@ from checkpoints import (
 )
 from model import (
     ColumnParallelLinear,
-    LlamaForCausalLM,
     ParallelLMHead,
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
     split,
 )
+from scheduler import KVCacheManager, Request, Scheduler
 from tinytp import CompletionOutput, RequestOutput, SamplingParams, WorkerError
 from worker import (
     CHUNK_HEADER,
@@ -82,8 +81,8 @@ from worker import (
     SharedMemoryGroup,
     Worker,
     collective_block_bytes,
-    encode,
     new_shared_memory,
+    pickle_message,
     sampling_probabilities,
 )
 
@@ -278,18 +277,11 @@ def last_logits(worker):
     return worker.last_logits.cpu()
 
 
-def unblocked(blocks: torch.Tensor) -> torch.Tensor:  # bmm's [out / block, in, block]: W
-    return blocks.transpose(1, 2).reshape(-1, blocks.shape[1])
-
-
 def q_rows(worker):  # README, exercise 5
     qkv = worker.model.layers[0].self_attn.qkv_proj
-    weight = qkv.weight  # as loaded, or a copy laid out for oneDNN or in bmm's blocks:
-    if qkv.packed_weight is not None and qkv.kernel is model_code.onednn_linear:
-        weight = qkv.packed_weight.to_dense()
-    elif qkv.packed_weight is not None:
-        weight = unblocked(qkv.packed_weight)
-    return weight[: qkv.weight.shards[0].size]  # q's rows come first (its shard), then k's and v's
+    return qkv.weight[
+        : qkv.weight.shards[0].size
+    ]  # q's rows come first (its shard), then k's and v's
 
 
 def request_token_ids(worker):
@@ -458,7 +450,7 @@ def test_parallel_layers_match_torch_nn(tmp_path):
 
 
 # --------------------------------------------------------------------------------------
-# One rank's step in this process: its operations, its attention calls, its weight layouts
+# One rank's step in this process: its operations and its attention calls
 # --------------------------------------------------------------------------------------
 
 
@@ -466,19 +458,17 @@ def worker_in_process(
     prompts: list[list[int]],
     decode_steps: int,
     max_num_seqs: int | None = None,
-    enforce_eager: bool = False,
-    blocks_fit: bool = False,
+    enforce_eager: bool = True,
 ) -> Worker:
     """tp=1's worker for the tiny model, run here (init_device's part set by hand): a prefill
     of `prompts`, 4 blocks of 16 positions each, then `decode_steps` decode steps; an engine of
-    max_num_seqs (default: as many as the prompts), blocks_fit as the driver's memory check says."""
+    max_num_seqs (default: as many as the prompts), eager unless asked (enforce_eager=False: its
+    decode steps compiled, as an LLM's at tp 1)."""
     worker = Worker(0, world_size=1)
     worker.device, worker.dtype = torch.device("cpu"), torch.float32
     tiny, max_num_seqs = checkpoints.TINY_MODEL_DIR, max_num_seqs or len(prompts)
     config = read_config(f"{tiny}/config.json")
-    worker.load_model(
-        config, tiny, 64, max_num_seqs, enforce_eager=enforce_eager, blocks_fit=blocks_fit
-    )
+    worker.load_model(config, tiny, 64, enforce_eager=enforce_eager)
     worker.init_kv_cache(1 + 4 * len(prompts), 16, max_num_seqs=max_num_seqs)
     ids = list(range(len(prompts)))
     worker.execute_model(
@@ -510,12 +500,10 @@ def operations_in_a_decode_step(worker: Worker) -> int:
 
 
 @pytest.mark.quick
-def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did(monkeypatch):
-    """At batch 1 much of a decode step's time on a CPU goes to dispatching small operations
-    rather than to arithmetic: a structural guard (not a timing) that their count does not
-    grow. A decoder layer's share is the step's count less the count with one layer fewer. On
-    oneDNN's kernel everywhere: which kernel the load-time timing picks depends on the CPU."""
-    monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "1")
+def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did():
+    """At batch 1 much of an eager decode step's time on a CPU goes to dispatching small
+    operations rather than to arithmetic: a structural guard (not a timing) that their count does
+    not grow. A decoder layer's share is the step's count less the count with one layer fewer."""
     worker = worker_in_process([PROMPTS[0]], decode_steps=1)
     whole = operations_in_a_decode_step(worker)
     worker.model.layers = worker.model.layers[:-1]
@@ -524,8 +512,10 @@ def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did(monkeyp
     # then the view it was: a copy only where CUDA's kernels return another layout); 87 and 66
     # with the cache written by one indexed assignment, and the slots' offsets from the positions;
     # 88 and 64 with the decodes' slots [B, L], not flat (a compiled graph's B is a size), viewed
-    # flat for the gather
-    assert per_layer <= 88 and whole - 2 * per_layer <= 64, (per_layer, whole)
+    # flat for the gather; 116 and 71 with every matmul F.linear, 7 operations each (linear, t,
+    # its transpose and as_strided, matmul, mm, resolve_conj twice) where oneDNN's packed kernel,
+    # not ATen's, counted none
+    assert per_layer <= 116 and whole - 2 * per_layer <= 71, (per_layer, whole)
 
 
 @pytest.mark.quick
@@ -542,7 +532,7 @@ def test_attention_never_asks_sdpa_for_grouped_query_attention(monkeypatch):
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
     # different lengths: the decode steps take a mask
-    worker_in_process(PROMPTS[:2], decode_steps=2, enforce_eager=True)  # eager steps
+    worker_in_process(PROMPTS[:2], decode_steps=2)
     assert len(calls) == 2 * 2 + 2 * 2 and not any(
         kwargs.get("enable_gqa") for _, _, kwargs in calls
     )
@@ -557,60 +547,6 @@ def test_attention_never_asks_sdpa_for_grouped_query_attention(monkeypatch):
             and not kwargs.get("is_causal")
             and kwargs["attn_mask"] is not None
         )
-
-
-def matmul_layouts(worker: Worker) -> list[str]:
-    layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
-    return [
-        "W"
-        if m.packed_weight is None
-        else {"onednn_linear": "oneDNN", "blocked_linear": "bmm"}[m.kernel.__name__]
-        for m in worker.model.modules()
-        if isinstance(m, layers)
-    ]
-
-
-def test_tinytp_pack_weights_0_keeps_the_loaded_layout_and_the_tokens(monkeypatch):
-    """choose_cpu_kernels picks a CPU kernel's layout, not tensor parallelism: TINYTP_PACK_WEIGHTS=0
-    runs every matmul as F.linear on the weights as loaded, 1 every one on oneDNN's packed copy, 2
-    on bmm's blocks. Each way the tokens match transformers, and the runs agree."""
-    tokens = {}
-    for pack, layouts in (("1", ["oneDNN"] * 9), ("2", ["bmm"] * 9), ("0", ["W"] * 9)):
-        monkeypatch.setenv("TINYTP_PACK_WEIGHTS", pack)
-        worker = worker_in_process([PROMPTS[3]], decode_steps=10)
-        assert matmul_layouts(worker) == layouts  # 4 per layer, then the LM head
-        tokens[pack] = worker.requests[0].token_ids[len(PROMPTS[3]) :]
-    assert tokens["0"] == tokens["1"] == tokens["2"]
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
-    assert_tokens_match_hf(hf_model, PROMPTS[3], tokens["0"])
-    monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "no")
-    with pytest.raises(ValueError, match="TINYTP_PACK_WEIGHTS must be 0, 1 or 2, not 'no'"):
-        worker_in_process([PROMPTS[3]], decode_steps=0)
-    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(ValueError, match="TINYTP_PACK_WEIGHTS must be 0, 1 or 2, not 'no'"):
-            LLM(device="cpu")  # refused in the driver, before any worker starts
-
-
-def test_tinytp_pack_weights_1_where_onednn_is_not_offered_is_refused(monkeypatch):
-    """Exact or refuse: oneDNN's packed kernel runs on a CPU in float32, and in bfloat16 only where
-    the CPU has it natively, bmm's blocks in float32; elsewhere TINYTP_PACK_WEIGHTS=1 or 2 would run
-    F.linear without a word, so it is refused in one line, in the driver. 0 (F.linear everywhere)
-    is what runs there: kept."""
-    monkeypatch.setattr(model_code, "cpu_has_native_bfloat16", lambda: False)
-    refused = [("1", "bfloat16", "oneDNN"), ("1", "float16", "oneDNN")]
-    refused += [("2", "bfloat16", "bmm"), ("2", "float16", "bmm")]
-    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        for pack, dtype, why in refused:
-            monkeypatch.setenv("TINYTP_PACK_WEIGHTS", pack)
-            with pytest.raises(
-                ValueError,
-                match=f"={pack} asks for {why}, which does not run {dtype} on cpu here "
-                r"\(what does: F.linear\)",
-            ):
-                LLM(device="cpu", dtype=dtype)
-    monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "0")
-    with LLM(device="cpu", dtype="bfloat16") as llm:
-        assert llm.collective_rpc(packed_weight_dtypes) == [[False] * 9]
 
 
 # --------------------------------------------------------------------------------------
@@ -639,7 +575,9 @@ def test_queue_message_sizes_across_chunks():
     writer = MessageQueue.create(num_readers=1, num_chunks=8, chunk_bytes=64)
     reader = MessageQueue.attach(writer.handle, reader=0)
     capacity = 64 - CHUNK_HEADER.size
-    exactly_one_chunk = next(b"x" * n for n in range(capacity) if len(encode(b"x" * n)) == capacity)
+    exactly_one_chunk = next(
+        b"x" * n for n in range(capacity) if len(pickle_message(b"x" * n)) == capacity
+    )
     for message in [b"", None, exactly_one_chunk, b"y" * (capacity * 5 + 3)]:
         writer.enqueue(message)
         assert reader.dequeue(timeout=1) == message
@@ -838,37 +776,35 @@ def scheduler_with(
     num_blocks=None,
     block_size=16,
     **params,
-) -> tinytp.Scheduler:
+) -> Scheduler:
     """A Scheduler with one waiting request (ids 0, 1, ...) per prompt length, all with `params`;
     by default a KV cache of max_num_seqs x max_model_len tokens, and the null block."""
     num_blocks = num_blocks or max_num_seqs * -(-max_model_len // block_size) + 1
-    scheduler = tinytp.Scheduler(
+    scheduler = Scheduler(
         max_num_seqs,
         max_model_len,
         max_num_batched_tokens,
         set(eos_token_ids),
-        tinytp.KVCacheManager(num_blocks, block_size),
+        KVCacheManager(num_blocks, block_size),
     )
     for i, length in enumerate(prompt_lengths):
-        scheduler.add_request(
-            tinytp.Request(i, None, [1] * length, SamplingParams(**params), seed=0)
-        )
+        scheduler.add_request(Request(i, None, [1] * length, SamplingParams(**params), seed=0))
     return scheduler
 
 
-def run_step(scheduler: tinytp.Scheduler, tokens: list[int] | None = None):
+def run_step(scheduler: Scheduler, tokens: list[int] | None = None):
     """One step, each scheduled request that samples (all but a prompt part-way done) taking its
     token of `tokens` (default: 0 for all); the requests it finished."""
     return answer(scheduler, scheduler.schedule(), tokens)
 
 
-def answer(scheduler: tinytp.Scheduler, step: SchedulerOutput, tokens: list[int] | None = None):
+def answer(scheduler: Scheduler, step: SchedulerOutput, tokens: list[int] | None = None):
     by_id = {request.request_id: request for request in scheduler.running}
     samples = [
         by_id[i].num_computed_tokens >= len(by_id[i].prompt_token_ids) for i in step.scheduled_ids
     ]
     sampled = iter(tokens if tokens is not None else [0] * sum(samples))
-    updated = scheduler.update(
+    updated = scheduler.update_from_output(
         step, ModelRunnerOutput([next(sampled) if s else None for s in samples], 0.0)
     )
     return step, [request for request in updated if request.finish_reason is not None]
@@ -976,7 +912,7 @@ def test_abort_forgets_the_requests_frees_their_blocks_and_tells_the_workers():
         and not scheduler.requests
     )
     assert scheduler.schedule() is None  # nothing to run: the workers are told with the next step
-    scheduler.add_request(tinytp.Request(3, None, [1, 1], SamplingParams(), seed=0))
+    scheduler.add_request(Request(3, None, [1, 1], SamplingParams(), seed=0))
     assert scheduler.schedule().finished_ids == [0, 1]
 
 
@@ -992,15 +928,15 @@ def test_with_a_step_in_flight_the_scheduler_counts_its_tokens_and_drops_those_a
     assert scheduler.schedule() is None
     request_0, request_1 = scheduler.running
     # request 0 ends at its first token, an EOS
-    scheduler.update(first, ModelRunnerOutput([7, 3], 0.0))
+    scheduler.update_from_output(first, ModelRunnerOutput([7, 3], 0.0))
     # 0's second token is dropped
-    assert scheduler.update(second, ModelRunnerOutput([5, 4], 0.0)) == [request_1]
+    assert scheduler.update_from_output(second, ModelRunnerOutput([5, 4], 0.0)) == [request_1]
     assert (request_0.output_token_ids, request_0.finish_reason) == ([7], "stop")
     assert (request_1.output_token_ids, request_1.finish_reason) == ([3, 4], "length")
     assert scheduler.running == [] and scheduler.schedule() is None
 
 
-def cell(scheduler: tinytp.Scheduler, name: str, request_id: int, count: int) -> str:
+def cell(scheduler: Scheduler, name: str, request_id: int, count: int) -> str:
     """A request in a step: its name, the positions whose keys and values the step writes, its
     block table."""
     first = scheduler.requests[request_id].num_computed_tokens - count
@@ -1009,7 +945,7 @@ def cell(scheduler: tinytp.Scheduler, name: str, request_id: int, count: int) ->
     return f"{name} {positions} [{' '.join(str(block.block_id) for block in blocks)}]"
 
 
-def timeline(scheduler: tinytp.Scheduler, names: str, columns: int) -> list[str]:
+def timeline(scheduler: Scheduler, names: str, columns: int) -> list[str]:
     """Run the scheduler to its end, each step answered with token 0: a line per step, its tokens,
     a cell per running request in the order they came, and the requests it finished."""
     lines = []
@@ -1044,7 +980,7 @@ def test_block_timeline_of_5_prompts_2_at_a_time():
     for i, (length, max_tokens) in enumerate(zip([3, 5, 2, 4, 1], [3, 1, 2, 4, 2])):
         prompt = [i + 1] * length  # no block of one is another's: none is found cached
         scheduler.add_request(
-            tinytp.Request(i, None, prompt, SamplingParams(max_tokens=max_tokens), seed=0)
+            Request(i, None, prompt, SamplingParams(max_tokens=max_tokens), seed=0)
         )
     lines = timeline(scheduler, "ABCDE", 2)
     print("\n".join(["", "step  tokens", *lines]))
@@ -1076,7 +1012,7 @@ def test_prefix_cache_timeline_hashes_hits_and_evicts_blocks():
         if name:  # arrives
             ids = [ord(letter) - ord("a") for letter in prompt]
             params = SamplingParams(max_tokens=max_tokens)
-            scheduler.add_request(tinytp.Request("ABC".index(name), None, ids, params, seed=0))
+            scheduler.add_request(Request("ABC".index(name), None, ids, params, seed=0))
         cached_before = dict(kv.cached_block_hash_to_block)
         step = scheduler.schedule()
         request_id, count = step.scheduled_ids[0], step.num_scheduled_tokens[0]
@@ -1153,8 +1089,7 @@ class TestTp2MultiHeadAttention:
             assert torch.allclose(row, expected, atol=1e-4)
 
     def test_rank_1_holds_rows_32_to_63_of_q_proj(self, tp2, mha_checkpoint):
-        # README exercise 5: 2 of the 4 heads of 16; its weights can be looked at on every path,
-        # packed or not.
+        # README exercise 5: 2 of the 4 heads of 16
         q_proj = mha_checkpoint[1].model.layers[0].self_attn.q_proj.weight
         assert torch.equal(tp2.collective_rpc(q_rows)[1], q_proj[32:64])
 
@@ -1308,50 +1243,37 @@ class TestTp4ReplicatedKvHeads:
         check_greedy_against_hf(llm, hf_model, max_tokens=40)
 
     def test_explain_bytes_per_rank_are_what_the_workers_hold(self, tp4):
-        # Plus, on CPU, the tied LM head's packed copy where choose_cpu_kernels packed it: 65 vocab
-        # rows (258 padded to 260, over 4) x 64.
+        # the tied LM head reads the embedding's table: its bytes once
         import bench
 
         _, _, llm = tp4
         printed = re.findall(
             r"rank (\d) holds ([\d,]+) bytes", bench.explain(llm.config, 4, "float32")
         )
-        head_copies = [
-            65 * 64 * 4 * packed for packed in llm.collective_rpc(bench.lm_head_is_packed)
-        ]
-        assert [
-            int(n.replace(",", "")) + head_copy for (_, n), head_copy in zip(printed, head_copies)
-        ] == llm.collective_rpc(bench.parameter_bytes)
+        assert [int(n.replace(",", "")) for _, n in printed] == llm.collective_rpc(
+            bench.parameter_bytes
+        )
 
 
-def packed_weight_dtypes(worker):  # run in the workers: what was packed of each matmul
+def matmul_weights(worker):  # run in the workers: each matmul's weight dtype, the head's tied
     layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
-    return [
-        m.packed_weight is not None and m.packed_weight.dtype
-        for m in worker.model.modules()
-        if isinstance(m, layers)
-    ]
+    dtypes = [m.weight.dtype for m in worker.model.modules() if isinstance(m, layers)]
+    return dtypes, worker.model.lm_head.weight is worker.model.embed_tokens.weight
 
 
-def test_tp2_bfloat16_tied_packed_tokens_within_tolerance_of_transformers_bfloat16(
-    tmp_path, monkeypatch
-):
-    """bfloat16 on CPU: every matmul packed for oneDNN where it can (TINYTP_PACK_WEIGHTS=1, not
-    timed), the tied LM head too,
-    and each greedy token within 1/32 of transformers' best logit, both in bfloat16 and
+def test_tp2_bfloat16_tied_tokens_within_tolerance_of_transformers_bfloat16(tmp_path):
+    """bfloat16 on CPU: every matmul on bfloat16 weights, the tied LM head on the embedding's
+    table, and each greedy token within 1/32 of transformers' best logit, both in bfloat16 and
     teacher-forced. These logits lie within +-2, where bfloat16 moves in steps of 1/128:
     the two sum in different orders, and 2 of 200 tokens measured 2 steps (1/64) apart."""
     make_checkpoint(tmp_path, heads=4, kv_heads=2, tied=True)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    if model_code.cpu_has_native_bfloat16():  # else refused: F.linear is all there is
-        monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "1")
     with LLM(
         str(tmp_path), tensor_parallel_size=2, device="cpu", dtype="bfloat16", max_model_len=128
     ) as llm:
         check_greedy_against_hf(llm, hf_model, max_tokens=40, tolerance=1 / 32)
-        packed = torch.bfloat16 if model_code.cpu_has_native_bfloat16() else False
         # 4 per layer, and the head
-        assert llm.collective_rpc(packed_weight_dtypes) == [[packed] * 9] * 2
+        assert llm.collective_rpc(matmul_weights) == [([torch.bfloat16] * 9, True)] * 2
 
 
 class TestTp2GqaOddVocab:
@@ -1428,7 +1350,7 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint):
             # what init_device sets
             worker.device, worker.dtype = torch.device("cpu"), torch.float32
             config = read_config(f"{path}/config.json")
-            worker.load_model(config, path, max_model_len=64, max_num_seqs=1)
+            worker.load_model(config, path, max_model_len=64)
             worker.init_kv_cache(num_blocks=5, block_size=16, max_num_seqs=1)
             new = [NewRequest(0, prompt, [1, 2, 3, 4], SamplingParams(temperature=0), seed=0)]
             step = SchedulerOutput(new, [0], [len(prompt)], [])
@@ -2444,22 +2366,6 @@ def test_memory_the_machine_has_but_cannot_give_now_is_refused_not_a_worker_kill
     with machine_memory(2**40, str(meminfo)):
         with llm_without_workers(tmp_path, max_model_len=64):
             pass
-
-
-@pytest.mark.quick
-def test_callers_threads_keep_the_gil_from_the_engine_half_a_millisecond_at_most(tmp_path):
-    """Python's 5 ms between switches, a served stream's handler thread holding the GIL, while the
-    engine's thread waited to start the next step (docs/performance.md); a shorter one stays."""
-    make_checkpoint(tmp_path)
-    before = sys.getswitchinterval()
-    try:
-        for interval, expected in [(5e-3, 5e-4), (1e-4, 1e-4)]:
-            sys.setswitchinterval(interval)
-            with llm_without_workers(tmp_path, max_model_len=64):
-                # (Python keeps it in microseconds, rounded)
-                assert sys.getswitchinterval() == pytest.approx(expected, rel=0.02)
-    finally:
-        sys.setswitchinterval(before)
 
 
 @pytest.mark.quick
@@ -3544,8 +3450,11 @@ def test_a_prompt_chunk_that_does_not_end_its_prompt_samples_nothing_and_puts_no
     assert (third.scheduled_ids, third.num_scheduled_tokens) == ([0, 1], [1, 3])
     # the chunk of 2..4 sampled nothing
     assert (request_0.num_in_flight, request_1.num_in_flight) == (2, 1)
-    assert scheduler.update(second, ModelRunnerOutput([5, None], 0.0)) == [request_0]
-    assert scheduler.update(third, ModelRunnerOutput([6, 9], 0.0)) == [request_0, request_1]
+    assert scheduler.update_from_output(second, ModelRunnerOutput([5, None], 0.0)) == [request_0]
+    assert scheduler.update_from_output(third, ModelRunnerOutput([6, 9], 0.0)) == [
+        request_0,
+        request_1,
+    ]
     assert (request_0.output_token_ids, request_1.output_token_ids) == ([0, 5, 6], [9])
     fourth = scheduler.schedule()
     assert (fourth.scheduled_ids, fourth.num_scheduled_tokens) == ([0, 1], [1, 1])  # both decode
@@ -3559,7 +3468,7 @@ def test_every_step_keeps_to_the_budget_and_decodes_come_first():
     they leave."""
     scheduler = scheduler_with([1] * 7, max_num_seqs=8, max_num_batched_tokens=8, max_tokens=12)
     run_step(scheduler)
-    scheduler.add_request(tinytp.Request(7, None, [1] * 40, SamplingParams(max_tokens=2), seed=0))
+    scheduler.add_request(Request(7, None, [1] * 40, SamplingParams(max_tokens=2), seed=0))
     steps = []
     while scheduler.running or scheduler.waiting:
         steps.append(run_step(scheduler)[0])
@@ -3766,11 +3675,11 @@ def test_the_hash_chain_finds_a_block_only_after_the_same_tokens_before_it():
     block holds A's second block's tokens ("cd") must miss: those keys were computed at positions 2
     and 3, after "ab". One that begins as A does finds both full blocks, and one that is all of A's
     full blocks finds only the first: its last token is always computed."""
-    kv = tinytp.KVCacheManager(num_blocks=8, block_size=2)
+    kv = KVCacheManager(num_blocks=8, block_size=2)
 
-    def request(request_id: int, tokens: str) -> tinytp.Request:
+    def request(request_id: int, tokens: str) -> Request:
         ids = [ord(letter) - ord("a") for letter in tokens]
-        return tinytp.Request(request_id, None, ids, SamplingParams(), seed=0)
+        return Request(request_id, None, ids, SamplingParams(), seed=0)
 
     a = request(0, "abcde")
     assert kv.get_computed_blocks(a) == [] and kv.allocate_slots(a, 5) == [1, 2, 3]
@@ -3784,17 +3693,17 @@ def test_the_hash_chain_finds_a_block_only_after_the_same_tokens_before_it():
 
 @pytest.mark.quick
 def test_a_freed_cached_block_is_hit_until_evicted_and_usage_counts_held_blocks():
-    kv = tinytp.KVCacheManager(num_blocks=4, block_size=2)
-    a = tinytp.Request(0, None, [1, 2, 3], SamplingParams(), seed=0)
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = Request(0, None, [1, 2, 3], SamplingParams(), seed=0)
     kv.allocate_slots(a, 3)
     assert kv.usage() == pytest.approx(2 / 3)
     kv.free(a)
     # its last block first: "3" (partial, never cached), then "1 2"
     assert kv.usage() == 0 and list(kv.free_block_queue) == [3, 2, 1]
-    b = tinytp.Request(1, None, [1, 2, 9], SamplingParams(), seed=0)
+    b = Request(1, None, [1, 2, 9], SamplingParams(), seed=0)
     hit = kv.get_computed_blocks(b)
     assert [block.block_id for block in hit] == [1] and kv.allocate_slots(b, 1, hit) == [1, 3]
-    c = tinytp.Request(2, None, [5, 6, 7, 8, 9], SamplingParams(), seed=0)
+    c = Request(2, None, [5, 6, 7, 8, 9], SamplingParams(), seed=0)
     assert kv.allocate_slots(c, 5) is None  # 3 blocks needed, 1 free: nothing taken
     assert kv.allocate_slots(c, 2) == [2]  # the last free block: "1 2"'s twin, never cached
     kv.free(b)
@@ -3813,7 +3722,7 @@ def test_the_newest_running_request_is_preempted_to_the_front_and_resumes_its_to
     scheduler = scheduler_with([], max_num_seqs=2, num_blocks=6, block_size=4, max_model_len=20)
     for i, (token, max_tokens) in enumerate([(1, 10), (2, 10), (3, 1)]):
         params = SamplingParams(max_tokens=max_tokens)
-        scheduler.add_request(tinytp.Request(i, None, [token] * (6 - 3 * (i == 2)), params, seed=0))
+        scheduler.add_request(Request(i, None, [token] * (6 - 3 * (i == 2)), params, seed=0))
     first, older, newer = run_step(scheduler)[0], *scheduler.running
     assert first.scheduled_ids == [0, 1] and [r.request_id for r in scheduler.waiting] == [2]
     run_step(scheduler)
@@ -3839,7 +3748,7 @@ def test_a_token_in_flight_for_a_request_preempted_meanwhile_still_comes_to_it()
     second = scheduler.schedule()  # both need a second block: request 1 preempted
     assert second.scheduled_ids == [0] and scheduler.num_preemptions == 1
     newer = scheduler.requests[1]
-    scheduler.update(first, ModelRunnerOutput([5, 6], 0.0))
+    scheduler.update_from_output(first, ModelRunnerOutput([5, 6], 0.0))
     assert newer.output_token_ids == [6] and newer.num_in_flight == 0 and newer in scheduler.waiting
 
 
@@ -5660,30 +5569,6 @@ def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp
                 pass
 
 
-@pytest.mark.quick
-def test_the_workers_keep_a_second_copy_of_the_weights_only_where_memory_has_room(tmp_path):
-    """A compiled engine of more rows keeps bmm's blocks beside oneDNN's packing for its one-row
-    graph (choose_cpu_kernels): the memory check says whether the weights fit twice beside the KV
-    cache, to the byte, and the workers are told; one copy fitting is still an engine."""
-    make_checkpoint(tmp_path)
-    config = read_config(os.path.join(tmp_path, "config.json"))
-    weights = model_code.weight_bytes(config, TPGroup(0, 1), "float32")
-    # 2 layers of 8 requests of 64 tokens, in blocks of 16, and the null block, in float32
-    kv_cache = 2 * math.prod(model_code.kv_cache_shape(config, 1, 8 * 4 + 1, 16)) * 4
-    for memory, fits in [
-        (weights + kv_cache, False),
-        (2 * weights + kv_cache - 1, False),
-        (2 * weights + kv_cache, True),
-    ]:
-        with (
-            machine_memory(memory),
-            llm_without_workers(
-                tmp_path, dtype="float32", max_model_len=64, gpu_memory_utilization=1.0
-            ),
-        ):
-            assert tinytp.Executor.call_args.kwargs["blocks_fit"] is fits
-
-
 # --------------------------------------------------------------------------------------
 # The OpenAI-compatible server
 # --------------------------------------------------------------------------------------
@@ -6199,7 +6084,7 @@ def test_stop_strings_found_in_new_text_match_a_search_of_the_whole_text():
         some = text[begin : begin + rng.randrange(1, 5)]
         stops = rng.choice([[some], [some, some[:1]], [some[:2], some], [text[:2]], ["zz"]])
         expected = stop_by_whole_text(decode, tokens, stops)
-        request = tinytp.Request(0, None, [1], SamplingParams(stop=stops, max_tokens=99), 0)
+        request = Request(0, None, [1], SamplingParams(stop=stops, max_tokens=99), 0)
         state = tinytp.RequestState(request, 0, decode, None)
         for end, token in enumerate(tokens, start=1):
             request.output_token_ids.append(token)
@@ -7068,234 +6953,6 @@ def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_check
     assert errors and "shut down" in errors[0] and set(shm_entries()) <= others
 
 
-# CPU kernels chosen at load time (issue 44) ---------------------------------------------------
-@pytest.mark.parametrize("max_num_seqs, rows", [(1, [1]), (4, [1, 4]), (16, [1, 8])])
-def test_each_kind_of_matmul_gets_the_kernel_timed_fastest_and_the_tokens_stay_transformers(
-    monkeypatch, capsys, max_num_seqs, rows
-):
-    """Unforced and eager, choose_cpu_kernels lays a kind of matmul out for the kernel that timed
-    fastest at the rows a decode step of this engine may have (one, and up to 8 but not past
-    max_num_seqs): a mixed choice (the timings stubbed) runs each layer on the kernel chosen for
-    its kind, says so in one line (how much faster than the next), and gives transformers'
-    tokens, as do the kernels forced alone."""
-    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
-    faster = {"qkv_proj": "oneDNN", "o_proj": "F.linear", "gate_up_proj": "bmm"}
-    faster |= {"down_proj": "oneDNN", "lm_head": "bmm"}
-    kinds = iter(faster.values())  # choose_cpu_kernels asks in the model's order: its first layer
-
-    def timed(weights, candidates, timed_rows):
-        assert weights and candidates == ["F.linear", "oneDNN", "bmm"]  # a kind's every layer
-        assert timed_rows == rows
-        winner = next(kinds)
-        seconds = dict.fromkeys(candidates, 5.0) | {winner: 1.0}
-        return seconds | {next(k for k in candidates if k != winner): 1.5}
-
-    with mock.patch.object(model_code, "kernel_seconds", side_effect=timed):
-        worker = worker_in_process([PROMPTS[3]], 10, max_num_seqs, enforce_eager=True)
-    said = capsys.readouterr().err
-    assert said.count("tinytp: matmul kernels:") == 1
-    at = " and ".join(map(str, rows)) + (" row" if rows == [1] else " rows")
-    assert (
-        "qkv_proj oneDNN (1.50x), o_proj F.linear (1.50x), gate_up_proj bmm (1.50x), "
-        f"down_proj oneDNN (1.50x), lm_head bmm (1.50x): the fastest at {at} on this CPU" in said
-    ), said
-    # 4 per layer (qkv, o, gate_up, down), then the LM head
-    assert matmul_layouts(worker) == ["oneDNN", "W", "bmm", "oneDNN"] * 2 + ["bmm"]
-    tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
-    assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)
-
-
-@pytest.fixture
-def compiled_steps(monkeypatch) -> collections.Counter:
-    """Counts the steps run through compile_decodes' graphs, dynamo's own counters reset."""
-    calls = collections.Counter()
-    compile_decodes = LlamaForCausalLM.compile_decodes
-
-    def compile_counted(model):
-        compile_decodes(model)
-        step = model.compiled
-        model.compiled = lambda *args: calls.update(["step"]) or step(*args)
-
-    monkeypatch.setattr(LlamaForCausalLM, "compile_decodes", compile_counted)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    return calls
-
-
-def test_a_one_row_engine_runs_its_steps_compiled_on_blocks_and_the_tokens_stay_transformers(
-    monkeypatch, capsys, compiled_steps
-):
-    """An engine of one row a step on one CPU rank (max_num_seqs 1) lays every matmul out in bmm's
-    blocks and runs its one-row steps through torch.compile, the whole step one graph (attention
-    inside it, no graph break) for every context length, compiled at init_kv_cache,
-    before any request. Its tokens are transformers', and those of enforce_eager, which races the
-    kernels as any engine does."""
-    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
-    worker = worker_in_process([PROMPTS[3]], decode_steps=10)
-    said = capsys.readouterr().err
-    assert "lm_head bmm: compiled for one-row steps (max_num_seqs 1)" in said, said
-    assert "tinytp: decode steps compiled in " in said and matmul_layouts(worker) == ["bmm"] * 9
-    # the minutes of a cold compile are announced before they start (a server is silent meanwhile)
-    assert said.index("tinytp: compiling decode steps\n") < said.index("decode steps compiled in")
-    # the warm-up step, then the 10 decode steps (the prompt's step eager), through one graph
-    assert compiled_steps == {"step": 11}
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    assert not torch._dynamo.utils.counters["graph_break"]
-    tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
-    assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)
-    eager = worker_in_process([PROMPTS[3]], decode_steps=10, enforce_eager=True)
-    assert eager.model.compiled is None and "the fastest at 1 row" in capsys.readouterr().err
-    assert eager.requests[0].token_ids == worker.requests[0].token_ids
-
-
-def test_an_engine_of_more_rows_compiles_its_decode_steps_on_the_kernels_it_chose(
-    monkeypatch, capsys, compiled_steps, tmp_path
-):
-    """On one CPU rank an engine of up to 4 rows a step compiles its decode steps, on the kernels
-    raced at 1 and 4 rows (here stubbed: all three, oneDNN's packed weights through tinytp's own
-    op, which inductor does not look into): one graph for one row, one for more, whatever their
-    count and contexts (two of different lengths, two of one length: masked all the same). The
-    tokens stay transformers'."""
-    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
-    # raced, not kept from an earlier compiled engine's start (nor keeping these stubs' choices)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    faster = itertools.cycle(["oneDNN", "F.linear", "bmm", "oneDNN", "bmm"])  # each kind's
-
-    def timed(weights, candidates, rows):
-        return dict.fromkeys(candidates, 5.0) | {next(faster): 1.0}
-
-    runs = [PROMPTS[3]], PROMPTS[2:4], [PROMPTS[3]] * 2
-    graphs, workers = [], []
-    with mock.patch.object(model_code, "kernel_seconds", side_effect=timed):
-        for prompts in runs:
-            workers.append(worker_in_process(prompts, decode_steps=10, max_num_seqs=4))
-            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    # each engine's warm-up steps (one row, three rows), then its 10 decode steps
-    assert compiled_steps == {"step": 3 * 12}
-    # two graphs for a KV cache of 5 blocks, two for one of 9 (its size is fixed in a graph: one
-    # cache an engine), none more for the twins
-    assert graphs == [2, 4, 4]
-    assert not torch._dynamo.utils.counters["graph_break"]
-    said = capsys.readouterr().err
-    assert said.count("tinytp: decode steps compiled in ") == 3, said
-    assert "the fastest at 1 and 4 rows on this CPU" in said, said
-    layouts = ["oneDNN", "W", "bmm", "oneDNN"] * 2 + ["bmm"]
-    assert all(matmul_layouts(worker) == layouts for worker in workers)
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
-    for prompts, worker in zip(runs, workers):
-        for i, prompt in enumerate(prompts):
-            assert_tokens_match_hf(hf_model, prompt, worker.requests[i].token_ids[len(prompt) :])
-
-
-def race_won_by(kernel: str):
-    """choose_cpu_kernels' race, stubbed: `kernel` the fastest of the candidates, 5x the next."""
-
-    def timed(weights, candidates, rows):
-        return dict.fromkeys(candidates, 5.0) | {kernel: 1.0}
-
-    return mock.patch.object(model_code, "kernel_seconds", side_effect=timed)
-
-
-@pytest.mark.parametrize("blocks_fit", [True, False])
-def test_a_lone_row_in_an_engine_of_more_streams_bmm_blocks_kept_beside_where_memory_allows(
-    monkeypatch, capsys, compiled_steps, tmp_path, blocks_fit
-):
-    """An engine of 4 rows whose race chose oneDNN everywhere: where the memory check found room
-    for a second copy of the weights, each keeps bmm's blocks beside its packing, and the one-row
-    graph streams those (inductor fuses the loop with the operations around; oneDNN's op it only
-    calls), the prefill and multi-row steps on oneDNN's: so the race is at 4 rows alone (at 1 and
-    4, bmm's one-row speed chose it for float32 SmolLM2's 8-row steps, 1.3-1.5x slower there).
-    Without the room, one copy: the one-row graph calls oneDNN too, and the race is at 1 and 4
-    rows. Either way the tokens are transformers'."""
-    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # raced, not kept
-    rows_called = []  # oneDNN's op from the graphs, its rows each call
-    onednn_linear = model_code.onednn_linear
-    monkeypatch.setattr(
-        model_code, "onednn_linear", lambda x, w: rows_called.append(len(x)) or onednn_linear(x, w)
-    )
-    with race_won_by("oneDNN"):
-        worker = worker_in_process([PROMPTS[3]], 10, max_num_seqs=4, blocks_fit=blocks_fit)
-    said = capsys.readouterr().err
-    beside = "kept beside" if blocks_fit else "not kept (no memory to spare)"
-    raced_at = "4 rows" if blocks_fit else "1 and 4 rows"
-    assert f"the fastest at {raced_at} on this CPU, timed on the model's weights" in said, said
-    assert f"; bmm's blocks for one-row steps {beside};" in said, said
-    assert matmul_layouts(worker) == ["oneDNN"] * 9
-    layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
-    kept = [m.one_row_weight is not None for m in worker.model.modules() if isinstance(m, layers)]
-    assert kept == [blocks_fit] * 9
-    # the two warm-up steps (one row, three), then the 10 decode steps, compiled
-    assert compiled_steps == {"step": 12}
-    # the three-row warm-up's 9 calls; and without the blocks, each one-row step's 9 more
-    one_row = [1] * 9 * (not blocks_fit)
-    assert rows_called == one_row + [3] * 9 + one_row * 10
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
-    assert_tokens_match_hf(hf_model, PROMPTS[3], worker.requests[0].token_ids[len(PROMPTS[3]) :])
-
-
-def test_a_compiled_engine_keeps_its_first_starts_kernels_and_so_its_cached_graphs(
-    monkeypatch, capsys, tmp_path
-):
-    """Near ties in the race flip from one start to the next (5 choices in 8 starts of SmolLM2
-    float32 here), and each choice is another graph, compiled cold: a compiled engine keeps the
-    choice of its first start in inductor's cache, as its graphs are kept; an eager one races."""
-    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    winners = itertools.cycle(["oneDNN", "bmm"])  # every start a new winner, all kinds alike
-    starts = []
-
-    def timed(weights, candidates, rows):
-        starts.append(rows)
-        return dict.fromkeys(candidates, 5.0) | {next(winners): 1.0}
-
-    with mock.patch.object(model_code, "kernel_seconds", side_effect=timed):
-        first = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4)
-        second = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4)
-        said = capsys.readouterr().err
-        assert len(starts) == 5 and matmul_layouts(second) == matmul_layouts(first), said
-        assert "as timed at an earlier start, kept for its compiled graphs" in said, said
-        eager = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4, enforce_eager=True)
-    assert len(starts) == 10 and matmul_layouts(eager) != matmul_layouts(first)
-    assert eager.requests[0].token_ids == first.requests[0].token_ids
-
-
-def test_kept_kernels_not_tinytps_or_unwritable_are_raced_anew_never_a_failed_load(
-    monkeypatch, capsys, tmp_path
-):
-    """The kept kernels are a cache beside inductor's: a file tinytp did not write (cut short,
-    edited by hand) is raced anew and written whole again; one that cannot be read or written (a
-    directory in its place) is raced at every start. Never a failed load."""
-    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch._dynamo.reset()  # no graph on another test's layouts in this process
-    kept = tmp_path / "tinytp-kernels.json"
-
-    def timed(weights, candidates, rows):  # one winner every race: one graph, compiled once
-        return dict.fromkeys(candidates, 5.0) | {"bmm": 1.0}
-
-    with mock.patch.object(model_code, "kernel_seconds", side_effect=timed) as race:
-        first = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4)
-        written = json.loads(kept.read_text())
-        for text in ['{"cut short', "[1, 2]", json.dumps(dict.fromkeys(written, "no-such"))]:
-            kept.write_text(text)
-            again = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4)
-            assert json.loads(kept.read_text()) == written, text
-            assert again.requests[0].token_ids == first.requests[0].token_ids
-        kept.unlink()
-        kept.mkdir()
-        for _ in range(2):
-            again = worker_in_process([PROMPTS[3]], decode_steps=2, max_num_seqs=4)
-            assert again.requests[0].token_ids == first.requests[0].token_ids
-    assert race.call_count == 6 * len(written) and kept.is_dir()
-    said = capsys.readouterr().err
-    assert said.count("the fastest at 1 and 4 rows") == 6 and "decode steps left eager" not in said
-    # bmm won every kind: the one-row steps stream the one layout, no blocks wanted beside it
-    assert said.count("; bmm's blocks for one-row steps chosen for every kind;") == 6, said
-
-
 def test_importing_tinytp_loads_no_inductor_which_only_a_compiled_engine_needs():
     """Importing inductor (dynamo with it) takes about a second, in every worker the driver spawns:
     an eager engine's (tp > 1, --enforce-eager, a GPU) never needs it, and a compiled one's
@@ -7308,249 +6965,7 @@ def test_importing_tinytp_loads_no_inductor_which_only_a_compiled_engine_needs()
     assert done.returncode == 0 and done.stdout.split() == ["[]"], done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-def test_a_prompt_one_token_a_step_on_blocks_gives_transformers_tokens(monkeypatch, enforce_eager):
-    """A prompt fed one token a step (max_num_batched_tokens=1): its steps before the last sample
-    nothing, so their LM head has no rows. On bmm's blocks (compiled at max_num_seqs 1, or eager,
-    forced) such a step once failed to reshape its 0 rows; it must run, and the tokens be
-    transformers'."""
-    if enforce_eager:
-        monkeypatch.setenv("TINYTP_PACK_WEIGHTS", "2")  # bmm, forced
-    else:
-        monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
-    worker = Worker(0, world_size=1)
-    worker.device, worker.dtype = torch.device("cpu"), torch.float32
-    config = read_config(f"{checkpoints.TINY_MODEL_DIR}/config.json")
-    worker.load_model(config, checkpoints.TINY_MODEL_DIR, 64, 1, enforce_eager=enforce_eager)
-    worker.init_kv_cache(5, 16, max_num_seqs=1)
-    prompt = PROMPTS[3]
-    params = SamplingParams(temperature=0)
-    worker.execute_model(
-        SchedulerOutput([NewRequest(0, prompt, [1, 2, 3, 4], params, 0)], [0], [1], [])
-    )
-    for _ in range(len(prompt) - 1 + 8):  # the rest of the prompt, then 8 decode steps
-        worker.execute_model(SchedulerOutput([], [0], [1], []))
-    assert matmul_layouts(worker)[-1] == "bmm"
-    tokens = worker.requests[0].token_ids[len(prompt) :]
-    assert len(tokens) == 9
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
-    assert_tokens_match_hf(hf_model, prompt, tokens)
-
-
-def test_a_cpu_worker_halves_its_threads_while_its_steps_wait_for_a_core(monkeypatch):
-    """ThreadsForTheLoad on a clock and a schedstat of our own, a look each step (a quarter of a
-    second): a wait over a fifth of the steps' time at two looks running halves the threads; none
-    doubles them again, a second after the halving, then twice as long after each try that found
-    the cores still taken, and a second again once a try holds. Without schedstat (not Linux) the
-    threads stay."""
-    clock, waited, set_to, kept = [0.0], [0.0], [], []
-    monkeypatch.setattr(worker_code, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(worker_code.ThreadsForTheLoad, "waited_seconds", lambda self: waited[0])
-    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
-    monkeypatch.setattr(worker_code.ThreadsForTheLoad, "keep_place", lambda self, a: kept.append(a))
-    load = worker_code.ThreadsForTheLoad(4)
-
-    def steps(count: int, busy: float) -> int:
-        for _ in range(count):
-            start, before = clock[0], waited[0]
-            clock[0], waited[0] = start + 0.25, before + busy * 0.25
-            load.count(start, before)
-        return load.threads
-
-    assert steps(1, busy=0.15) == 4  # not contended
-    assert steps(1, busy=0.5) == 4 and steps(1, busy=0) == 4  # contended at one look: a blip
-    assert steps(1, busy=0.5) == 4 and steps(1, busy=0.5) == 2  # at two: the next try at 2.25 s
-    assert steps(1, busy=0.5) == 1  # the next try at 2.5 s
-    assert steps(3, busy=0) == 1 and steps(1, busy=0) == 2
-    assert steps(1, busy=0.5) == 2 and steps(1, busy=0.5) == 1  # failed: the next at 5.0 s
-    assert steps(7, busy=0) == 1 and steps(1, busy=0) == 2
-    assert steps(1, busy=0) == 4 and steps(1, busy=0) == 4 and load.retry_seconds == 1  # held
-    assert steps(1, busy=0.3) == 4 and steps(1, busy=0.3) == 2 and load.retry_at == clock[0] + 1
-    assert set_to == [4] * 4 + [2] + [1] * 4 + [2] * 2 + [1] * 8 + [2, 4, 4, 4, 2]
-    assert kept == [threads == 1 for threads in set_to]  # the place kept at one thread only
-    monkeypatch.undo()
-    monkeypatch.setattr(worker_code, "SCHEDSTAT", "/proc/no such file")
-    assert worker_code.ThreadsForTheLoad(4).most == 1
-
-
-def states_while(pid: int, busy: bool) -> str:
-    """The process's states, sampled 30 times from a thread of ours while this thread sleeps, or is
-    busy in Python (after 0.1 s: a place keeper naps once the thread has slept 50 ms)."""
-    states = []
-
-    def sample():
-        time.sleep(0.1)
-        while len(states) < 30:
-            states.append(process_state(pid))
-            time.sleep(0.01)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    while busy and sampler.is_alive():
-        pass
-    sampler.join()
-    return "".join(states)
-
-
-def wait_until_bound(pid: int) -> None:
-    """Until a place keeper has bound itself to its core: its Python has started, and it watches."""
-    wait_for(lambda: len(os.sched_getaffinity(pid)) == 1, 5)
-    time.sleep(0.1)
-
-
-@pytest.mark.skipif(not os.path.exists(worker_code.SCHEDSTAT), reason="Linux's schedstat")
-def test_a_worker_down_to_one_thread_keeps_the_other_threads_place_on_its_core():
-    """ThreadsForTheLoad at one thread binds it to its core and starts a place keeper bound there:
-    runnable (yielding) while the thread runs, asleep while the thread sleeps, gone when the threads
-    are more again, the thread's cores given back; and gone with a worker killed outright."""
-    load, cores = worker_code.ThreadsForTheLoad(2), os.sched_getaffinity(0)
-    load.keep_place(True)
-    keeper = load.place_keeper
-    try:
-        core = os.sched_getaffinity(0)
-        assert len(core) == 1 and core <= cores
-        wait_until_bound(keeper.pid)
-        assert os.sched_getaffinity(keeper.pid) == core
-        assert states_while(keeper.pid, busy=True).count("R") >= 27
-        assert states_while(keeper.pid, busy=False).count("S") >= 27
-    finally:
-        load.keep_place(False)
-    assert keeper.poll() is not None and load.place_keeper is None
-    assert os.sched_getaffinity(0) == cores
-    code = (
-        "import time, worker; load = worker.ThreadsForTheLoad(2); load.keep_place(True); "
-        "print(load.place_keeper.pid, flush=True); time.sleep(60)"
-    )
-    rank = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    keeper_pid = int(rank.stdout.readline())
-    wait_until_bound(keeper_pid)
-    rank.kill()  # and not reaped yet: its thread's stat, a zombie's, still there to read
-    try:
-        assert wait_for(lambda: process_gone(keeper_pid), 5)
-    finally:
-        rank.wait()
-
-
-def test_a_compiled_engine_changes_its_thread_count_without_compiling_again(
-    monkeypatch, compiled_steps
-):
-    """A worker on a busy CPU halves its threads (ThreadsForTheLoad) and doubles them again: its
-    compiled graphs run on, not compiled anew (a minute cold), for their kernels read the count as
-    they run. The tokens stay transformers', with one thread and with two."""
-    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
-    threads = torch.get_num_threads()
-    worker = worker_in_process(PROMPTS[2:4], decode_steps=2)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    ids = [0, 1]
-    try:
-        for count in (1, 2, 1):
-            torch.set_num_threads(count)
-            for _ in range(2):
-                worker.execute_model(SchedulerOutput([], ids, [1, 1], []))
-            worker.execute_model(SchedulerOutput([], [1], [1], []))  # one row
-    finally:
-        torch.set_num_threads(threads)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert compiled_steps == {"step": 2 + 2 + 3 * 3}  # the warm-ups, then every decode step
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
-    for i, prompt in enumerate(PROMPTS[2:4]):
-        assert_tokens_match_hf(hf_model, prompt, worker.requests[i].token_ids[len(prompt) :])
-
-
-def test_one_row_steps_that_cannot_compile_run_eagerly_and_say_why(monkeypatch, capsys, tmp_path):
-    """Inductor writes C++ for the CPU: without a compiler the one-row steps run eagerly, on the
-    same blocks, and the line says why; the tokens stay transformers'. An engine of more rows
-    frees the blocks it kept for its one-row graph: no second copy held for nothing."""
-    monkeypatch.delenv("TINYTP_PACK_WEIGHTS", raising=False)
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing compiled before
-    torch._dynamo.reset()  # nor in this process
-    worker = worker_in_process([PROMPTS[3]], decode_steps=10)
-    said = capsys.readouterr().err
-    assert "tinytp: decode steps left eager: " in said and worker.model.compiled is None, said
-    assert matmul_layouts(worker) == ["bmm"] * 9
-    tokens = worker.requests[0].token_ids[len(PROMPTS[3]) :]
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
-    assert_tokens_match_hf(hf_model, PROMPTS[3], tokens)
-    with race_won_by("F.linear"):
-        worker = worker_in_process([PROMPTS[3]], 10, max_num_seqs=4, blocks_fit=True)
-    said = capsys.readouterr().err
-    assert "blocks for one-row steps kept beside" in said and worker.model.compiled is None, said
-    assert not any(getattr(m, "one_row_weight", None) is not None for m in worker.model.modules())
-    assert worker.requests[0].token_ids[len(PROMPTS[3]) :] == tokens
-
-
-def test_kernel_seconds_times_every_kernel_on_the_first_layers_weights_up_to_timed_bytes(
-    monkeypatch,
-):
-    """Each candidate kernel timed on the first layers' weights that make TIMED_BYTES (here 3 of
-    5), at each of the rows asked, in TRIES turns; their outputs those of F.linear, bmm's at a
-    prompt's rows too, and for an output width no block divides."""
-    # 32 x 16 float32 weights: 2 and a bit of them; and every try, however slow the CPU is now
-    monkeypatch.setattr(model_code, "TIMED_BYTES", 2 * 32 * 16 * 4 + 1)
-    monkeypatch.setattr(model_code, "TRIES_SECONDS", math.inf)
-    weights = [torch.randn(32, 16) for _ in range(5)]
-    calls = collections.Counter()
-
-    def counted(kernel):
-        def run(x, weight):
-            calls[kernel.__name__, len(x)] += 1
-            return kernel(x, weight)
-
-        return run
-
-    counted_kernels = {
-        name: (lay_out, counted(kernel))
-        for name, (lay_out, kernel) in model_code.CPU_KERNELS.items()
-    }
-    with mock.patch.dict(model_code.CPU_KERNELS, counted_kernels):
-        seconds = model_code.kernel_seconds(weights, ["F.linear", "oneDNN", "bmm"], [1, 8])
-    assert set(seconds) == {"F.linear", "oneDNN", "bmm"} and all(t > 0 for t in seconds.values())
-    expected = 3 * model_code.TRIES
-    assert calls == {
-        (name, rows): expected
-        for name in ("linear", "onednn_linear", "blocked_linear")
-        for rows in (1, 8)
-    }
-    packed = model_code.onednn_pack(weights[0])
-    for rows in (8, model_code.BMM_ROWS):
-        x = torch.randn(rows, 16)
-        assert torch.allclose(
-            model_code.onednn_linear(x, packed), F.linear(x, weights[0]), atol=1e-6
-        )
-        for weight in (weights[0], torch.randn(65, 16)):  # blocks of 16, and of 1
-            blocks = model_code.blocks_of(weight)
-            assert torch.equal(unblocked(blocks), weight)
-            assert torch.allclose(
-                model_code.blocked_linear(x, blocks), F.linear(x, weight), atol=1e-6
-            )
-
-
-def openmp_wait(worker):  # run in the workers: the environment their OpenMP runtime read
-    return os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
-
-
-@pytest.mark.parametrize(
-    "caller", [{}, {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}], ids=str
-)
-def test_workers_start_with_openmp_threads_that_spin_briefly_unless_the_caller_chose(
-    monkeypatch, caller
-):
-    """On a busy CPU a spinning OpenMP thread holds the core its peer needs, and on a quiet one a
-    sleeping thread is woken at every region: the workers start with libgomp's threads spinning
-    tinytp.OPENMP_SPINS turns, other runtimes' sleeping (OMP_WAIT_POLICY=PASSIVE); a caller's own
-    setting of either passed on alone, and the caller's environment left as it was."""
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in caller.items():
-        monkeypatch.setenv(name, value)
-    ours = ("PASSIVE", str(tinytp.OPENMP_SPINS))
-    theirs = tuple(caller.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
-    with LLM(checkpoints.TINY_MODEL_DIR, tensor_parallel_size=2, device="cpu") as llm:
-        assert llm.collective_rpc(openmp_wait) == [theirs if caller else ours] * 2
-        assert openmp_wait(None) == theirs
-
-
+# --------------------------------------------------------------------------------------
 # Log-probabilities and the sampler's other fields (issue 40)
 # --------------------------------------------------------------------------------------
 
