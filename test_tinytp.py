@@ -6953,6 +6953,127 @@ def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_check
     assert errors and "shut down" in errors[0] and set(shm_entries()) <= others
 
 
+# --------------------------------------------------------------------------------------
+# Compiled decode steps (torch.compile)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dynamo_counters():
+    """torch.compile's counters from zero, and no graph compiled before in this process (another
+    test's model): a graph counted here is one the test's engines compiled."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()  # the graphs hold their models' weights
+
+
+def count_compiled_calls(worker: Worker) -> list[int]:
+    """Each call of the worker's compiled model from now on, by its rows: the list, filled in."""
+    calls, compiled = [], worker.compiled_model
+
+    def counted(inputs, kv_caches):
+        calls.append(len(inputs.input_ids))
+        return compiled(inputs, kv_caches)
+
+    worker.compiled_model = counted
+    return calls
+
+
+def run_decode_steps(worker: Worker, steps: list[list[int]]) -> None:
+    """A decode step of each list of request ids, in turn."""
+    for ids in steps:
+        worker.execute_model(SchedulerOutput([], ids, [1] * len(ids), []))
+
+
+# After the prefill, decode steps of the four prompts, of one alone, of two
+DECODE_STEPS = [[0, 1, 2, 3]] * 8 + [[0]] * 3 + [[1, 2]] * 2
+
+
+@pytest.mark.parametrize(
+    "prompts, max_num_seqs, steps",
+    [(PROMPTS[:4], 4, DECODE_STEPS), ([PROMPTS[3]], 1, [[0]] * 10)],
+    ids=["4-rows", "1-row"],
+)
+def test_a_compiled_engine_runs_its_decode_steps_through_the_graphs_it_compiled_at_start(
+    capsys, dynamo_counters, prompts, max_num_seqs, steps
+):
+    """On one CPU rank (enforce_eager=False) the decode steps run through the worker's
+    torch.compile of the model: compiled at init_kv_cache, the start's minute announced before it
+    starts, then no graph compiled again whatever the rows and their contexts (four prompts of 6,
+    2, 31 and 12 tokens: masked rows; one of them alone; two), no graph break; an engine of one
+    row (max_num_seqs 1) too. The tokens are transformers', and those of the same steps run
+    eagerly."""
+    worker = worker_in_process(prompts, 0, max_num_seqs, enforce_eager=False)
+    said = capsys.readouterr().err
+    announced = "tinytp: compiling the decode step with torch.compile ("
+    assert said.count(announced) == said.count("tinytp: compiled in ") == 1, said
+    assert said.index(announced) < said.index("tinytp: compiled in "), said
+    graphs = dynamo_counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    calls = count_compiled_calls(worker)
+    run_decode_steps(worker, steps)
+    assert calls == [len(ids) for ids in steps]  # every decode step, and only those
+    assert dynamo_counters["stats"]["unique_graphs"] == graphs
+    assert not dynamo_counters["graph_break"]
+    eager = worker_in_process(prompts, 0, max_num_seqs)
+    assert eager.compiled_model is None and "compil" not in capsys.readouterr().err
+    run_decode_steps(eager, steps)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
+    for i, prompt in enumerate(prompts):
+        tokens = worker.requests[i].token_ids[len(prompt) :]
+        assert tokens == eager.requests[i].token_ids[len(prompt) :]
+        assert_tokens_match_hf(hf_model, prompt, tokens)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["compiled", "eager"])
+def test_a_prompt_one_token_a_step_gives_transformers_tokens(dynamo_counters, enforce_eager):
+    """A prompt fed one token a step (as a token budget of 1 would): its steps before the last
+    sample nothing, so their LM head has no rows, and they run eagerly; the step of its last token
+    samples the first, and with the decode steps after it runs compiled (enforce_eager=False). The
+    tokens are transformers'."""
+    worker = Worker(0, world_size=1)
+    worker.device, worker.dtype = torch.device("cpu"), torch.float32
+    config = read_config(f"{checkpoints.TINY_MODEL_DIR}/config.json")
+    worker.load_model(config, checkpoints.TINY_MODEL_DIR, 64, enforce_eager=enforce_eager)
+    worker.init_kv_cache(5, 16, max_num_seqs=1)
+    calls = [] if enforce_eager else count_compiled_calls(worker)
+    prompt = PROMPTS[3]
+    params = SamplingParams(temperature=0)
+    worker.execute_model(
+        SchedulerOutput([NewRequest(0, prompt, [1, 2, 3, 4], params, 0)], [0], [1], [])
+    )
+    run_decode_steps(worker, [[0]] * (len(prompt) - 1 + 8))  # the rest of it, then 8 decodes
+    tokens = worker.requests[0].token_ids[len(prompt) :]
+    assert len(tokens) == 9 and calls == [1] * 9 * (not enforce_eager)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
+    assert_tokens_match_hf(hf_model, prompt, tokens)
+
+
+def test_a_compile_that_cannot_run_is_refused_in_one_line_naming_enforce_eager(
+    monkeypatch, capsys, tmp_path, dynamo_counters
+):
+    """Inductor writes C++ for the CPU: without a compiler the start fails at once, in one line
+    that says what failed and names the way out (--enforce-eager), never a step run otherwise than
+    asked; an LLM's start too. Nothing compiled before helps it: a fresh inductor cache, nothing in
+    this process."""
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError) as refused:
+        worker_in_process([PROMPTS[3]], 0, enforce_eager=False)
+    message = str(refused.value)
+    assert re.fullmatch(
+        r"torch\.compile failed \(.+\): run with --enforce-eager \(enforce_eager=True\)", message
+    ), message
+    assert "\n" not in message
+    assert "tinytp: compiling the decode step" in capsys.readouterr().err
+    # an LLM's worker (inductor reads CXX as it starts): its error is the worker's, as any is
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(WorkerError, match="failed in init_kv_cache") as refused:
+        tinytp.LLM(checkpoints.TINY_MODEL_DIR, device="cpu", max_model_len=64)
+    assert str(refused.value).splitlines()[-1] == "RuntimeError: " + message
+
+
 def test_importing_tinytp_loads_no_inductor_which_only_a_compiled_engine_needs():
     """Importing inductor (dynamo with it) takes about a second, in every worker the driver spawns:
     an eager engine's (tp > 1, --enforce-eager, a GPU) never needs it, and a compiled one's
@@ -6963,6 +7084,43 @@ def test_importing_tinytp_loads_no_inductor_which_only_a_compiled_engine_needs()
         [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stdout.split() == ["[]"], done.stdout + done.stderr
+
+
+def greedy_with_logprobs(llm: LLM) -> list:
+    """The tiny prompts' greedy tokens, each token's 5 likeliest and each prompt token's 3
+    likeliest log-probabilities, as plain values (ids, floats, ranks), compared with ==."""
+    params = SamplingParams(temperature=0, logprobs=5, prompt_logprobs=3, max_tokens=12)
+    outputs = llm.generate(PROMPTS, params)
+    runs = []
+    for output in outputs:
+        completion = output.outputs[0]
+        entries = [*output.prompt_logprobs[1:], *completion.logprobs]  # the first has none
+        assert len(completion.token_ids) == 12 and all(len(entry) >= 3 for entry in entries)
+        values = [
+            sorted((token, lp.logprob, lp.rank) for token, lp in entry.items()) for entry in entries
+        ]
+        runs.append((completion.token_ids, values))
+    return runs
+
+
+@pytest.mark.parametrize(
+    "tp, enforce_eager", [(1, False), (2, True)], ids=["tp1-compiled", "tp2-eager"]
+)
+def test_two_starts_give_bit_equal_greedy_tokens_and_logprobs(tp, enforce_eager):
+    """Same machine, same threads: a second start computes what the first did, to the bit, tokens
+    and every log-probability (nothing chosen at start by a timing, which a near tie can flip). At
+    tp 1 as users run it (its decode steps compiled), and at tp 2."""
+    runs = []
+    for _ in range(2):
+        with tinytp.LLM(
+            checkpoints.TINY_MODEL_DIR,
+            tensor_parallel_size=tp,
+            device="cpu",
+            max_model_len=64,
+            enforce_eager=enforce_eager,
+        ) as llm:
+            runs.append(greedy_with_logprobs(llm))
+    assert runs[0] == runs[1]
 
 
 # --------------------------------------------------------------------------------------
