@@ -7124,6 +7124,49 @@ def test_two_starts_give_bit_equal_greedy_tokens_and_logprobs(tp, enforce_eager)
 
 
 # --------------------------------------------------------------------------------------
+# The user's machine left alone: no process, setting or file beyond the workers
+# --------------------------------------------------------------------------------------
+
+CORE = ("tinytp.py", "worker.py", "model.py", "scheduler.py")
+
+
+@pytest.mark.quick
+def test_the_core_never_reaches_past_its_workers():
+    """No process but the workers (subprocess), no CPU affinity changed (sched_setaffinity), no
+    process-wide setting of the caller's (setswitchinterval), no file of its own in torch's cache
+    (tinytp-kernels), no private torch.compile surgery (mark_dynamic, torch._dynamo)."""
+    words = ("subprocess", "sched_setaffinity", "setswitchinterval", "mark_dynamic")
+    words += ("tinytp-kernels", "torch._dynamo")
+    found = []
+    for name in CORE:
+        with open(os.path.join(HERE, name)) as source:
+            for number, line in enumerate(source, start=1):
+                found += [f"{name}:{number}: {word}" for word in words if word in line]
+    assert not found, found
+
+
+def caller_settings(worker) -> tuple:  # run in the workers too: what the library might change
+    omp = tuple(os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
+    return omp, os.sched_getaffinity(0)
+
+
+def test_an_llm_leaves_the_callers_settings_as_they_were(monkeypatch):
+    """An LLM changes nothing of its caller's program: not Python's switch interval, not the
+    OpenMP environment (its workers start with the caller's, here neither variable set), not the
+    CPUs it may run on; nor after its shutdown."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    interval, before = sys.getswitchinterval(), caller_settings(None)
+    environment = dict(os.environ)
+    with LLM(checkpoints.TINY_MODEL_DIR, tensor_parallel_size=2, device="cpu") as llm:
+        assert llm.collective_rpc(caller_settings) == [before] * 2
+        assert sys.getswitchinterval() == interval and caller_settings(None) == before
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2))
+    assert sys.getswitchinterval() == interval and caller_settings(None) == before
+    assert dict(os.environ) == environment
+
+
+# --------------------------------------------------------------------------------------
 # Log-probabilities and the sampler's other fields (issue 40)
 # --------------------------------------------------------------------------------------
 
