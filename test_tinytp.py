@@ -2392,36 +2392,31 @@ def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
             "'/no/such/folder/out.json': there is no folder /no/such/folder",
         ),
         (["--output-json", "{tmp}"], "--output-json needs a file it can write, got '{tmp}'"),
-        (["--write-gguf", ""], "--write-gguf needs a file it can write, got ''"),
-        (["--write-gguf", "{tmp}"], "--write-gguf needs a file it can write, got '{tmp}'"),
-        (
-            ["--write-gguf", "{tmp}/exists.gguf"],
-            "--write-gguf {tmp}/exists.gguf exists already: remove it",
-        ),
-        (
-            ["--backend", "hf", "--cuda-graphs"],
-            "--cuda-graphs is tinytp's: --backend hf runs transformers' generate",
-        ),
-        (
-            ["--backend", "hf", "--async-scheduling"],
-            "--async-scheduling is tinytp's: --backend hf runs transformers'",
-        ),
-        (
-            ["--concurrency", "0"],
-            "--concurrency must be at least 1, on --backend tinytp; got 0 on tinytp",
-        ),
+        (["--output-len", "1"], "--output-len must be at least 2"),
+        (["--concurrency", "0"], "--concurrency must be at least 1"),
+        (["--backend", "hf", "--cuda-graphs"], "--cuda-graphs is tinytp's: --backend hf runs"),
+        (["--backend", "hf", "--logprobs", "5"], "--logprobs is tinytp's: --backend hf runs"),
+        (["--backend", "hf", "--tp", "2"], "--backend hf runs the latency benchmark, at --tp 1"),
         (
             ["--concurrency", "2", "--backend", "inprocess"],
-            "--concurrency must be at least 1, on --backend tinytp; got 2",
+            "--backend inprocess runs the latency benchmark, at --tp 1",
         ),
+        (["--ipc", "--trace"], "argument --trace: not allowed with argument --ipc"),
+        (["--explain", "--compare"], "argument --compare: not allowed with argument --explain"),
+        (["--trace", "--concurrency", "2"], "--trace runs no callers"),
+        (["--serve", "--concurrency", "2"], "--serve needs --model"),
+        (["--vllm-python", "python3"], "--vllm-python is --serve's"),
+        (["--arrival-prompt-len", "64"], "--arrival-prompt-len is --concurrency's"),
+        # every variant parsed before any runs
+        (["--compare=--tp 2 | --no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )
 def test_bench_checks_its_arguments_before_running(tmp_path, capsys, args, message):
     import bench
 
-    (tmp_path / "exists.gguf").write_text("mine")
     with (
         mock.patch.object(bench, "run_latency", side_effect=AssertionError("ran")),
+        mock.patch.object(bench.subprocess, "run", side_effect=AssertionError("ran")),
         pytest.raises(SystemExit) as exit,
     ):
         bench.main([arg.format(tmp=tmp_path) for arg in args])
@@ -2431,7 +2426,6 @@ def test_bench_checks_its_arguments_before_running(tmp_path, capsys, args, messa
         .err.splitlines()[-1]
         .startswith("bench.py: error: " + message.format(tmp=tmp_path))
     )
-    assert (tmp_path / "exists.gguf").read_text() == "mine"
 
 
 # --------------------------------------------------------------------------------------
@@ -4525,214 +4519,128 @@ def test_a_script_without_a_main_guard_is_told_why(mha_checkpoint, tmp_path):
     assert "bootstrapping phase" not in result.stderr
 
 
-def test_bench_writes_its_model_as_a_gguf_that_names_every_tensor_as_llama_cpp_does(
-    tmp_path, capsys
-):
-    """llama.cpp's side of the comparison runs the benchmark's own shapes (bench.py
-    --write-gguf)."""
-    if importlib.util.find_spec("gguf") is None:
-        (pytest.fail if os.environ.get("CI") else pytest.skip)(
-            "--write-gguf needs gguf: pip install gguf"
-        )
-    import gguf
-
+@pytest.mark.quick
+def test_bench_serve_runs_vllm_at_its_default_binding_and_on_every_core():
+    """--serve --vllm-python starts vLLM's server beside serve.py at its default binding (on 2
+    cores its worker gets one thread) and with its worker on every core, VLLM_CPU_OMP_THREADS_BIND
+    split among the ranks; each with serve.py's flags (--enforce-eager too: no torch.compile)."""
     import bench
 
-    config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                **bench.DEFAULT_CONFIG,
-                "hidden_size": 64,
-                "intermediate_size": 96,
-                "num_hidden_layers": 2,
-                "vocab_size": 100,
-                "tie_word_embeddings": True,
-            }
-        )
-    )
-    path = tmp_path / "model.gguf"
-    assert (
-        bench.main(
-            [
-                "--write-gguf",
-                str(path),
-                "--config",
-                str(config),
-                "--dtype",
-                "bfloat16",
-                "--batch-size",
-                "2",
-                "--input-len",
-                "5",
-                "--output-len",
-                "7",
-            ]
-        )
-        == 0
-    )
-    assert (
-        f"llama-batched-bench -m {path} -c 24 -b 2048 -ub 512 -npp 5 -ntg 7 -npl 2"
-        in capsys.readouterr().out
-    )
-    reader = gguf.GGUFReader(str(path))
-
-    def field(key):
-        return reader.fields[key].contents()
-
-    assert (
-        field("general.architecture"),
-        field("llama.block_count"),
-        field("llama.attention.head_count_kv"),
-        field("tokenizer.ggml.model"),
-        field("llama.vocab_size"),
-    ) == ("llama", 2, 4, "none", 100)
-    tensors = {
-        t.name: (list(reversed(t.shape.tolist())), t.tensor_type.name) for t in reader.tensors
-    }
-    kv_rows = 4 * 64 // 8  # KV heads x head_dim
-    layer = {
-        "attn_norm": [64],
-        "attn_q": [64, 64],
-        "attn_k": [kv_rows, 64],
-        "attn_v": [kv_rows, 64],
-        "attn_output": [64, 64],
-        "ffn_norm": [64],
-        "ffn_gate": [96, 64],
-        "ffn_up": [96, 64],
-        "ffn_down": [64, 96],
-    }
-    assert tensors == {  # tied: no output.weight, llama.cpp then reads token_embd
-        "token_embd.weight": ([100, 64], "BF16"),
-        "output_norm.weight": ([64], "F32"),
-        **{
-            f"blk.{i}.{name}.weight": (shape, "BF16" if len(shape) == 2 else "F32")
-            for i in range(2)
-            for name, shape in layer.items()
-        },
-    }
-    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    embedding = torch.from_numpy(embedding.data.copy()).view(torch.bfloat16).float()
-    # random, in the dummy weights' range
-    assert embedding.abs().max() <= 1e-3 and embedding.std() > 1e-4
-    with (
-        mock.patch.object(gguf.GGUFWriter, "write_tensor_data", side_effect=KeyboardInterrupt),
-        pytest.raises(KeyboardInterrupt),
-    ):
-        bench.main(["--write-gguf", str(tmp_path / "cut.gguf"), "--config", str(config)])
-    # nothing half-written is left
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.gguf"]
-
-
-def test_bench_serve_enforce_eager_reaches_both_servers(monkeypatch):
-    """bench.py --serve --enforce-eager starts serve.py and vLLM's server each with it (vLLM's
-    flag: no torch.compile), never one of them without a word."""
-    import bench
-
-    commands = []
-
-    class Started:  # a server process, up at once
-        def __init__(self, command, **kwargs):
-            commands.append(command)
-
-    monkeypatch.setattr(bench.subprocess, "Popen", Started)
-    monkeypatch.setattr(bench, "wait_for_health", lambda *args: None)
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     common = ["--serve", "--concurrency", "1", "--model", checkpoints.TINY_MODEL_DIR]
+    common += ["--vllm-python", sys.executable]
     for flags in ([], ["--enforce-eager"]):
-        commands.clear()
-        args = bench.parse_args([*common, "--vllm-python", sys.executable, *flags])
-        bench.start_servers(args, checkpoints.TINY_MODEL_DIR)
-        assert len(commands) == 2  # serve.py, then vLLM's
-        assert all(("--enforce-eager" in command) == bool(flags) for command in commands)
+        commands = bench.server_commands(bench.parse_args([*common, *flags]), "M")
+        assert list(commands) == ["tinytp", "vLLM (default)", "vLLM (all)"]
+        assert all(
+            ("--enforce-eager" in command) == bool(flags) for command, _ in commands.values()
+        )
+        binds = [env.get("VLLM_CPU_OMP_THREADS_BIND") for _, env in commands.values()]
+        assert binds == [None, None, cores]
+    tp2 = bench.server_commands(bench.parse_args([*common, "--tp", "2", "--vllm-bind", "all"]), "M")
+    assert list(tp2) == ["tinytp", "vLLM (all)"]
+    cores, half = sorted(os.sched_getaffinity(0)), -(-len(os.sched_getaffinity(0)) // 2)
+    halves = [",".join(map(str, cores[:half])), ",".join(map(str, cores[half:]))]
+    assert tp2["vLLM (all)"][1]["VLLM_CPU_OMP_THREADS_BIND"].split("|") == halves
+    assert bench.server_commands(bench.parse_args(common[:5]), "M").keys() == {"tinytp"}
 
 
-def test_bench_concurrency_and_the_share_of_steps_found_waiting(tmp_path):
-    """--concurrency puts its callers in one batch; with async scheduling the next step is more
-    often already in the workers' queue when they finish one than without (where only a worker's
-    preemption between its reply and its look lets the driver's next step in first)."""
+def test_bench_serve_times_clients_of_serve_py_and_stops_it(tmp_path):
+    """--serve starts serve.py, times its start to its first 200 on /health, streams the same
+    prompts one by one and at once, and stops the server."""
+    import bench
+
+    started, popen = [], subprocess.Popen
+
+    def start(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    out = tmp_path / "result.json"
+    argv = [
+        "--serve",
+        "--concurrency",
+        "2",
+        "--model",
+        checkpoints.TINY_MODEL_DIR,
+        "--enforce-eager",
+    ]
+    argv += ["--input-len", "4", "--output-len", "6", "--output-json", str(out)]
+    with mock.patch.object(bench.subprocess, "Popen", start):
+        assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    [round_1] = result["rounds"]["tinytp"]
+    assert result["startup_seconds"]["tinytp"] > 0
+    assert result["medians"]["tinytp"]["tok/s"] == round_1["concurrent"]["output_throughput"] > 0
+    assert round_1["sequential"]["median_itl_ms"] > 0 and not result["ratios"]
+    assert [server.poll() is not None for server in started] == [True]
+
+
+def test_bench_latency_times_each_step_and_concurrency_batches_its_callers(tmp_path, capsys):
+    """The latency benchmark prints vLLM's lines and each step's figures (output_len - 1 decode
+    steps a generate); --concurrency puts its callers in one batch, a long prompt arriving among
+    them in chunks of the token budget."""
     import bench
 
     out = tmp_path / "result.json"
-    common = [
-        "--model",
-        checkpoints.TINY_MODEL_DIR,
-        "--input-len",
-        "4",
+    common = ["--model", checkpoints.TINY_MODEL_DIR, "--input-len", "4", "--enforce-eager"]
+    common += ["--output-json", str(out)]
+    latency = [
+        "--batch-size",
+        "2",
         "--output-len",
-        "24",
-        "--output-json",
-        str(out),
+        "8",
+        "--num-iters-warmup",
+        "1",
+        "--num-iters",
+        "2",
     ]
-    assert bench.main([*common, "--concurrency", "3"]) == 0
+    assert bench.main([*common, *latency]) == 0
+    printed, result = capsys.readouterr().out, json.loads(out.read_text())
+    assert "Avg latency: " in printed and "decode steps eager" in printed
+    assert "ms mean (14 steps)" in printed and "Executor overhead per decode step" in printed
+    assert result["mode"] == "eager" and len(result["latencies"]) == 2
+    assert 0 < result["executor_overhead_us"] < result["decode_step_seconds"] * 1e6
+    assert result["weight_bytes_per_decode_step"] > 0
+    callers = ["--output-len", "24", "--concurrency", "3", "--arrival-prompt-len", "40"]
+    assert bench.main([*common, *callers, "--max-num-batched-tokens", "16"]) == 0
     result = json.loads(out.read_text())
-    assert (
-        result["largest_batch"] == 3
-        and result["concurrency_speedup"] > 0
-        and result["concurrent"]["p99_itl_ms"] > 0
-    )
-    shares = {}
-    for flags in ([], ["--async-scheduling"]):
-        assert (
-            bench.main(
-                [
-                    *common,
-                    "--batch-size",
-                    "4",
-                    "--num-iters-warmup",
-                    "0",
-                    "--num-iters",
-                    "2",
-                    *flags,
-                ]
-            )
-            == 0
-        )
-        shares[bool(flags)] = json.loads(out.read_text())["next_step_ready_fraction"]
-    # (sync on a busy machine: a worker preempted as it replies)
-    assert shares[True] > max(0.5, shares[False]), shares
+    assert result["largest_batch"] >= 3 and result["concurrency_speedup"] > 0
+    assert result["concurrent"]["max_itl_ms"] >= result["concurrent"]["median_itl_ms"] > 0
 
 
-def test_bench_compare_interleaves_rounds_of_the_tp_sizes_the_model_allows(tmp_path, capsys):
+@pytest.mark.quick
+def test_bench_compare_runs_its_variants_in_turn_round_after_round(tmp_path, capsys):
+    """Each variant in a process of its own, all in turn, round after round; each figure the
+    median of the rounds, each ratio the median of the rounds' own; a tp the model cannot split
+    refused before anything runs."""
     import bench
 
     config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                **bench.DEFAULT_CONFIG,
-                "num_attention_heads": 3,
-                "num_key_value_heads": 3,
-                "hidden_size": 96,
-            }
-        )
-    )
-    ran = []
+    heads = {"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 96}
+    config.write_text(json.dumps({**bench.DEFAULT_CONFIG, **heads}))
+    settings, ran = ["--config", str(config), "--rounds", "2"], []
 
-    def fake_run(command, check):  # each backend's process: record it, write its result file
-        ran.append(
-            command[command.index("--backend") + 1] + " tp=" + command[command.index("--tp") + 1]
-        )
-        hf_latency = 2.0 * ran.count("hf tp=1")  # 2 s in round 1, 4 s in round 2; the others 1 s
-        result = {
-            "avg_latency": hf_latency if ran[-1] == "hf tp=1" else 1.0,
-            "prefill_seconds": 0.1,
-            "decode_step_seconds": 0.01,
-            "executor_overhead_us": None,
-            "roofline_fraction": 0.5,
-        }
-        with open(command[command.index("--output-json") + 1], "w") as f:
+    def fake_run(command, check):  # a variant's process: record its flags, write its result
+        ran.append(" ".join(command[2 + len(settings) : -2]))
+        eager = "--enforce-eager" in ran[-1]
+        step = 0.02 if eager else 0.01 * ran.count(ran[-1])  # as given: 10 ms, then 20 ms
+        result = {"avg_latency": 1.0, "decode_step_seconds": step, "prefill_seconds": 0.1}
+        result |= {"executor_overhead_us": None if "hf" in ran[-1] else 100.0}
+        with open(command[-1], "w") as f:
             json.dump(result, f)
 
     with mock.patch.object(bench.subprocess, "run", fake_run):
-        result = bench.compare(["--compare", "--config", str(config), "--rounds", "2"])
-    assert ran == ["tinytp tp=1", "inprocess tp=1", "hf tp=1"] * 2  # in turn, round after round
-    # of the rounds
-    assert result["ratios"] == {
-        "tinytp tp=1 / hf": (0.5 + 0.25) / 2,
-        "tinytp tp=1 / inprocess": 1.0,
-    }
-    assert result["runs"]["hf"]["avg_latency"] == 3.0  # the median of 2 s and 4 s
-    assert "left out: tinytp tp=2: tensor parallel size 2 does not fit" in capsys.readouterr().out
+        assert bench.main([*settings, "--compare", "--enforce-eager | --backend hf"]) == 0
+        assert ran == ["", "--enforce-eager", "--backend hf"] * 2
+        assert bench.main([*settings, "--compare"]) == 2  # the seed's: tp=2 among them
+    printed = capsys.readouterr()
+    assert "tensor parallel size 2 does not fit this model" in printed.err and len(ran) == 6
+    medians = [line.split() for line in printed.out.splitlines() if line.startswith("as given")]
+    ratios = [line for line in printed.out.splitlines() if line.startswith("--enforce-eager /")]
+    # columns: latency s, prefill ms, step ms, overhead us (the others' figures are none here)
+    assert medians == [["as", "given", "1", "100", "15", "100"]]
+    assert ratios[0].split()[-2:] == ["1.5", "1"]  # step: 20 / 10 and 20 / 20; overhead
 
 
 # --------------------------------------------------------------------------------------
