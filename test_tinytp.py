@@ -586,6 +586,37 @@ def test_queue_message_sizes_across_chunks():
 
 
 @pytest.mark.quick
+def test_the_driver_waits_on_all_its_reply_queues_in_one_call():
+    """worker.wait_for_messages, the driver's wait for its workers' replies: queues read by us
+    alone, one doorbell rung by every writer; it returns the numbers of the queues that hold a
+    message once any does (a writer's ring wakes it), and past the timeout raises, naming what it
+    waited for. check() runs while it sleeps: a dead worker's error comes from there."""
+    bell = mp.get_context("spawn").Semaphore(0)
+    replies = [
+        MessageQueue.create(num_readers=1, num_chunks=2, chunk_bytes=64, reader=0, doorbells=[bell])
+        for _ in range(3)
+    ]
+    writers = [MessageQueue.attach(queue.handle) for queue in replies]
+    with pytest.raises(TimeoutError, match="^the replies: nothing after 0.05 s$"):
+        worker_code.wait_for_messages(replies, 0.05, "the replies", lambda: None, bell)
+    writers[0].enqueue("first")
+    writers[2].enqueue("third")
+    assert worker_code.wait_for_messages(replies, 1, "the replies", lambda: None, bell) == [0, 2]
+    assert replies[2].dequeue(timeout=1) == "third" and replies[0].dequeue(timeout=1) == "first"
+    threading.Timer(0.2, writers[1].enqueue, args=("late",)).start()
+    assert worker_code.wait_for_messages(replies, 5, "the replies", lambda: None, bell) == [1]
+
+    def worker_died():
+        raise RuntimeError("tinytp worker rank 1 died")
+
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        worker_code.wait_for_messages(replies[:1], 5, "the replies", worker_died, bell)
+    for queue in [*writers, *replies]:
+        queue.close()
+    assert not shm_entries()
+
+
+@pytest.mark.quick
 def test_queue_writer_waits_for_a_slow_reader_and_never_overwrites():
     writer = MessageQueue.create(num_readers=2, num_chunks=2, chunk_bytes=128)
     fast, slow = (MessageQueue.attach(writer.handle, reader=r) for r in range(2))
