@@ -28,6 +28,7 @@ import gc
 import itertools
 import json
 import os
+import pickle
 import shlex
 import shutil
 import socket
@@ -60,8 +61,6 @@ from worker import (
     SamplingParams,
     SchedulerOutput,
     Worker,
-    pickle_message,
-    unpickle_message,
 )
 
 CORES = len(os.sched_getaffinity(0))
@@ -80,7 +79,7 @@ MESSAGES |= {"64k": bytes(64 << 10), "16m": bytes(16 << 20)}
 REPLY = RPCResult(1, ModelRunnerOutput(list(range(8)), 0.0))  # rank 0's answer to a decode step
 # A transport: send(message) reaches every reader, receive() returns reader 0's reply, connect()
 # once the readers run; reader r's reader_side(r, *reader_args[r]) gives its (receive, reply). Both
-# carry the bytes worker.pickle_message makes: only how they travel differs.
+# carry the bytes MessageQueue sends (pickle, protocol 5): only how they travel differs.
 
 
 class ShmTransport:
@@ -114,7 +113,7 @@ class GlooTransport:
         """The message that a torch.distributed *_object_list call fills in, unpickled."""
         box = [None]
         collective(box, src=src)
-        return unpickle_message(box[0])
+        return pickle.loads(box[0])
 
     def __init__(self):
         self.store = tinytp.loopback_store()
@@ -125,13 +124,15 @@ class GlooTransport:
         store = dist.TCPStore("127.0.0.1", port, is_master=False)
         dist.init_process_group("gloo", store=store, rank=reader + 1, world_size=READERS + 1)
         receive = functools.partial(GlooTransport.received, dist.broadcast_object_list, 0)
-        return receive, lambda reply: dist.send_object_list([pickle_message(reply)], dst=0)
+        return receive, lambda reply: dist.send_object_list(
+            [pickle.dumps(reply, protocol=5)], dst=0
+        )
 
     def connect(self):  # joining waits for every rank, so only now that the readers exist
         dist.init_process_group("gloo", store=self.store, rank=0, world_size=READERS + 1)
 
     def send(self, message):
-        dist.broadcast_object_list([pickle_message(message)], src=0)
+        dist.broadcast_object_list([pickle.dumps(message, protocol=5)], src=0)
 
     def receive(self):
         return self.received(dist.recv_object_list, 1)
@@ -349,7 +350,7 @@ def trace_decode_step(llm: tinytp.LLM, prompts: list[list[int]]) -> str:
         def result() -> ModelRunnerOutput:
             output = step.result()
             call = RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0)
-            driver[:] = [start, sent, time.perf_counter(), len(pickle_message(call))]
+            driver[:] = [start, sent, time.perf_counter(), len(pickle.dumps(call, protocol=5))]
             return output
 
         return tinytp.StepFuture(result) if non_block else result()

@@ -184,19 +184,12 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, name: str):
         super().__init__()
         self.weight = new_parameter(hidden_size, shards=[Shard(name, 0, 0, hidden_size)])
-        # As tensors, made once: a Python number would be turned into a tensor at every call.
-        self.size = torch.tensor(float(hidden_size), dtype=torch.float32)
-        self.eps = torch.tensor(eps, dtype=torch.float32)
+        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:  # cast back before the weight, as transformers does
-            return self.weight * self.normalize(x.float()).to(x.dtype)
-        return self.weight * self.normalize(x)
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers' steps, so the same bits: its mean() is this sum divided by the size.
-        # (F.rms_norm gives them too, but dispatches each step, casts included, on its own.)
-        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) / self.size + self.eps)
+        # F.rms_norm is transformers' x * rsqrt(mean(x^2) + eps), the same bits, in one call; cast
+        # back to x's dtype before the weight, as transformers does.
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -263,10 +256,9 @@ class LlamaAttention(nn.Module):
     def attend(self, q, k, v, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
         """Each row's query over its request's keys and values, this step's too: o_proj's input."""
         # This step's keys and values into the cache, and the B one-token rows' attention
-        out, B = attend_decodes(q, k, v, kv_cache, inputs), len(inputs.context_slots)
-        outputs = [out] if B else []
+        outputs = [attend_decodes(q, k, v, kv_cache, inputs)]  # (no rows where none decodes)
         q_per_kv, hd = self.num_heads // self.num_kv_heads, self.head_dim
-        row = B
+        row = len(inputs.context_slots)
         for context_slots, start, length, mask in inputs.chunks:
             # Each query head gets a copy of its KV head: SDPA's own GQA (enable_gqa) has, on CUDA,
             # only half-precision kernels, and a float32 prefill would fall to the unfused one.
@@ -283,7 +275,7 @@ class LlamaAttention(nn.Module):
             )
             outputs.append(out[0].transpose(0, 1).reshape(length, -1))
             row += length
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return torch.cat(outputs)
 
 
 def attend_decodes(q, k, v, kv_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:

@@ -45,9 +45,8 @@ class Request:
     stop_reason: int | str | None = None
     num_computed_tokens: int = 0  # its tokens the steps sent so far compute (their keys and values)
     num_in_flight: int = 0  # tokens of unanswered steps (vLLM's placeholders: async scheduling)
-    output_queue: queue.SimpleQueue | None = (
-        None  # its caller's: (request, tokens, finished) reports
-    )
+    # its caller's queue (EngineClient.add): (request, tokens, finished) reports
+    output_queue: queue.SimpleQueue | None = None
     stream: bool = False  # each new token (a stream) or the end (generate): vLLM's output_kind
     num_cached_tokens: int = -1  # prompt tokens cached at its first admission; -1 before (vLLM's)
     # the hash of each of its full blocks, chained (KVCacheManager): kept while it is preempted

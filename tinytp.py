@@ -45,13 +45,7 @@ from checkpoints import (
     read_model_config,
     resolve_model,
 )
-from model import (
-    ModelConfig,
-    TPGroup,
-    cpu_has_native_bfloat16,
-    kv_cache_shape,
-    weight_bytes,
-)
+from model import ModelConfig, TPGroup, cpu_has_native_bfloat16, kv_cache_shape, weight_bytes
 from scheduler import KVCacheManager, Metric, Request, Scheduler
 from worker import (
     SHUTDOWN,
@@ -323,23 +317,22 @@ class Executor:
         """Wait for a call's answers (rank order), keeping other awaited calls' answers that come
         meanwhile. After a timeout or Ctrl-C it is no longer awaited: late answers are dropped."""
         name, answers, count = self.awaited[call_id]
+        what = f"{name} on the workers"
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while len(answers) < count:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                what = f"{name} on the workers"
-                ranks = wait_for_messages(
-                    self.responses, left, what, self._check_workers, self.doorbell
-                )
-                self._take_replies(ranks)
+                wait_for_messages(self.responses, left, what, self._check_workers, self.doorbell)
+                self._take_replies()
+        except TimeoutError:  # said with the caller's timeout, not the part of it left
+            raise TimeoutError(f"{what}: nothing after {timeout:g} s") from None
         finally:
             del self.awaited[call_id]
         return [answers[rank] for rank in sorted(answers)]
 
-    def _take_replies(self, ranks: list[int]) -> None:
-        """Every reply come from these ranks (a failed one sends its error unasked), by call."""
-        for rank in ranks:
-            replies = self.responses[rank]
+    def _take_replies(self) -> None:
+        """Every reply come (a failed rank sends its error unasked), put with its call's answers."""
+        for rank, replies in enumerate(self.responses):
             while replies.ready():
                 reply: RPCResult = replies.dequeue(check=self._check_workers)  # may span chunks
                 if reply.call_id not in self.awaited:
@@ -399,10 +392,9 @@ class Executor:
             deadline = time.monotonic() + grace  # an idle worker exits within milliseconds
             for process in workers:
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
-            for process in workers:
-                if process.is_alive():  # stuck in a long step, a collective or loading
-                    process.kill()
-                    process.join()
+            for process in workers:  # one still alive is stuck in a step, a collective, loading
+                process.kill()  # (a no-op for one that exited)
+                process.join()
             ours = [getattr(self, "doorbell", None)]  # None if the start failed before it
             unlink_semaphores([*self.broadcast.handle.doorbells, *filter(None, ours)])
             for message_queue in [self.broadcast, *self.responses]:
@@ -810,9 +802,7 @@ class IncrementalText:
         stop strings, one token at a time: the one that completes a stop string ends the
         sample). `final`: the last call, whose half of a character stays as it is."""
         window = self.detokenize(token_ids[self.start : end])
-        before = (
-            self.detokenize(token_ids[self.start : self.shown]) if self.shown > self.start else ""
-        )
+        before = self.detokenize(token_ids[self.start : self.shown])
         new = window[len(before) :]
         if self.stop and end > self.min_tokens:  # vLLM's: no stop string within min_tokens
             text = self.decoded + new
@@ -946,7 +936,7 @@ class OutputProcessor:
 
 
 class GroupOutputs:
-    """Every prompt's RequestOutput so far, each rebuilt only when one of its samples changed."""
+    """Every prompt's RequestOutput so far, each rebuilt when one of its samples changes."""
 
     def __init__(self, groups: list[list[Request]]):
         self.groups = groups
@@ -957,19 +947,15 @@ class GroupOutputs:
         self.num_finished = [0] * len(groups)
         self.prompt_logprobs = [None] * len(groups)  # its first sample's (all have the same)
         self.outputs = [self.request_output(number) for number in range(len(groups))]
-        self.changed: set[int] = set()  # the groups whose RequestOutput is out of date
 
     def update(self, number: int, state: RequestState) -> None:
         self.completions[number][state.index] = state.completion
         self.num_finished[number] += state.finished
         if state.index == 0:
             self.prompt_logprobs[number] = state.prompt_logprobs
-        self.changed.add(number)
+        self.outputs[number] = self.request_output(number)
 
     def current(self) -> list[RequestOutput]:
-        for number in self.changed:
-            self.outputs[number] = self.request_output(number)
-        self.changed.clear()
         return list(self.outputs)
 
     def request_output(self, number: int) -> RequestOutput:
@@ -1068,14 +1054,13 @@ def check_vllm_arguments(
             raise ValueError(f"{name}={value!r} is not supported: it must be {allowed}")
 
 
-def executor_class_for(distributed_executor_backend: str | type) -> type:
-    """vLLM's "mp" is ours; a class of one's own needs the three methods the engine calls. Either
-    starts worker processes: first, can this process start them?"""
+def executor_class_for(backend: str | type) -> type:
+    """distributed_executor_backend: vLLM's "mp" is ours; a class of one's own needs the three
+    methods the engine calls. Either starts worker processes: first, can this process start them?"""
     check_process_can_start_workers()
-    if distributed_executor_backend == "mp":
+    if backend == "mp":
         return Executor
     needed = ("collective_rpc", "execute_model", "shutdown")
-    backend = distributed_executor_backend
     if not (isinstance(backend, type) and all(hasattr(backend, m) for m in needed)):
         raise ValueError(
             f"distributed_executor_backend must be 'mp' or an Executor class, got {backend!r}"

@@ -11,7 +11,6 @@ import multiprocessing
 import multiprocessing.synchronize
 import multiprocessing.util
 import numbers
-import operator
 import os
 import pickle
 import signal
@@ -81,6 +80,7 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
     bias, repetition, temperature = params.logit_bias, params.repetition_penalty, params.temperature
     top_k = params.top_k
     return [
+        ("n", is_integer(params.n) and params.n >= 1, "an integer >= 1"),
         ("temperature", is_number(temperature) and 0 <= temperature < math.inf, "a number >= 0"),
         ("top_p", within(params.top_p, 0, 1) and params.top_p > 0, "a number in (0, 1]"),
         ("top_k", is_integer(top_k) and top_k >= -1, "an integer >= 1, or 0 or -1 for all tokens"),
@@ -153,7 +153,6 @@ class SamplingParams:
     def __post_init__(self):
         # Checked for type as well as range, here in the driver: a NaN or a float count that
         # reached the workers would fail inside a step and take every request with it.
-        check_count("n", self.n)
         for name, valid, allowed in checked_fields(self):
             if not valid:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
@@ -245,27 +244,6 @@ class RPCResult:
 
 
 SHUTDOWN = "shutdown"  # the method name that ends the worker loop
-
-# Pickle writes each class's module and name, and looks the class up by them on each side, as costly
-# as the rest of a message's pickling (docs/performance.md): so the two classes every message is go
-# as their number and a tuple of their fields (a step's SchedulerOutput, inside, by name).
-MESSAGE_CLASSES = (RPCCall, RPCResult)
-MESSAGE_FIELDS = {
-    cls: (number, operator.attrgetter(*(f.name for f in fields(cls))))
-    for number, cls in enumerate(MESSAGE_CLASSES)
-}
-
-
-def pickle_message(message: Any) -> bytes:
-    """Pickle a message: one of MESSAGE_CLASSES as (number, fields), anything else as (None, it)."""
-    number, get_fields = MESSAGE_FIELDS.get(type(message), (None, None))
-    return pickle.dumps((number, message if number is None else get_fields(message)), protocol=5)
-
-
-def unpickle_message(data: bytes | memoryview) -> Any:
-    number, payload = pickle.loads(data)
-    return payload if number is None else MESSAGE_CLASSES[number](*payload)
-
 
 # Waiting: poll while yielding the core, then sleep until the doorbell rings -----------
 # Poll with sched_yield, not a pure spin: a TP=2 run on 2 cores has 3 processes, and a spinner can
@@ -388,8 +366,6 @@ class MessageQueue:
         self.next_chunk = 0  # the writer's or this reader's position in the ring
         # the writer or this reader gave up part-way through a message (see enqueue, dequeue)
         self.cut_off = False
-        # kept between multi-chunk messages: a new 16 MiB one each costs page faults
-        self.receive_buffer = bytearray()
 
     # Sizes: vLLM's ring is 10 chunks of up to 16-24 MiB (it carries images). A step here is
     # ~150 bytes, a prefill of 8 prompts of 4096 tokens ~130 KB: 8 chunks of 1 MiB hold a few
@@ -432,11 +408,10 @@ class MessageQueue:
         """Send obj to every reader; return its size in bytes, encoded. A timeout or Ctrl-C
         after a message's first chunk leaves `cut_off` set: the readers hold part of it and
         would read the next message as its rest, so the queue is of no more use."""
-        data = memoryview(pickle_message(obj))
+        data = memoryview(pickle.dumps(obj, protocol=5))
         buf, sent = self.buf, 0
         while True:  # at least one chunk, even for an empty message
-            if not self._chunk_free():  # checked first: the common case needs no message
-                wait_until(self._chunk_free, timeout, self.who_waits, check)
+            wait_until(self._chunk_free, timeout, self.who_waits, check)
             i = self.next_chunk
             part = data[sent : sent + self.capacity]
             sent += len(part)
@@ -456,33 +431,20 @@ class MessageQueue:
     def dequeue(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> Any:
         """The next message. A timeout or Ctrl-C after its first chunk leaves `cut_off` set (as in
         enqueue): its rest, left in the ring, would be read as the start of the next message."""
-        received = 0
+        data = bytearray()
         while True:
-            if not self.ready():
-                wait_until(
-                    self.ready, timeout, self.who_waits, check, self.handle.doorbells[self.reader]
-                )
+            wait_until(
+                self.ready, timeout, self.who_waits, check, self.handle.doorbells[self.reader]
+            )
             i = self.next_chunk
             size, total = CHUNK_HEADER.unpack_from(self.buf, self.chunk_at[i])
             start = self.chunk_at[i] + CHUNK_HEADER.size
-            payload = self.buf[start : start + size]
-            if size == total:  # the common case: one chunk, decoded in place
-                message = unpickle_message(payload)
-            else:
-                if len(self.receive_buffer) < total:
-                    self.receive_buffer = bytearray(total)
-                self.receive_buffer[received : received + size] = payload
-            received += size
-            del payload  # release the view before the writer may reuse the chunk
+            data += self.buf[start : start + size]  # copied out: the writer may reuse the chunk
             self.buf[self.my_read_at[i]] = 1  # done with this chunk
             self.next_chunk = (i + 1) % self.handle.num_chunks
-            self.cut_off = received < total
-            if received == total:
-                return (
-                    message
-                    if size == total
-                    else unpickle_message(memoryview(self.receive_buffer)[:total])
-                )
+            self.cut_off = len(data) < total
+            if not self.cut_off:
+                return pickle.loads(data)
 
     def close(self) -> None:
         """Detach; the creator removes the block (multiprocessing the doorbells, once unused)."""
@@ -496,17 +458,10 @@ class MessageQueue:
 
 def wait_for_messages(
     queues: list[MessageQueue], timeout: float | None, what: str, check: Callable, doorbell
-) -> list[int]:
+) -> None:
     """Wait until any of `queues` (each read by us alone, all ringing one `doorbell`) has a
-    message; return the numbers of those that have: the driver's wait for the workers' replies."""
-    ready: list[int] = []
-
-    def any_ready() -> bool:
-        ready[:] = [number for number, queue in enumerate(queues) if queue.ready()]
-        return bool(ready)
-
-    wait_until(any_ready, timeout, what, check, doorbell)
-    return ready
+    message: the driver's wait for the workers' replies."""
+    wait_until(lambda: any(queue.ready() for queue in queues), timeout, what, check, doorbell)
 
 
 # Collectives through shared memory, for ranks on one CPU machine ----------------------
@@ -550,8 +505,7 @@ class SharedMemoryGroup(TPGroup):
             late = [r for r, seen in enumerate(self.published.tolist()) if seen < generation]
             return f"rank {self.rank} waited in a collective for ranks {late}"
 
-        if not everyone_published():  # checked first: 17 times a step, skip building the message
-            wait_until(everyone_published, COLLECTIVE_TIMEOUT, late_ranks)
+        wait_until(everyone_published, COLLECTIVE_TIMEOUT, late_ranks)
         return buffers[:, : data.numel()].view(tensor.dtype).view(self.size, *tensor.shape)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -803,7 +757,6 @@ class Worker:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers
         ]
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
-        self.block_offsets = torch.arange(block_size, device=self.device)  # made once, not a step
         # LLM(cuda_graphs=True): every decode-only step at one shape (cuda_graph_step), replayed
         # from a graph where one can be captured (not through gloo's collectives); else, and with
         # capture_graphs set False (.ci/gpu compares the two), the same step runs eagerly.
@@ -842,7 +795,7 @@ class Worker:
         table = torch.tensor(
             [(r.block_ids + [0] * width)[:width] for r in requests], device=self.device
         ).view(len(requests), width, 1)  # (a view: no decodes is no rows)
-        slots = table * size + self.block_offsets
+        slots = table * size + torch.arange(size, device=self.device)
         return slots.view(len(requests), width * size)[:, :num_positions].contiguous()
 
     def prepare_inputs(
@@ -880,13 +833,10 @@ class Worker:
         shape is always masked, and so is a compiled step: one graph serves every step."""
         contexts = [r.num_computed + 1 for r in decodes]
         fixed_shape, context_len = context_len is not None, context_len or max(contexts, default=0)
-        compiled = self.compiled_model is not None
-        masked = fixed_shape or compiled or len(set(contexts)) > 1
-        mask = torch.arange(context_len, device=self.device) <= positions[:, None, None, None]
-        return {
-            "context_slots": self.context_slots(decodes, context_len),
-            "attn_mask": mask if masked else None,  # else all True: the contexts are one length
-        }
+        masked = fixed_shape or self.compiled_model is not None or len(set(contexts)) > 1
+        positions = positions[:, None, None, None]  # (the mask is all True where not masked)
+        mask = torch.arange(context_len, device=self.device) <= positions if masked else None
+        return {"context_slots": self.context_slots(decodes, context_len), "attn_mask": mask}
 
     def chunk_attention(
         self, batch: list[tuple[CachedRequest, int]], positions: torch.Tensor, ends: list[int]

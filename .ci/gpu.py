@@ -297,7 +297,7 @@ def call_sites(config: dict, settings: dict, device: str, dtype: str) -> dict:
     generator = torch.Generator(rank.device).manual_seed(0)
     shape = kv_cache_shape(rank.config, 1, batch * per_request + 1, block_size)
     rank.kv_caches = [torch.randn(shape, generator=generator, dtype=rank.dtype, device=rank.device)]
-    rank.block_size, rank.block_offsets = block_size, torch.arange(block_size, device=rank.device)
+    rank.block_size = block_size
     layer, hidden = rank.model.layers[0].self_attn, config["hidden_size"]
 
     def rows(*requests):  # (tokens cached, tokens this step) of requests 0, 1, ...
