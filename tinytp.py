@@ -15,7 +15,6 @@ import atexit
 import concurrent.futures
 import contextlib
 import functools
-import gc
 import inspect
 import itertools
 import math
@@ -410,9 +409,10 @@ STOP_ENGINE = "stop"
 
 
 class EngineCore:
-    """vLLM's EngineCore: owns the Scheduler and Executor, with vLLM's verbs for them (add_request,
-    abort_request, step, has_unfinished_requests), which one thread calls: run_busy_loop's (an LLM
-    starts it). Callers in other threads reach it through queues, one in and one out per caller."""
+    """vLLM's EngineCore: owns the Scheduler and Executor, with vLLM's verbs for them (step,
+    has_unfinished_requests; adds and aborts go to the scheduler), which one thread calls:
+    run_busy_loop's (an LLM starts it). Callers in other threads reach it through queues, one in
+    and one out per caller."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, async_scheduling: bool):
         self.scheduler, self.executor = scheduler, executor
@@ -421,17 +421,6 @@ class EngineCore:
         self.max_steps_in_flight = 2 if async_scheduling else 1
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()  # sent, oldest first
         self.stats = {"steps": 0, "largest_batch": 0}
-        # As vLLM's EngineCore: the start-up heap (torch, transformers, the tokenizer) marked
-        # static, so that a collection of the oldest generation, which would walk all of it, never
-        # stops the engine loop mid-stream (a caller making many requests triggers one).
-        gc.collect()
-        gc.freeze()
-
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
-
-    def abort_request(self, request_ids: list[int]) -> None:
-        self.scheduler.abort_requests(set(request_ids))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
@@ -481,9 +470,9 @@ class EngineCore:
     def run_command(self, verb: str, argument) -> None:
         if verb == "add":
             for request in argument:
-                self.add_request(request)
+                self.scheduler.add_request(request)
         elif verb == "abort":
-            self.abort_request(argument)
+            self.scheduler.abort_requests(set(argument))
         else:  # "call": a function run here between steps, by the one thread driving the executor
             function, result = argument
             try:
@@ -495,7 +484,7 @@ class EngineCore:
         requests = [*self.scheduler.waiting, *self.scheduler.running]
         for request in requests:
             request.output_queue.put(error)
-        self.abort_request([request.request_id for request in requests])
+        self.scheduler.abort_requests({request.request_id for request in requests})
         self.batch_queue.clear()
 
 

@@ -782,10 +782,9 @@ class Worker:
                 for rows, position in [(1, 1), (1, 2), (2, 2)][: 2 + (self.max_num_seqs > 1)]:
                     row = replace(NULL_ROW, token_ids=[0] * (position + 1), num_computed=position)
                     self.compiled_model(self.prepare_inputs([(row, 1)] * rows), self.kv_caches)
-        except Exception as error:  # no C++ compiler for inductor, say
-            first_line = str(error).strip().split("\n", 1)[0]
-            fix = "run with --enforce-eager (enforce_eager=True)"
-            raise RuntimeError(f"torch.compile failed ({first_line}): {fix}") from None
+        except Exception as error:  # no C++ compiler for inductor, say: torch's first line
+            why = str(error).strip().split("\n", 1)[0]
+            raise RuntimeError(f"torch.compile failed ({why}): run with --enforce-eager") from None
         print(f"tinytp: compiled in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
     def context_slots(self, requests: list[CachedRequest], num_positions: int) -> torch.Tensor:
@@ -834,8 +833,11 @@ class Worker:
         contexts = [r.num_computed + 1 for r in decodes]
         fixed_shape, context_len = context_len is not None, context_len or max(contexts, default=0)
         masked = fixed_shape or self.compiled_model is not None or len(set(contexts)) > 1
-        positions = positions[:, None, None, None]  # (the mask is all True where not masked)
-        mask = torch.arange(context_len, device=self.device) <= positions if masked else None
+        mask = (  # (where not masked it would be all True)
+            torch.arange(context_len, device=self.device) <= positions[:, None, None, None]
+            if masked
+            else None
+        )
         return {"context_slots": self.context_slots(decodes, context_len), "attn_mask": mask}
 
     def chunk_attention(
