@@ -873,8 +873,8 @@ def run_serve(args) -> dict:
         rounds, alone = {name: [] for name in servers}, len(servers) == 1
         for port, _ in servers.values():
             stream_over_http(port, 4, prompts[0], [])  # warm-up
-        # This client's start-up heap (torch, tinytp) marked static, as the engine marks its own: a
-        # collection walking it stops every client thread at once, a gap in the tokens it times.
+        # This client's start-up heap (torch, tinytp) marked static: a collection walking it
+        # stops every client thread at once, a gap in the tokens it times.
         gc.collect()
         gc.freeze()
         turns = itertools.product(range(1 if alone else args.rounds), servers.items())

@@ -1377,8 +1377,9 @@ def test_a_batch_1_decode_step_dispatches_no_more_operations_than_it_did():
     # 88 and 64 with the decodes' slots [B, L], not flat (a compiled graph's B is a size), viewed
     # flat for the gather; 116 and 71 with every matmul F.linear, 7 operations each (linear, t,
     # its transpose and as_strided, matmul, mm, resolve_conj twice) where oneDNN's packed kernel,
-    # not ATen's, counted none
-    assert per_layer <= 116 and whole - 2 * per_layer <= 71, (per_layer, whole)
+    # not ATen's, counted none; 153 and 95 with RMSNorm as F.rms_norm, whose steps and casts
+    # dispatch one by one (about 4.5 us a norm: under 1% of an eager SmolLM2 step)
+    assert per_layer <= 153 and whole - 2 * per_layer <= 95, (per_layer, whole)
 
 
 @pytest.mark.quick
