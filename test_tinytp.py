@@ -2816,9 +2816,7 @@ def test_a_compile_that_cannot_run_is_refused_in_one_line_naming_enforce_eager(
     with pytest.raises(RuntimeError) as refused:
         worker_in_process([PROMPTS[3]], 0, enforce_eager=False)
     message = str(refused.value)
-    assert re.fullmatch(
-        r"torch\.compile failed \(.+\): run with --enforce-eager \(enforce_eager=True\)", message
-    ), message
+    assert re.fullmatch(r"torch\.compile failed \(.+\): run with --enforce-eager", message), message
     assert "\n" not in message
     assert "tinytp: compiling the decode step" in capsys.readouterr().err
     # an LLM's worker (inductor reads CXX as it starts): its error is the worker's, as any is

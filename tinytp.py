@@ -791,7 +791,9 @@ class IncrementalText:
         stop strings, one token at a time: the one that completes a stop string ends the
         sample). `final`: the last call, whose half of a character stays as it is."""
         window = self.detokenize(token_ids[self.start : end])
-        before = self.detokenize(token_ids[self.start : self.shown])
+        before = (
+            self.detokenize(token_ids[self.start : self.shown]) if self.shown > self.start else ""
+        )
         new = window[len(before) :]
         if self.stop and end > self.min_tokens:  # vLLM's: no stop string within min_tokens
             text = self.decoded + new
