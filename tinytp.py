@@ -1243,7 +1243,7 @@ class LLM:
         self._make_front_end(tokenizer, generation_config, seed)
         self.scheduler = self._make_scheduler(max_num_seqs, budget, num_blocks, cache)
         workers = (tp, device, dtype, max_num_seqs, max_len, load_format, cuda_graphs)
-        kv_cache = {"num_blocks": num_blocks, "block_size": block_size}  # what each one runs
+        kv_cache = {"num_blocks": num_blocks, "block_size": block_size}  # each worker's
         self.executor = executor_class(config, self.model_dir, *workers, enforce_eager, **kv_cache)
         # The engine loop: one thread drives the scheduler and executor; callers use its queues
         self.engine = EngineCore(self.scheduler, self.executor, async_scheduling)

@@ -628,7 +628,7 @@ class CachedRequest:
 
 
 # Token 0 at position 1 of the null block, which no request reads unmasked: a CUDA graph's pad
-# rows, and the compiled decode steps' first runs (a decode: a context of two positions)
+# rows, and (moved to position 2 too) the compiled decode step's warm-up (compile_decode_step)
 NULL_ROW = CachedRequest([0, 0], 1, [0, 0], SamplingParams(), None)
 
 
