@@ -411,7 +411,7 @@ class InProcessExecutor:
     """tinytp's Worker called in this process (vLLM's "uni" executor), no queues: LLM takes it as
     its distributed_executor_backend. Its difference from tp=1 on the Executor: multiprocessing."""
 
-    def __init__(self, config, model_dir, tp, device, dtype, *engine, num_blocks, block_size):
+    def __init__(self, config, model_dir, tp, pp, device, dtype, *engine, num_blocks, block_size):
         max_num_seqs, max_model_len, load_format, cuda_graphs, enforce_eager = engine
         self.store = tinytp.loopback_store()
         self.worker = Worker(0, 1)

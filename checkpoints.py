@@ -282,6 +282,18 @@ def check_tensor_parallel_size(config: ModelConfig, tp: int) -> None:
         )
 
 
+def check_parallel_sizes(config: ModelConfig, tp: int, pp: int) -> tuple[int, int]:
+    """check_tensor_parallel_size, and a pipeline parallel size of at most one stage a layer: the
+    two sizes, checked."""
+    if not is_integer(pp) or not 1 <= pp <= config.num_layers:
+        raise ValueError(
+            f"pipeline parallel size {pp!r} does not fit this model: it must be an integer from 1 "
+            f"to num_hidden_layers={config.num_layers} (each stage holds one layer at least)"
+        )
+    check_tensor_parallel_size(config, tp)
+    return tp, pp
+
+
 # The weights: safetensors files, their index, each tensor's shape -----------------------
 def open_safetensors(path: str):
     """safe_open(path), after checking what it leaves to the first read: that the file is as long as

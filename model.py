@@ -22,15 +22,17 @@ class TPGroup:
 
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
+        # the ranks of this pipeline stage (torch.distributed's group; None: all, pp = 1)
+        self.process_group: dist.ProcessGroup | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the ranks, in place."""
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.process_group)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor`, concatenated along the last dim in rank order."""
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor.contiguous())
+        dist.all_gather(parts, tensor.contiguous(), group=self.process_group)
         return torch.cat(parts, dim=-1)
 
 
@@ -342,22 +344,37 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaForCausalLM(nn.Module):
-    """Token ids in, full-vocabulary logits of each sequence's last token out, on every rank."""
+def stage_layers(num_layers: int, stage: int, pp: int) -> range:
+    """The layers of pipeline stage `stage` of `pp`, split as vLLM's get_pp_indices splits them:
+    equal parts, and the remainder one each to the stages just before the last (which holds the
+    norm and the LM head too): 4 layers in 3 stages are [0], [1, 2], [3]."""
+    base, extra = divmod(num_layers, pp)
+    sizes = [base + (pp - 1 - extra <= s < pp - 1) for s in range(pp)]
+    start = sum(sizes[:stage])
+    return range(start, start + sizes[stage])
 
-    def __init__(self, config: ModelConfig, group: TPGroup, max_model_len: int):
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids in, full-vocabulary logits of each sequence's last token out, on every rank. Under
+    pipeline parallelism (pp stages) a rank holds its stage's layers only: the first stage embeds,
+    the last one norms and holds the LM head; the others take and give hidden states."""
+
+    def __init__(
+        self, config: ModelConfig, group: TPGroup, max_model_len: int, stage: int = 0, pp: int = 1
+    ):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, group, "model.embed_tokens.weight"
-        )
+        embedding, last = "model.embed_tokens.weight", stage == pp - 1
+        V, H = config.vocab_size, config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(V, H, group, embedding) if stage == 0 else None
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, group, f"model.layers.{i}") for i in range(config.num_layers)
+            LlamaDecoderLayer(config, group, f"model.layers.{i}")
+            for i in stage_layers(config.num_layers, stage, pp)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight")
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, group, "lm_head.weight"
-        )
-        if config.tie_word_embeddings:  # Llama 3.2: the LM head is the embedding table
+        self.norm = RMSNorm(H, config.rms_norm_eps, "model.norm.weight") if last else None
+        # Llama 3.2 ties the LM head to the embedding table: one tensor where one stage holds both
+        head = embedding if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = ParallelLMHead(V, H, group, head) if last else None
+        if config.tie_word_embeddings and self.embed_tokens and self.lm_head:
             self.lm_head.weight = self.embed_tokens.weight
         # cos and sin of every position, computed once in float32 as transformers does, then
         # kept in the model's dtype (transformers casts them each step), and sin's first half
@@ -367,11 +384,17 @@ class LlamaForCausalLM(nn.Module):
         table = torch.stack((torch.stack((cos, cos), 1), torch.stack((-sin, sin), 1)))[:, :, None]
         self.register_buffer("rope_table", table.to(torch.get_default_dtype()), persistent=False)
 
-    def forward(self, inputs: ModelInputs, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        x = self.embed_tokens(inputs.input_ids)  # [N, hidden]
+    def forward(
+        self, inputs: ModelInputs, kv_caches: list[torch.Tensor], x: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The logits; on a stage before the last, its hidden states: [N, hidden]. x: the hidden
+        states from the stage before (None on the first stage, which embeds the tokens)."""
+        x = self.embed_tokens(inputs.input_ids) if x is None else x  # [N, hidden]
         cos, sin = self.rope_table[:, inputs.positions]  # each [N, 1, 2, hd / 2]
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, inputs)
+        if self.lm_head is None:
+            return x
         return self.lm_head(self.norm(x[inputs.logits_indices]))  # only rows whose logits are used
 
 
@@ -389,12 +412,12 @@ def load_checkpoint(model: nn.Module, files: dict, show_progress: bool) -> None:
     never holds a whole weight it does not need. (check_checkpoint has checked the shapes.)"""
     from tqdm import tqdm  # a dependency of transformers and huggingface_hub
 
-    embedding = model.embed_tokens.weight
+    head = model.lm_head and model.lm_head.weight
     # tied, yet a head of its own: see checkpoints.check_checkpoint
-    if model.lm_head.weight is embedding and "lm_head.weight" in files:
-        model.lm_head.weight = nn.Parameter(torch.zeros_like(embedding), requires_grad=False)
+    if head is not None and head.shards[0].name != "lm_head.weight" and "lm_head.weight" in files:
+        model.lm_head.weight = nn.Parameter(torch.zeros_like(head), requires_grad=False)
         model.lm_head.weight.shards = [
-            replace(shard, name="lm_head.weight") for shard in embedding.shards
+            replace(shard, name="lm_head.weight") for shard in head.shards
         ]
     shards = [(param, shard) for param in model.parameters() for shard in param.shards]
     # if slow
@@ -407,15 +430,15 @@ def load_checkpoint(model: nn.Module, files: dict, show_progress: bool) -> None:
 
 
 # What a rank holds, from the config alone ---------------------------------------------
-def meta_model(config: ModelConfig, group: TPGroup) -> LlamaForCausalLM:
+def meta_model(config: ModelConfig, group: TPGroup, stage: int = 0, pp: int = 1) -> nn.Module:
     """A rank's model on the "meta" device: its parameters' shapes, and no memory."""
     with torch.device("meta"):
-        return LlamaForCausalLM(config, group, max_model_len=1)
+        return LlamaForCausalLM(config, group, 1, stage, pp)
 
 
-def weight_bytes(config: ModelConfig, group: TPGroup, dtype: str) -> int:
+def weight_bytes(config: ModelConfig, group: TPGroup, dtype: str, stage=0, pp=1) -> int:
     """Bytes of the weights that `group`'s rank holds (a tied table once; padded vocab rows too)."""
-    params = meta_model(config, group).parameters()
+    params = meta_model(config, group, stage, pp).parameters()
     return sum(p.numel() for p in params) * getattr(torch, dtype).itemsize
 
 

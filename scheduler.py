@@ -193,7 +193,9 @@ class Scheduler:
     cache has free blocks, all within a budget of max_num_batched_tokens: a prompt that does not fit
     is cut and continued later (chunked prefill). A running request short of blocks preempts the
     newest one (V1's recompute: preempt). With async scheduling a request counts its tokens in
-    flight, so no step is sent that could only yield a token past max_tokens or max_model_len."""
+    flight, so no step is sent that could only yield a token past max_tokens or max_model_len.
+    Under pipeline parallelism (pipeline_parallel_size stages) a request with a token in flight
+    waits for it: the first stage computes a token only once the driver has told it the token."""
 
     def __init__(
         self,
@@ -202,8 +204,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         eos_token_ids: set[int],
         kv_cache_manager: KVCacheManager,
+        pipeline_parallel_size: int = 1,
     ):
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids, self.kv_cache_manager = eos_token_ids, kv_cache_manager
         self.waiting: deque[Request] = deque()
@@ -260,6 +264,7 @@ class Scheduler:
             )
             for r, _, blocks in scheduled[first_new:]
         ]
+        new_token_ids = self.sampled_tokens_to_tell(scheduled)
         for request, num_tokens, _ in scheduled:
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens >= request.num_tokens:  # decode, or prompt done: a token
@@ -271,6 +276,7 @@ class Scheduler:
             [n for _, n, _ in scheduled],
             finished_ids,
             {r.request_id: blocks for r, _, blocks in scheduled[:first_new] if blocks},
+            new_token_ids,
         )
 
     def admit(self, budget: int, scheduled: list) -> list[Request]:
@@ -298,6 +304,21 @@ class Scheduler:
             budget -= num_tokens
         return new
 
+    def sampled_tokens_to_tell(self, scheduled: list) -> dict[int, list[int]]:
+        """Pipeline parallelism: each request's sampled tokens among those it computes this step
+        (its last sampled one when it decodes; after a preemption, those its chunk recomputes), for
+        the stages before the last, which never sampled them. (At pp = 1 every rank samples, and
+        a step carries deltas only: never the last token.) A token or so a request a step."""
+        if self.pipeline_parallel_size == 1:
+            return {}
+        told = {}
+        for request, num_tokens, _ in scheduled:
+            first = max(request.num_computed_tokens - len(request.prompt_token_ids), 0)
+            last = request.num_computed_tokens + num_tokens - len(request.prompt_token_ids)
+            if last > first:
+                told[request.request_id] = request.output_token_ids[first:last]
+        return told
+
     def make_metrics(self) -> list[Metric]:
         """vLLM's metrics of the scheduler and its KV cache, by their Prometheus names."""
         return [
@@ -322,6 +343,8 @@ class Scheduler:
     def num_tokens_needed(self, request: Request) -> int:
         """The rest of its prompt (after a preemption: of all its tokens); else 1 (its last token,
         sampled or in flight) if it may need another token."""
+        if self.pipeline_parallel_size > 1 and request.num_in_flight:  # see the class's docstring
+            return 0
         left = request.num_tokens + request.num_in_flight - request.num_computed_tokens
         return left if left > 1 else int(self.may_need_another_token(request))
 

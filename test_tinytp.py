@@ -249,6 +249,7 @@ def make_checkpoint(
     seed=0,
     hidden=64,
     intermediate=96,
+    layers=2,
 ) -> transformers.LlamaForCausalLM:
     """Write a random Llama checkpoint (with the byte-level tokenizer) and return the
     transformers model that reads it back. Weights get a wider spread than the default
@@ -257,7 +258,7 @@ def make_checkpoint(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=256,
@@ -1327,7 +1328,7 @@ def worker_in_process(
     of `prompts`, 4 blocks of 16 positions each, then `decode_steps` decode steps; an engine of
     max_num_seqs (default: as many as the prompts), eager unless asked (enforce_eager=False: its
     decode steps compiled, as an LLM's at tp 1)."""
-    worker = Worker(0, world_size=1)
+    worker = Worker(0, tp=1)
     worker.device, worker.dtype = torch.device("cpu"), torch.float32
     tiny, max_num_seqs = checkpoints.TINY_MODEL_DIR, max_num_seqs or len(prompts)
     config = read_config(f"{tiny}/config.json")
@@ -2681,7 +2682,7 @@ def test_tp2_in_one_process_with_threads_for_ranks(mha_checkpoint):
 
     def run_rank(rank: int) -> None:
         try:
-            worker = Worker(rank, world_size=2)
+            worker = Worker(rank, tp=2)
             worker.group = ThreadGroup(rank, 2, barrier, parts)  # before the model is built
             # what init_device sets
             worker.device, worker.dtype = torch.device("cpu"), torch.float32
@@ -2787,7 +2788,7 @@ def test_a_prompt_one_token_a_step_gives_transformers_tokens(dynamo_counters, en
     sample nothing, so their LM head has no rows, and they run eagerly; the step of its last token
     samples the first, and with the decode steps after it runs compiled (enforce_eager=False). The
     tokens are transformers'."""
-    worker = Worker(0, world_size=1)
+    worker = Worker(0, tp=1)
     worker.device, worker.dtype = torch.device("cpu"), torch.float32
     config = read_config(f"{checkpoints.TINY_MODEL_DIR}/config.json")
     worker.load_model(config, checkpoints.TINY_MODEL_DIR, 64, enforce_eager=enforce_eager)
@@ -3877,7 +3878,7 @@ def test_top_k_top_p_and_min_p_keep_exactly_the_tokens_they_should():
     # temperature comes first: at 0.5 the probabilities are squared, and min-p judges those
     assert kept_tokens(logits, temperature=0.5, min_p=0.1) == [1, 3, 4]
     # Worker.sample: every draw is a kept token, each of them drawn, and a seed repeats the draws
-    worker = Worker(rank=0, world_size=1)
+    worker = Worker(rank=0, tp=1)
 
     def draws(seed: int, **params) -> list[int]:
         request = CachedRequest(
@@ -3902,7 +3903,7 @@ def test_a_temperature_below_vllms_floor_is_raised_to_it_as_vllm_does(capsys):
         [256], 0, [], SamplingParams(temperature=1e-39), torch.Generator().manual_seed(0)
     )
     # no NaN: the likeliest, by far
-    assert Worker(rank=0, world_size=1).sample(logits, [request]) == [1]
+    assert Worker(rank=0, tp=1).sample(logits, [request]) == [1]
 
 
 def test_a_tiny_temperature_in_generation_config_samples_and_the_workers_live(mha_checkpoint):

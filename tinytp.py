@@ -37,14 +37,21 @@ import torch.multiprocessing as mp
 
 from checkpoints import (
     check_checkpoint,
-    check_tensor_parallel_size,
+    check_parallel_sizes,
     has_tokenizer,
     load_tokenizer,
     read_json_object,
     read_model_config,
     resolve_model,
 )
-from model import ModelConfig, TPGroup, cpu_has_native_bfloat16, kv_cache_shape, weight_bytes
+from model import (
+    ModelConfig,
+    TPGroup,
+    cpu_has_native_bfloat16,
+    kv_cache_shape,
+    stage_layers,
+    weight_bytes,
+)
 from scheduler import KVCacheManager, Metric, Request, Scheduler
 from worker import (
     SHUTDOWN,
@@ -114,16 +121,17 @@ class RequestOutput:
 
 # The executor: N worker processes and the queues between them and us ------------------
 def choose_device_and_dtype(
-    config: ModelConfig, tp: int, device: str | None, dtype: str
+    config: ModelConfig, tp: int, device: str | None, dtype: str, pp: int = 1
 ) -> tuple[str, str]:
     """The device (default: cuda if there are GPUs, else cpu) and the dtype ("auto": the
     checkpoint's; on cpu bfloat16 only where oneDNN runs it natively (AVX-512 and newer: faster than
     float32 and half the memory, docs/performance.md), else float32, float16 too: slow on CPUs)."""
-    gpus = torch.cuda.device_count()
+    gpus, ranks = torch.cuda.device_count(), tp * pp
     device = device or ("cuda" if gpus else "cpu")
-    if device == "cuda" and gpus < tp:  # too few GPUs: refused, not a silent fall back to the CPU
+    if device == "cuda" and gpus < ranks:  # too few GPUs: refused, not a silent fall back to CPU
+        sizes = f"tp={tp}" + (f" x pp={pp}" if pp > 1 else "")
         raise ValueError(
-            f"tp={tp} needs {tp} GPUs and {gpus} are visible; --device cpu runs it on the CPU"
+            f"{sizes} needs {ranks} GPUs and {gpus} are visible; --device cpu runs it on the CPU"
         )
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -187,13 +195,15 @@ def start_processes(workers: list[mp.Process]) -> None:
 class Executor:
     """Spawns one worker process per rank, rank 0 included (design discussion: "N worker processes
     rather than N-1"), and runs methods on all: calls go out on one shared-memory broadcast queue,
-    and each worker answers on its own (a step: rank 0 alone, as all sampled alike)."""
+    and each worker answers on its own (a step: rank 0 alone, as all sampled alike). Under pipeline
+    parallelism, tp x pp ranks, and the last stage's first rank answers each step."""
 
     def __init__(
         self,
         config: ModelConfig,
         model_dir: str,
         tp: int,
+        pp: int,
         device: str,
         dtype: str,
         max_num_seqs: int,
@@ -205,11 +215,12 @@ class Executor:
         num_blocks: int,
         block_size: int,
     ):
-        self.tp = tp
+        self.tp, self.pp, self.world_size = tp, pp, tp * pp
+        self.reply_rank = self.world_size - tp  # the last stage's first: it has the logits
         self.call_ids = itertools.count(1)
         self.failure: str | None = None
         self.creator = os.getpid()  # a forked child inherits our exit hook, and must not stop ours
-        self.workers, self.responses, self.collective_block = [], [], None  # made in the try below
+        self.workers, self.responses, self.collective_blocks = [], [], []  # made in the try below
         self.stopped_since: dict[int, float] = {}  # rank: when _check_workers first saw it stopped
         self.awaited: dict[int, tuple[str, dict, int]] = {}  # call id: (name, answers, count due)
         # One thread drives the executor: its maker's, then an LLM's engine loop's (EngineClient's
@@ -217,13 +228,14 @@ class Executor:
         self.driver: int | None = threading.get_ident()  # None: any (the loop gone)
         self.sending = threading.RLock()
         self.closing = threading.Event()  # set: the driver gives up its wait at its next check
-        self.broadcast = MessageQueue.create(num_readers=tp)
+        self.broadcast = MessageQueue.create(num_readers=self.world_size)
         atexit.register(self.shutdown)
         try:
             self._start_workers(device)
             # Initialization goes through collective_rpc too, as in the design discussion.
-            block = self.collective_block and self.collective_block.name
-            device_args = (device, dtype, self.store.port, threads_per_rank(tp), block)
+            blocks = [block.name for block in self.collective_blocks]
+            threads = threads_per_rank(self.world_size)
+            device_args = (device, dtype, self.store.port, threads, blocks)
             self.collective_rpc("init_device", args=device_args)
             model = (config, model_dir, max_model_len, load_format, enforce_eager)
             self.collective_rpc("load_model", args=model)
@@ -234,16 +246,17 @@ class Executor:
             raise
 
     def _start_workers(self, device: str) -> None:
-        """The reply queues, the collective block (CPU, tp > 1), the store, and the processes."""
+        """The reply queues, a collective block a stage (CPU, tp > 1), the store, the processes."""
         context = mp.get_context("spawn")
         self.doorbell = context.Semaphore(0)  # one for all reply queues: we wait on all at once
         reply_queue = {"num_readers": 1, "num_chunks": 4, "chunk_bytes": 1 << 18, "reader": 0}
-        for _ in range(self.tp):
+        for _ in range(self.world_size):
             self.responses.append(MessageQueue.create(**reply_queue, doorbells=[self.doorbell]))
         if device == "cpu" and self.tp > 1:
-            self.collective_block = new_shared_memory(collective_block_bytes(self.tp))
+            for _ in range(self.pp):
+                self.collective_blocks.append(new_shared_memory(collective_block_bytes(self.tp)))
         check_free_shared_memory(
-            [self.collective_block, *(q.shm for q in [self.broadcast, *self.responses])]
+            [*self.collective_blocks, *(q.shm for q in [self.broadcast, *self.responses])]
         )
         self.store = loopback_store()
         self.workers = [
@@ -251,7 +264,7 @@ class Executor:
                 target=worker_main,
                 name=f"tinytp-rank{rank}",
                 daemon=True,
-                args=(rank, self.tp, self.broadcast.handle, replies.handle, self.creator),
+                args=(rank, self.tp, self.pp, self.broadcast.handle, replies.handle, self.creator),
             )
             for rank, replies in enumerate(self.responses)
         ]
@@ -277,9 +290,9 @@ class Executor:
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | StepFuture:
-        """One step; rank 0 answers. non_block (vLLM's; async scheduling): return a StepFuture at
-        once, so that the next step can be scheduled and sent while this one runs."""
-        call = RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=0)
+        """One step; one rank answers (reply_rank). non_block (vLLM's; async scheduling): return a
+        StepFuture at once, so that the next step can be scheduled and sent while this one runs."""
+        call = RPCCall(0, "execute_model", (scheduler_output,), unique_reply_rank=self.reply_rank)
         call_id = self._send(call, None, "execute_model")
         step = StepFuture(functools.partial(self._wait_for_step, call_id))
         return step if non_block else step.result()
@@ -303,7 +316,8 @@ class Executor:
                 self._fail(f"{cut_off} what follows")
             self._raise_if_failed()
             call.call_id = next(self.call_ids)
-            ranks = range(self.tp) if call.unique_reply_rank is None else [call.unique_reply_rank]
+            everyone = range(self.world_size)
+            ranks = everyone if call.unique_reply_rank is None else [call.unique_reply_rank]
             self.awaited[call.call_id] = (name, {}, len(ranks))
             try:
                 self.broadcast.enqueue(call, timeout, check=self._check_workers)
@@ -339,8 +353,13 @@ class Executor:
                 name, answers, _ = self.awaited[reply.call_id]
                 if reply.error is not None:
                     self._check_workers()  # a dead peer is the root cause of a collective's error
-                    raise WorkerError(f"worker rank {rank} failed in {name}:\n{reply.error}")
+                    raise WorkerError(
+                        f"worker {self.rank_name(rank)} failed in {name}:\n{reply.error}"
+                    )
                 answers[rank] = reply.value
+
+    def rank_name(self, rank: int) -> str:
+        return f"rank {rank}" + (f" (pipeline stage {rank // self.tp})" if self.pp > 1 else "")
 
     def check_health(self) -> None:
         """Raise if the workers are gone (shut down, failed, dead or stopped)."""
@@ -359,7 +378,7 @@ class Executor:
             if process.exitcode is not None:  # peers wait for it in a collective: they won't answer
                 self._fail(f"worker rank {rank} exited with code {process.exitcode}", grace=0)
                 raise RuntimeError(
-                    f"tinytp worker rank {rank} died (exit code {process.exitcode}); "
+                    f"tinytp worker {self.rank_name(rank)} died (exit code {process.exitcode}); "
                     "the other workers were stopped"
                 )
             since = self.stopped_since.setdefault(rank, time.monotonic())
@@ -368,8 +387,8 @@ class Executor:
             elif time.monotonic() - since > STOPPED_GRACE:
                 self._fail(f"worker rank {rank} was stopped")
                 raise RuntimeError(
-                    f"tinytp worker rank {rank} (pid {process.pid}) is stopped (SIGSTOP?), for "
-                    f"{STOPPED_GRACE:g} s now; the workers were shut down"
+                    f"tinytp worker {self.rank_name(rank)} (pid {process.pid}) is stopped "
+                    f"(SIGSTOP?), for {STOPPED_GRACE:g} s now; the workers were shut down"
                 )
 
     def _fail(self, reason: str, grace: float = 2.0) -> None:
@@ -398,9 +417,9 @@ class Executor:
             unlink_semaphores([*self.broadcast.handle.doorbells, *filter(None, ours)])
             for message_queue in [self.broadcast, *self.responses]:
                 message_queue.close()
-            if self.collective_block is not None:
-                self.collective_block.close()
-                self.collective_block.unlink()
+            for block in self.collective_blocks:
+                block.close()
+                block.unlink()
             self.store = self.doorbell = None
 
 
@@ -418,7 +437,9 @@ class EngineCore:
         self.scheduler, self.executor = scheduler, executor
         # Design discussion (njhill): "make the scheduling async, so that they always have the
         # schedule for the next step waiting when they finish the current one": two steps in flight.
-        self.max_steps_in_flight = 2 if async_scheduling else 1
+        # Pipeline parallelism: one a stage at least (vLLM's batch queue), each at its own stage.
+        pp = scheduler.pipeline_parallel_size
+        self.max_steps_in_flight = max(pp, 2 if async_scheduling else 1)
         self.batch_queue: deque[tuple[SchedulerOutput, StepFuture]] = deque()  # sent, oldest first
         self.stats = {"steps": 0, "largest_batch": 0}
 
@@ -1087,6 +1108,7 @@ def check_max_num_batched_tokens(value: int | None, max_num_seqs: int, tp: int, 
 def check_kv_cache(
     config: ModelConfig,
     tp: int,
+    pp: int,
     device: str,
     dtype: str,
     cache: CacheConfig,
@@ -1096,11 +1118,13 @@ def check_kv_cache(
     """The blocks of the KV cache, on every rank: as many as kv_cache_memory_bytes holds (vLLM's:
     a rank's, GPU's, bytes), or by default max_num_seqs requests of max_model_len tokens' worth;
     and block 0, the null block. Refused if one request of max_model_len tokens would not fit, as
-    vLLM refuses it, or if the memory has no room for them (check_memory)."""
+    vLLM refuses it, or if the memory has no room for them (check_memory). Pipeline parallelism:
+    a rank caches its stage's layers only, and the stage with the most sets num_blocks."""
     size, memory_bytes = cache.block_size, cache.kv_cache_memory_bytes
     blocks_per_request = -(-max_model_len // size)
     layer_block = math.prod(kv_cache_shape(config, tp, 1, size))
-    block_bytes = config.num_layers * layer_block * getattr(torch, dtype).itemsize
+    layers = max(len(stage_layers(config.num_layers, stage, pp)) for stage in range(pp))
+    block_bytes = layers * layer_block * getattr(torch, dtype).itemsize
     if memory_bytes is None:
         num_blocks = max_num_seqs * blocks_per_request + 1
         sized_by = f"max_num_seqs={max_num_seqs}, max_model_len={max_model_len}"
@@ -1114,7 +1138,7 @@ def check_kv_cache(
             f"{(blocks_per_request + 1) * block_bytes}, or a smaller max_model_len"
         )
     kv_cache, part = (num_blocks, size, sized_by), cache.gpu_memory_utilization
-    check_memory(config, tp, device, dtype, kv_cache, part)
+    check_memory(config, tp, pp, device, dtype, kv_cache, part)
     return num_blocks
 
 
@@ -1124,14 +1148,15 @@ MEMINFO = "/proc/meminfo"  # the kernel's account of memory, MemAvailable among 
 def check_memory(
     config: ModelConfig,
     tp: int,
+    pp: int,
     device: str,
     dtype: str,
     kv_cache: tuple[int, int, str],
     gpu_memory_utilization: float,
 ) -> None:
-    """The workers' weights and KV cache (one GPU's share, or on cpu every rank's) against the
-    memory they go in: one line now, not a worker the kernel kills as it loads (exit code -9).
-    kv_cache: its blocks, their size, what chose them."""
+    """The workers' weights and KV cache (one GPU's share: the fullest stage's rank's; or on cpu
+    every rank's) against the memory they go in: one line now, not a worker the kernel kills as it
+    loads (exit code -9). kv_cache: its blocks, their size, what chose them."""
     num_blocks, block_size, chosen_by = kv_cache
     memory = gpu_memory_utilization * (
         torch.cuda.get_device_properties(0).total_memory
@@ -1139,13 +1164,21 @@ def check_memory(
         else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     )
 
+    def size_of(dtype: str) -> int:
+        return getattr(torch, dtype).itemsize
+
     def needed(dtype: str) -> tuple[int, int]:  # bytes of weights, of KV cache
-        ranks = 1 if device == "cuda" else tp
         layer_cache = math.prod(kv_cache_shape(config, tp, num_blocks, block_size))
-        return (
-            ranks * weight_bytes(config, TPGroup(0, tp), dtype),
-            ranks * config.num_layers * layer_cache * getattr(torch, dtype).itemsize,
-        )
+        stages = [  # a rank of each stage's
+            (
+                weight_bytes(config, TPGroup(0, tp), dtype, stage, pp),
+                len(stage_layers(config.num_layers, stage, pp)) * layer_cache * size_of(dtype),
+            )
+            for stage in range(pp)
+        ]
+        if device == "cuda":
+            return max(stages, key=sum)
+        return tp * sum(weights for weights, _ in stages), tp * sum(kv for _, kv in stages)
 
     where = f"{in_units(memory)} of {'a GPU' if device == 'cuda' else 'this machine'}"
     # and no more than it can give now (MemAvailable): past that the kernel kills a worker
@@ -1170,10 +1203,12 @@ def check_memory(
     )
 
 
-def check_engine_choices(device: str, cuda_graphs, load_format: str, async_scheduling) -> None:
-    if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":  # graphs of CUDA kernels
+def check_engine_choices(device: str, cuda_graphs, load_format: str, async_scheduling, pp) -> None:
+    # graphs of CUDA kernels, of a whole model's step
+    if type(cuda_graphs) is not bool or cuda_graphs and (device != "cuda" or pp > 1):
         raise ValueError(
-            f"cuda_graphs must be False, or True on device 'cuda'; got {cuda_graphs!r} on {device}"
+            f"cuda_graphs must be False, or True on device 'cuda' at pipeline_parallel_size 1; got "
+            f"{cuda_graphs!r} on {device}" + (f" at {pp}" if pp > 1 else "")
         )
     if load_format not in ("auto", "dummy"):
         raise ValueError(
@@ -1220,6 +1255,7 @@ class LLM:
         block_size: int = 16,
         kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        pipeline_parallel_size: int = 1,
         **others,
     ):
         """Everything checked before any worker starts; then the pieces, put together."""
@@ -1231,18 +1267,17 @@ class LLM:
         check_vllm_arguments(others, *vllm_arguments, generation_config, cache)
         self.model_dir = resolve_model(model)
         self.config = config = read_model_config(self.model_dir)
-        tp = tensor_parallel_size
-        check_tensor_parallel_size(config, tp)
-        device, dtype = choose_device_and_dtype(config, tp, device, dtype)
+        tp, pp = check_parallel_sizes(config, tensor_parallel_size, pipeline_parallel_size)
+        device, dtype = choose_device_and_dtype(config, tp, device, dtype, pp)
         self.max_model_len = max_len = check_max_model_len(config, max_model_len)
         budget = check_max_num_batched_tokens(max_num_batched_tokens, max_num_seqs, tp, device)
-        num_blocks = check_kv_cache(config, tp, device, dtype, cache, max_num_seqs, max_len)
-        check_engine_choices(device, cuda_graphs, load_format, async_scheduling)
+        num_blocks = check_kv_cache(config, tp, pp, device, dtype, cache, max_num_seqs, max_len)
+        check_engine_choices(device, cuda_graphs, load_format, async_scheduling, pp)
         if load_format == "auto":
             check_checkpoint(config, self.model_dir)
         self._make_front_end(tokenizer, generation_config, seed)
-        self.scheduler = self._make_scheduler(max_num_seqs, budget, num_blocks, cache)
-        workers = (tp, device, dtype, max_num_seqs, max_len, load_format, cuda_graphs)
+        self.scheduler = self._make_scheduler(max_num_seqs, budget, num_blocks, cache, pp)
+        workers = (tp, pp, device, dtype, max_num_seqs, max_len, load_format, cuda_graphs)
         kv_cache = {"num_blocks": num_blocks, "block_size": block_size}  # each worker's
         self.executor = executor_class(config, self.model_dir, *workers, enforce_eager, **kv_cache)
         # The engine loop: one thread drives the scheduler and executor; callers use its queues
@@ -1251,12 +1286,12 @@ class LLM:
         atexit.register(self.shutdown)  # registered after the executor's, so run before it
 
     def _make_scheduler(
-        self, max_num_seqs: int, budget: int, num_blocks: int, cache: CacheConfig
+        self, max_num_seqs: int, budget: int, num_blocks: int, cache: CacheConfig, pp: int
     ) -> Scheduler:
         """V1's scheduler over the paged KV cache's blocks, told the model's end-of-sequence ids."""
         eos_token_ids = self.processor.end_of_sequence_ids()
         blocks = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        return Scheduler(max_num_seqs, self.max_model_len, budget, eos_token_ids, blocks)
+        return Scheduler(max_num_seqs, self.max_model_len, budget, eos_token_ids, blocks, pp)
 
     def _make_front_end(self, tokenizer: str | None, generation_config: str, seed) -> None:
         """The callers' side: the tokenizer, the Processor (requests checked and made, with the
@@ -1409,6 +1444,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", help="checkpoint directory or hub id (default: a tiny random Llama)")
     add("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="ranks")
+    stages = "pipeline stages, each of tp ranks, a share of the layers each"
+    add("--pipeline-parallel-size", "-pp", dest="pp", type=int, default=1, help=stages)
     add("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
     auto = "auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)"
     add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help=auto)
@@ -1430,7 +1467,8 @@ ENGINE_FLAGS += ("cuda_graphs", "enforce_eager", "async_scheduling")
 
 def engine_arguments(args: argparse.Namespace) -> dict:
     """LLM's keyword arguments from add_engine_flags' flags (but --model)."""
-    return {"tensor_parallel_size": args.tp} | {name: vars(args)[name] for name in ENGINE_FLAGS}
+    sizes = {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp}
+    return sizes | {name: vars(args)[name] for name in ENGINE_FLAGS}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

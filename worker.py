@@ -208,6 +208,9 @@ class SchedulerOutput:
     finished_ids: list[int]  # requests the workers can forget
     # blocks appended to running requests' block tables this step (vLLM's new_block_ids)
     new_block_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Pipeline parallelism only (vLLM's CachedRequestData.new_token_ids): the sampled tokens among
+    # those each request computes this step, as the stages before the last never see them sampled.
+    new_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -674,10 +677,13 @@ def choose_cuda_attention_backends() -> None:
 
 
 class Worker:
-    """Everything one rank does: execute_model runs each step; the rest comes via collective_rpc."""
+    """Everything one rank does: execute_model runs each step; the rest comes via collective_rpc.
+    Ranks are laid out as vLLM lays them, TP innermost: the tp ranks of pipeline stage s are
+    s x tp .. s x tp + tp - 1 (pp = 1: one stage, every rank)."""
 
-    def __init__(self, rank: int, world_size: int):
-        self.group = TPGroup(rank, world_size)
+    def __init__(self, rank: int, tp: int, pp: int = 1):
+        self.rank, self.stage, self.pp = rank, rank // tp, pp
+        self.group = TPGroup(rank % tp, tp)  # this rank's place in its stage
         self.requests: dict[int, CachedRequest] = {}
 
     def init_device(
@@ -686,16 +692,14 @@ class Worker:
         dtype: str,
         store_port: int,
         num_threads: int,
-        collective_block: str | None = None,
+        collective_blocks: list[str] = (),
     ) -> None:
         """Pick the device and join the process group through the driver's TCP store. "cuda" puts
         rank r on GPU r, over nccl; "cuda:N" puts every rank on GPU N (tp > 1 on one GPU, for
         tests) over gloo, which carries CUDA tensors through the host: nccl refuses two ranks on
-        one GPU. A collective block (CPU, tp > 1): shared memory."""
+        one GPU. Collective blocks (CPU, tp > 1): a stage's collectives on shared memory."""
         torch.set_num_threads(num_threads)
-        self.device = (
-            torch.device(device, self.group.rank) if device == "cuda" else torch.device(device)
-        )
+        self.device = torch.device(device, self.rank) if device == "cuda" else torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before the process group, which binds to it
             choose_cuda_attention_backends()
@@ -711,12 +715,15 @@ class Worker:
         dist.init_process_group(
             backend,
             store=store,
-            rank=self.group.rank,
-            world_size=self.group.size,
+            rank=self.rank,
+            world_size=self.group.size * self.pp,
             device_id=self.device if backend == "nccl" else None,  # nccl: connect now, not lazily
         )
-        if collective_block is not None:  # the layers get this group, with its collectives
-            self.group = SharedMemoryGroup(self.group.rank, self.group.size, collective_block)
+        if collective_blocks:  # the layers get this group, with its collectives
+            block = collective_blocks[self.stage]
+            self.group = SharedMemoryGroup(self.group.rank, self.group.size, block)
+        # each stage's ranks, a group of their own for torch.distributed's collectives
+        self.group.process_group, _ = dist.new_subgroups(self.group.size)
 
     def load_model(
         self,
@@ -731,20 +738,22 @@ class Worker:
         steps also run through torch.compile, as gpt-fast and vLLM compile theirs: inductor fuses
         the small operations between the matmuls, each of them eagerly a pass over memory and a
         wait for every thread. enforce_eager (vLLM's --enforce-eager): never. Ranks' collectives,
-        Python on shared memory, would break each graph in three: tp > 1 stays eager."""
+        Python on shared memory, would break each graph in three: tp > 1 stays eager, and so does
+        pp > 1 (a stage's hand-off, likewise)."""
         from checkpoints import open_checkpoint  # (checkpoints.py reads with this module's checks)
 
         self.config, self.max_model_len = config, max_model_len
         torch.set_default_dtype(self.dtype)
         with torch.device(self.device):
-            self.model = LlamaForCausalLM(self.config, self.group, max_model_len)
+            self.model = LlamaForCausalLM(config, self.group, max_model_len, self.stage, self.pp)
         torch.set_default_dtype(torch.float32)
         if load_format == "dummy":
             init_dummy_weights(self.model)
         else:
             files = open_checkpoint(model_dir)
-            load_checkpoint(self.model, files, show_progress=self.group.rank == 0)
-        compiles = self.device.type == "cpu" and self.group.size == 1 and not enforce_eager
+            load_checkpoint(self.model, files, show_progress=self.rank == 0)
+        one_rank = self.group.size == self.pp == 1
+        compiles = self.device.type == "cpu" and one_rank and not enforce_eager
         self.compiled_model = torch.compile(self.model) if compiles else None
 
     def init_kv_cache(
@@ -908,6 +917,12 @@ class Worker:
             request.num_computed, request.block_ids = new.num_computed_tokens, list(new.block_ids)
         for request_id, block_ids in scheduler_output.new_block_ids.items():
             self.requests[request_id].block_ids += block_ids
+        for request_id, token_ids in scheduler_output.new_token_ids.items():  # pp > 1
+            request = self.requests[request_id]
+            start = max(request.num_computed, request.num_prompt_tokens)
+            request.token_ids[start : start + len(token_ids)] = (
+                token_ids  # (the last stage's: same)
+            )
         counts = dict(zip(scheduler_output.scheduled_ids, scheduler_output.num_scheduled_tokens))
         # one-token rows first, the rest in order
         ids = sorted(counts, key=lambda request_id: counts[request_id] > 1)
@@ -918,10 +933,12 @@ class Worker:
         decode_only = len(sampling) == len(batch) == sum(counts.values())
         with torch.inference_mode():
             logits = self.run_model(batch, list(sampling.values()), decode_only)
-        # .tolist() waits for the GPU
-        tokens = dict(zip(sampling, self.sample(logits[: len(sampling)], list(sampling.values()))))
-        # rank 0 alone answers, so it alone computes what was asked
-        logprobs = step_logprobs(logits, ids, batch, tokens) if self.group.rank == 0 else ({}, {})
+        # .tolist() waits for the GPU. Stages before the last have no logits: they sample nothing.
+        scheduled = list(sampling.values())
+        tokens = {} if logits is None else dict(zip(sampling, self.sample(logits, scheduled)))
+        # the last stage's rank 0 alone answers, so it alone computes what was asked
+        answers = logits is not None and self.group.rank == 0
+        logprobs = step_logprobs(logits, ids, batch, tokens) if answers else ({}, {})
         for request, count in batch:
             request.num_computed += count
             request.prompt_logprobs_from = max(request.prompt_logprobs_from, request.num_computed)
@@ -932,17 +949,36 @@ class Worker:
 
     def run_model(
         self, batch: list[tuple[CachedRequest, int]], sampled: list[CachedRequest], decode: bool
-    ) -> torch.Tensor:
-        """The step's logits. A decode-only step runs at a CUDA graph's shape (cuda_graphs), or
-        through the compiled model, but for a one-token prompt's (a context of one would be a graph
-        of its own); every other step eagerly."""
+    ) -> torch.Tensor | None:
+        """The step's logits (None before the last pipeline stage). A decode-only step runs at a
+        CUDA graph's shape (cuda_graphs), or through the compiled model, but for a one-token
+        prompt's (a context of one would be a graph of its own); every other step eagerly."""
         if decode and self.cuda_graphs:
             return self.cuda_graph_step(sampled)
-        compiled = (
-            decode and self.compiled_model is not None and all(r.num_computed for r in sampled)
-        )
-        model = self.compiled_model if compiled else self.model
-        return model(self.prepare_inputs(batch), self.kv_caches)
+        inputs = self.prepare_inputs(batch)
+        if decode and self.compiled_model is not None and all(r.num_computed for r in sampled):
+            return self.compiled_model(inputs, self.kv_caches)
+        return self.run_stage(inputs)
+
+    def run_stage(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """This pipeline stage's part of the step: the hidden states [N, hidden] from the same TP
+        rank of the stage before (none on the first stage: it embeds the tokens), its layers, and
+        on to the same rank of the stage after; the last stage's logits. Each TP rank holds the
+        whole residual stream after its stage's last all-reduce, so rank r of one stage hands
+        rank r of the next its copy: no gather, and every rank of a stage takes the same input.
+        (vLLM's IntermediateTensors carry hidden_states and residual apart, as its layers add the
+        residual in the next layer's fused norm; ours add it at the layer's end, as transformers
+        does: x is their sum already.) send and recv: gloo over TCP on CPU, nccl on GPUs."""
+        hidden = None
+        if self.stage > 0:
+            shape = (len(inputs.input_ids), self.config.hidden_size)
+            hidden = torch.empty(shape, dtype=self.dtype, device=self.device)
+            dist.recv(hidden, src=self.rank - self.group.size)
+        out = self.model(inputs, self.kv_caches, hidden)
+        if self.stage == self.pp - 1:
+            return out
+        dist.send(out, dst=self.rank + self.group.size)
+        return None
 
     def close(self, unlink_collective_block: bool = False) -> None:
         if isinstance(self.group, SharedMemoryGroup):
@@ -958,7 +994,8 @@ class DriverGone(Exception):
 
 def worker_main(
     rank: int,
-    world_size: int,
+    tp: int,
+    pp: int,
     broadcast_handle: QueueHandle,
     response_handle: QueueHandle,
     driver_pid: int,
@@ -977,7 +1014,7 @@ def worker_main(
     # the Executor's broadcast and our response queue
     broadcast = MessageQueue.attach(broadcast_handle, reader=rank)
     response = MessageQueue.attach(response_handle)
-    worker = Worker(rank, world_size)
+    worker = Worker(rank, tp, pp)
 
     def driver_alive() -> None:
         if os.getppid() != driver_pid:  # we were re-parented: the driver is gone
@@ -1002,13 +1039,13 @@ def worker_main(
                 response.enqueue(reply, check=driver_alive)
     except DriverGone:
         # Nobody else will unlink the blocks and doorbells now (which also keeps the dead driver's
-        # resource tracker quiet): rank 0 the shared ones, each rank its reply block.
+        # resource tracker quiet): rank 0 the shared ones, each rank its reply block, each stage's
+        # first rank its collective block.
         broadcast.owner, response.owner = rank == 0, True
         if rank == 0:  # what the driver's exit would do
             unlink_semaphores([*broadcast.handle.doorbells, *response.handle.doorbells])
     finally:
-        # rank 0 owns the shared blocks once the driver is gone
-        worker.close(unlink_collective_block=broadcast.owner)
+        worker.close(unlink_collective_block=response.owner and worker.group.rank == 0)
         broadcast.close()
         response.close()
     # All is released: the interpreter's own exit would collect torch's and the model's objects one
