@@ -3328,6 +3328,170 @@ def test_a_prompt_of_max_model_len_minus_1_and_decodes_at_the_end_of_their_slots
 
 
 # --------------------------------------------------------------------------------------
+# Pipeline parallelism: stages of layers, the hand-off, batches in flight
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.quick
+def test_layers_split_into_stages_as_vllms_get_pp_indices():
+    """Equal parts, the remainder one each to the stages just before the last (vLLM's
+    get_pp_indices, computed here as it does: from the end, partitions[-2], [-3], ...)."""
+
+    def vllm_split(layers: int, pp: int) -> list[int]:
+        sizes = [layers // pp] * pp
+        for i in range(2, layers % pp + 2):
+            sizes[-i] += 1
+        return sizes
+
+    for layers, pp in [(4, 2), (4, 3), (4, 4), (30, 2), (30, 3), (30, 4), (32, 5), (7, 4), (5, 1)]:
+        stages = [model_code.stage_layers(layers, stage, pp) for stage in range(pp)]
+        assert [len(s) for s in stages] == vllm_split(layers, pp)
+        assert [i for s in stages for i in s] == list(range(layers))  # in order, each once
+    assert [list(model_code.stage_layers(4, s, 3)) for s in range(3)] == [[0], [1, 2], [3]]
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    """A 4-layer Llama (GQA 4/2, untied): 2, 3 (uneven: 1, 2, 1) and 4 stages."""
+    path = str(tmp_path_factory.mktemp("four_layers"))
+    return path, make_checkpoint(path, layers=4)
+
+
+def what_a_rank_holds(worker) -> tuple:  # through collective_rpc: a result per rank
+    layers = sorted(
+        {
+            int(s.name.split(".")[2])
+            for p in worker.model.parameters()
+            for s in p.shards
+            if s.name.startswith("model.layers.")
+        }
+    )
+    names = {s.name for p in worker.model.parameters() for s in p.shards}
+    return (
+        worker.stage,
+        worker.group.rank,
+        layers,
+        len(worker.kv_caches),
+        ("model.embed_tokens.weight" in names, "lm_head.weight" in names),
+    )
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (1, 3), (1, 4), (2, 2)])
+def test_pipeline_stages_give_transformers_greedy_tokens(four_layers, tp, pp):
+    """Prompts of 2 to 31 tokens, chunked (16 tokens a step), through pp stages of tp ranks: each
+    rank holds its stage's layers (and KV cache) only, the first stage the embedding, the last the
+    LM head; the tokens are transformers'."""
+    path, hf_model = four_layers
+    with LLM(
+        path,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        device="cpu",
+        max_model_len=64,
+        max_num_batched_tokens=16,
+    ) as llm:
+        held = llm.collective_rpc(what_a_rank_holds)
+        check_greedy_against_hf(llm, hf_model)
+        assert llm.stats()["steps"] > 0 and not llm.scheduler.requests
+    stages = [list(model_code.stage_layers(4, stage, pp)) for stage in range(pp)]
+    assert held == [
+        (stage, tp_rank, stages[stage], len(stages[stage]), (stage == 0, stage == pp - 1))
+        for stage in range(pp)
+        for tp_rank in range(tp)
+    ]  # rank r is stage r // tp's rank r % tp: TP innermost, as vLLM lays ranks out
+
+
+@pytest.mark.parametrize("tied", [True], ids=["tied"])
+def test_a_tied_lm_head_is_read_by_the_last_stage_from_the_embedding(tmp_path, tied):
+    path = str(tmp_path)
+    hf_model = make_checkpoint(path, tied=tied, layers=2)
+    with LLM(path, pipeline_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        check_greedy_against_hf(llm, hf_model, prompts=PROMPTS[:2], max_tokens=8)
+
+
+def test_pipeline_with_many_callers_async_preempting_is_each_callers_solo_run_at_pp_1(
+    four_layers,
+):
+    """8 callers at once, greedy and seeded, async scheduling and prefix caching on, a KV cache
+    that preempts: at pp 2 every output is the one the request gets alone at pp 1 (seeded
+    sampling included: the last stage samples with the request's generator)."""
+    path, _ = four_layers
+    shared = [256] + list(range(40, 72))  # two full blocks every prompt shares: cache hits
+    prompts = [shared + [(13 * i + j) % 256 for j in range(3 + i)] for i in range(8)]
+    params = [
+        SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=40, ignore_eos=True)
+        for i in range(8)
+    ]
+    settings = dict(device="cpu", max_num_seqs=8, max_model_len=96, async_scheduling=True)
+    with LLM(path, **settings) as llm:
+        solo = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    cache = 14 * block_bytes(path) // 2  # 14 blocks of the 2 layers a stage holds
+    with LLM(path, pipeline_parallel_size=2, kv_cache_memory_bytes=cache, **settings) as llm:
+        assert llm.scheduler.kv_cache_manager.num_blocks == 14
+        together = run_in_threads(
+            lambda i: llm.generate([prompts[i]], params[i])[0].outputs[0].token_ids, 8
+        )
+        counts = metrics(llm)
+    assert together == solo
+    assert counts["vllm:num_preemptions"] > 0 and counts["vllm:prefix_cache_hits"] > 0
+
+
+def test_a_stage_killed_mid_generate_is_a_runtime_error_naming_its_rank_and_stage(four_layers):
+    path, _ = four_layers
+    llm = LLM(path, pipeline_parallel_size=2, device="cpu", max_model_len=64)
+    pids = [p.pid for p in llm.executor.workers]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    stream = llm.stream([256, 1, 2, 3], params)
+    next(stream)
+    os.kill(pids[0], signal.SIGKILL)  # the first stage: the last one waits in recv, never answers
+    killed_at = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 0 \(pipeline stage 0\) died"):
+        list(stream)
+    assert time.monotonic() - killed_at < 5
+    assert all(process_gone(pid) for pid in pids) and not shm_entries()
+    llm.shutdown()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"pipeline_parallel_size": 0}, r"pipeline parallel size 0 does not fit .* from 1 to "),
+        ({"pipeline_parallel_size": 1.5}, r"pipeline parallel size 1.5 does not fit"),
+        ({"pipeline_parallel_size": "2"}, r"pipeline parallel size '2' does not fit"),
+        (
+            {"pipeline_parallel_size": 5},
+            r"^pipeline parallel size 5 does not fit this model: it must be an integer from 1 to "
+            r"num_hidden_layers=4 \(each stage holds one layer at least\)$",
+        ),
+        (
+            {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "device": "cuda"},
+            r"^tp=2 x pp=2 needs 4 GPUs and 2 are visible; --device cpu runs it on the CPU$",
+        ),
+        (
+            {
+                "pipeline_parallel_size": 2,
+                "device": "cuda",
+                "cuda_graphs": True,
+                "enforce_eager": False,
+            },
+            r"cuda_graphs must be False, or True on device 'cuda' at pipeline_parallel_size 1; "
+            r"got True on cuda at 2",
+        ),
+    ],
+)
+def test_pipeline_sizes_that_cannot_run_are_refused_before_any_worker_starts(
+    four_layers, arguments, message
+):
+    with (
+        mock.patch.object(torch.cuda, "device_count", return_value=2),
+        mock.patch.object(tinytp, "Executor", side_effect=AssertionError("workers started")),
+    ):
+        with pytest.raises(ValueError, match=message):
+            LLM(four_layers[0], max_model_len=64, **arguments)
+
+
+# --------------------------------------------------------------------------------------
 # vLLM's API: a script written for vllm.LLM runs with tinytp imported instead
 # --------------------------------------------------------------------------------------
 
@@ -6790,11 +6954,14 @@ def test_async_scheduling_drops_the_token_after_an_end_and_counts_it(mha_checkpo
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tp", [1, 3])
-def test_real_llama_greedy_tokens_equal_transformers(smollm2, smollm2_greedy, tp):
+@pytest.mark.parametrize("tp, pp", [(1, 1), (3, 1), (1, 2), (1, 3)])
+def test_real_llama_greedy_tokens_equal_transformers(smollm2, smollm2_greedy, tp, pp):
+    """At tp 1, 3 (its 9 heads refuse 2) and in 2 and 3 pipeline stages (15, 10 layers each)."""
     path, _ = smollm2
     # the engine as users run it: at tp 1 its decode steps compiled (the four prompts', one alone)
-    with LLM(path, tp, device="cpu", max_model_len=512, enforce_eager=False) as llm:
+    with LLM(
+        path, tp, device="cpu", max_model_len=512, enforce_eager=False, pipeline_parallel_size=pp
+    ) as llm:
         tokenizer = llm.tokenizer
         chat = tokenizer.apply_chat_template(
             [{"role": "user", "content": "What is the capital of France?"}],

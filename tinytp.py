@@ -1271,8 +1271,8 @@ class LLM:
         device, dtype = choose_device_and_dtype(config, tp, device, dtype, pp)
         self.max_model_len = max_len = check_max_model_len(config, max_model_len)
         budget = check_max_num_batched_tokens(max_num_batched_tokens, max_num_seqs, tp, device)
-        num_blocks = check_kv_cache(config, tp, pp, device, dtype, cache, max_num_seqs, max_len)
         check_engine_choices(device, cuda_graphs, load_format, async_scheduling, pp)
+        num_blocks = check_kv_cache(config, tp, pp, device, dtype, cache, max_num_seqs, max_len)
         if load_format == "auto":
             check_checkpoint(config, self.model_dir)
         self._make_front_end(tokenizer, generation_config, seed)
