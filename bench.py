@@ -46,13 +46,20 @@ from tqdm import tqdm
 
 import tinytp
 from checkpoints import (
-    check_tensor_parallel_size,
+    check_parallel_sizes,
     checkpoint_shapes,
     config_from_dict,
     read_config,
     resolve_model,
 )
-from model import ModelConfig, TPGroup, init_dummy_weights, vocab_rows_per_rank, weight_bytes
+from model import (
+    ModelConfig,
+    TPGroup,
+    init_dummy_weights,
+    stage_layers,
+    vocab_rows_per_rank,
+    weight_bytes,
+)
 from worker import (
     MessageQueue,
     ModelRunnerOutput,
@@ -236,11 +243,12 @@ class Model:
             with open(os.path.join(self.path, "config.json"), "w") as f:
                 json.dump(DEFAULT_CONFIG, f)
         self.config = read_config(os.path.join(self.path, "config.json"))
-        choice = tinytp.choose_device_and_dtype(self.config, args.tp, args.device, args.dtype)
-        self.device, self.dtype = choice
+        sizes = (args.tp, args.device, args.dtype, args.pp)
+        self.device, self.dtype = tinytp.choose_device_and_dtype(self.config, *sizes)
 
     def __str__(self) -> str:
-        return f"tp={self.args.tp}, {self.device}, {self.dtype}, {self.load_format} weights"
+        stages = f" x pp={self.args.pp}" if self.args.pp > 1 else ""
+        return f"tp={self.args.tp}{stages}, {self.device}, {self.dtype}, {self.load_format} weights"
 
     def prompts(self, count: int, length: int, seed: int = 0) -> list[list[int]]:
         """Prompts of random token ids, as vLLM's benchmarks send: no tokenizer needed."""
@@ -251,16 +259,16 @@ class Model:
         """An LLM of these settings, for max_num_seqs requests at once, `more` of its arguments."""
         engine = {flag: getattr(self.args, flag) for flag in ENGINE_FLAGS}
         engine |= {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
-        engine |= {"load_format": self.load_format, **more}
+        engine |= {"load_format": self.load_format, "pipeline_parallel_size": self.args.pp, **more}
         return tinytp.LLM(self.path, self.args.tp, self.device, self.dtype, **engine)
 
 
 # The instruments: --explain (how a checkpoint is cut), --trace (one step, every process) ------
 
 
-def explain(config: ModelConfig, tp: int, dtype: str) -> str:
+def explain(config: ModelConfig, tp: int, dtype: str, pp: int = 1) -> str:
     """The cut, from the workers' own shapes (no memory): per checkpoint tensor its full shape, a
-    rank's slice and split dimension, then bytes per rank, traffic per step."""
+    rank's slice and split dimension, then each rank's layers and bytes, traffic per step."""
     itemsize = getattr(torch, dtype).itemsize
     padded_vocab = vocab_rows_per_rank(config.vocab_size, tp) * tp
     whole, mine = checkpoint_shapes(config), checkpoint_shapes(config, TPGroup(0, tp))
@@ -276,12 +284,22 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
             how += f", vocab padded to {padded_vocab}" if padded else ", KV heads replicated"
         lines.append(f"{name:<48}{str(full_shape):>14}{str(mine[name]):>14}  {how}")
     lines.append("")
-    for rank in range(tp):
-        held = weight_bytes(config, TPGroup(rank, tp), dtype)
+    for rank in range(tp * pp):
+        stage = rank // tp
+        held = weight_bytes(config, TPGroup(rank % tp, tp), dtype, stage, pp)
+        layers = stage_layers(config.num_layers, stage, pp)
+        ends = ["the embedding"] * (stage == 0) + ["the norm and LM head"] * (stage == pp - 1)
+        what = f"layers {layers[0]}-{layers[-1]}" + "".join(f", {end}" for end in ends)
         lines.append(
-            f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})"
+            f"rank {rank}{f' (stage {stage})' if pp > 1 else ''}: {what}; "
+            f"{held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})"
         )
     hidden, vocab = config.hidden_size * itemsize, padded_vocab * itemsize
+    if pp > 1:  # the residual stream, rank r of a stage to rank r of the next
+        lines.append(
+            f"\npipeline: {pp - 1} hand-offs a step, each rank to its peer in the next stage: "
+            f"{hidden:,} bytes per token (the hidden states, the residual added in)"
+        )
     reduces = f"  {2 * config.num_layers + 1} all-reduces of {hidden:,} bytes (2 per layer, after "
     reduces += "o_proj and down_proj, and 1 after the embedding)"
     gather = f"  1 all-gather of the logits: {vocab // tp:,} bytes from each rank, {vocab:,} in all"
@@ -291,9 +309,9 @@ def explain(config: ModelConfig, tp: int, dtype: str) -> str:
 
 def run_explain(args) -> dict:
     config = settings_config(args)
-    check_tensor_parallel_size(config, args.tp)
-    _, dtype = tinytp.choose_device_and_dtype(config, args.tp, args.device, args.dtype)
-    text = explain(config, args.tp, dtype)
+    check_parallel_sizes(config, args.tp, args.pp)
+    _, dtype = tinytp.choose_device_and_dtype(config, args.tp, args.device, args.dtype, args.pp)
+    text = explain(config, args.tp, dtype, args.pp)
     print(text)
     return {"explain": text.splitlines()}
 
@@ -326,13 +344,17 @@ def start_trace(worker: Worker) -> None:  # run in the workers, through collecti
     for name in TRACED_COLLECTIVES:  # instance attributes shadow the methods
         setattr(worker.group, name, timed(name, getattr(worker.group, name)))
     worker.enqueue, MessageQueue.enqueue = MessageQueue.enqueue, replied
+    # pipeline parallelism's hand-off (Worker.run_stage): a stage's wait for the one before shows
+    worker.send, worker.recv = dist.send, dist.recv
+    dist.send = timed("sent its hidden states on", dist.send)
+    dist.recv = timed("received the hidden states", dist.recv)
 
 
 def stop_trace(worker: Worker) -> list[tuple]:  # run in the workers, through collective_rpc
     for name in TRACED_COLLECTIVES:
         delattr(worker.group, name)
     del worker.execute_model
-    MessageQueue.enqueue = worker.enqueue
+    MessageQueue.enqueue, dist.send, dist.recv = worker.enqueue, worker.send, worker.recv
     return worker.trace
 
 
@@ -478,10 +500,11 @@ class EngineBackend:
         self.llm = model.llm(len(prompts), max_model_len, distributed_executor_backend=executor)
         n, k = args.output_len, args.logprobs
         self.params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=n, logprobs=k)
-        self.parameter_bytes = max(self.llm.collective_rpc(parameter_bytes))
+        self.parameter_bytes = self.llm.collective_rpc(parameter_bytes)  # a rank's each
         compiled = all(self.llm.collective_rpc(steps_compiled))
         self.mode = "CUDA graphs" if args.cuda_graphs else "compiled" if compiled else "eager"
-        ranks, threads = (1, CORES) if inprocess else (args.tp, tinytp.threads_per_rank(args.tp))
+        world = args.tp * args.pp
+        ranks, threads = (1, CORES) if inprocess else (world, tinytp.threads_per_rank(world))
         self.threads = f"{ranks} process(es) x {threads} torch threads"
 
     def generate(self) -> list[int]:
@@ -521,7 +544,7 @@ class HFBackend:
         self.inputs |= {"generation_config": generation, "use_cache": True}
         self.starts, self.steps = [], []
         self.model.register_forward_pre_hook(lambda *_: self.starts.append(time.perf_counter()))
-        self.parameter_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.parameter_bytes = [sum(p.numel() * p.element_size() for p in self.model.parameters())]
         self.threads, self.mode = f"1 process x {CORES} torch threads", "eager"
 
     def generate(self) -> list[int]:
@@ -594,15 +617,16 @@ def run_latency(args) -> dict:
                 raise RuntimeError(f"generated {set(lengths)} tokens, not {args.output_len}")
     finally:
         backend.close()
-    # A decode step reads all the weights a rank holds but the embedding table, of which it reads
-    # one row per sequence (unless the LM head is the table, tied); the ranks on a CPU share one
-    # memory, each GPU has its own.
+    # A decode step reads all the weights the ranks hold but the embedding table, of which it reads
+    # one row per sequence (unless the LM head is the table, tied, on the same rank); the ranks on
+    # a CPU share one memory (all ranks' bytes), each GPU has its own (the fullest rank's).
     config, itemsize = model.config, getattr(torch, model.dtype).itemsize
     table = vocab_rows_per_rank(config.vocab_size, args.tp) * config.hidden_size * itemsize
-    read = backend.parameter_bytes - (0 if config.tie_word_embeddings else table)
-    weight_bytes = read * (args.tp if model.device == "cpu" else 1)
+    held, cpu = backend.parameter_bytes, model.device == "cpu"
+    unread = 0 if config.tie_word_embeddings and args.pp == 1 else table * (args.tp if cpu else 1)
+    weight_bytes = (sum(held) if cpu else max(held)) - unread
     result = report(latencies, backend.steps, weight_bytes, model.device)
-    settings = {"backend": args.backend, "tp": args.tp, "device": model.device}
+    settings = {"backend": args.backend, "tp": args.tp, "pp": args.pp, "device": model.device}
     settings |= {"dtype": model.dtype, "mode": backend.mode, "batch_size": args.batch_size}
     return {**settings, "async_scheduling": args.async_scheduling, **result}
 
@@ -681,7 +705,7 @@ def run_compare(argv: list[str], args) -> dict:
     variants = {"as given": settings}
     variants |= {flags.strip(): settings + shlex.split(flags) for flags in args.compare.split("|")}
     for variant in map(parse_args, variants.values()):  # each checked now, not after others ran
-        check_tensor_parallel_size(settings_config(variant), variant.tp)
+        check_parallel_sizes(settings_config(variant), variant.tp, variant.pp)
     rounds = {name: [] for name in variants}
     with tempfile.TemporaryDirectory(prefix="tinytp-compare-") as tmp:
         path = os.path.join(tmp, "result.json")
@@ -916,6 +940,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--model", help="checkpoint directory or hub id (default: a ~56M Llama, random weights)")
     add("--config", help="a config.json to run with random weights (--model's: its shapes)")
     add("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    add("--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
     add("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
     dtypes = ["auto", "float32", "bfloat16", "float16"]
     add("--dtype", choices=dtypes, default="auto", help="auto: the checkpoint's, as the CPU can")
@@ -963,8 +988,8 @@ def check_args(error, args: argparse.Namespace) -> None:
     for flag in ("cuda_graphs", "async_scheduling", "logprobs"):  # (transformers' steps: eager)
         if vars(args)[flag] not in (None, False) and args.backend == "hf":
             error(f"--{flag.replace('_', '-')} is tinytp's: --backend hf runs transformers'")
-    if args.backend != "tinytp" and (given or args.concurrency or args.tp != 1):
-        error(f"--backend {args.backend} runs the latency benchmark, at --tp 1")
+    if args.backend != "tinytp" and (given or args.concurrency or args.tp != 1 or args.pp != 1):
+        error(f"--backend {args.backend} runs the latency benchmark, at --tp 1 --pp 1")
     if args.serve and not (args.model and args.concurrency):
         error("--serve needs --model (one with a tokenizer) and --concurrency N (the clients)")
     if args.vllm_python and not args.serve:
