@@ -919,10 +919,9 @@ class Worker:
             self.requests[request_id].block_ids += block_ids
         for request_id, token_ids in scheduler_output.new_token_ids.items():  # pp > 1
             request = self.requests[request_id]
-            start = max(request.num_computed, request.num_prompt_tokens)
-            request.token_ids[start : start + len(token_ids)] = (
-                token_ids  # (the last stage's: same)
-            )
+            # (on the last stage, which sampled them: the same tokens again)
+            first = max(request.num_computed, request.num_prompt_tokens)
+            request.token_ids[first : first + len(token_ids)] = token_ids
         counts = dict(zip(scheduler_output.scheduled_ids, scheduler_output.num_scheduled_tokens))
         # one-token rows first, the rest in order
         ids = sorted(counts, key=lambda request_id: counts[request_id] > 1)
