@@ -1204,11 +1204,13 @@ def check_memory(
 
 
 def check_engine_choices(device: str, cuda_graphs, load_format: str, async_scheduling, pp) -> None:
-    # graphs of CUDA kernels, of a whole model's step
-    if type(cuda_graphs) is not bool or cuda_graphs and (device != "cuda" or pp > 1):
+    if type(cuda_graphs) is not bool or cuda_graphs and device != "cuda":  # graphs of CUDA kernels
         raise ValueError(
-            f"cuda_graphs must be False, or True on device 'cuda' at pipeline_parallel_size 1; got "
-            f"{cuda_graphs!r} on {device}" + (f" at {pp}" if pp > 1 else "")
+            f"cuda_graphs must be False, or True on device 'cuda'; got {cuda_graphs!r} on {device}"
+        )
+    if cuda_graphs and pp > 1:  # a graph replays a whole model's step, not a stage's and its recv
+        raise ValueError(
+            f"cuda_graphs runs one pipeline stage only; got pipeline_parallel_size={pp}"
         )
     if load_format not in ("auto", "dummy"):
         raise ValueError(
