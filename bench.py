@@ -287,13 +287,14 @@ def explain(config: ModelConfig, tp: int, dtype: str, pp: int = 1) -> str:
     for rank in range(tp * pp):
         stage = rank // tp
         held = weight_bytes(config, TPGroup(rank % tp, tp), dtype, stage, pp)
-        layers = stage_layers(config.num_layers, stage, pp)
-        ends = ["the embedding"] * (stage == 0) + ["the norm and LM head"] * (stage == pp - 1)
-        what = f"layers {layers[0]}-{layers[-1]}" + "".join(f", {end}" for end in ends)
-        lines.append(
-            f"rank {rank}{f' (stage {stage})' if pp > 1 else ''}: {what}; "
-            f"{held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})"
-        )
+        line = f"rank {rank} holds {held:,} bytes of weights ({held / 2**20:,.1f} MiB, {dtype})"
+        if pp > 1:
+            layers = stage_layers(config.num_layers, stage, pp)
+            ends = [", the embedding"] * (stage == 0) + [", the norm, the LM head"] * (
+                stage == pp - 1
+            )
+            line += f": stage {stage}, layers {layers[0]}-{layers[-1]}{''.join(ends)}"
+        lines.append(line)
     hidden, vocab = config.hidden_size * itemsize, padded_vocab * itemsize
     if pp > 1:  # the residual stream, rank r of a stage to rank r of the next
         lines.append(

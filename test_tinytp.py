@@ -3452,6 +3452,52 @@ def test_a_stage_killed_mid_generate_is_a_runtime_error_naming_its_rank_and_stag
     llm.shutdown()
 
 
+def test_explain_and_trace_walk_through_the_stages(four_layers):
+    """--explain at pp 2: each rank's stage, layers and bytes (those the workers hold) and the
+    hand-off's; --trace: stage 0 sends the decode step's hidden states, stage 1 receives them
+    and alone replies."""
+    import bench
+
+    path, _ = four_layers
+    config = read_config(os.path.join(path, "config.json"))
+    text = bench.explain(config, 2, "float32", pp=2)
+    assert re.findall(r"rank (\d) holds [\d,]+ bytes .*: stage (\d), layers (\d-\d)", text) == [
+        ("0", "0", "0-1"),
+        ("1", "0", "0-1"),
+        ("2", "1", "2-3"),
+        ("3", "1", "2-3"),
+    ]
+    assert "pipeline: 1 hand-offs a step" in text and "256 bytes per token" in text
+    with LLM(path, pipeline_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        tp1 = bench.explain(config, 1, "float32", pp=2)
+        printed = re.findall(r"rank \d holds ([\d,]+) bytes", tp1)
+        assert llm.collective_rpc(bench.parameter_bytes) == [
+            int(n.replace(",", "")) for n in printed
+        ]
+        lines = bench.trace_decode_step(llm, PROMPTS).splitlines()[1:]
+    # 5 sequences of hidden 64 in float32: 1,280 bytes from stage 0 to stage 1
+    assert sum(
+        "rank 0  sent its hidden states on" in line and "1,280 bytes" in line for line in lines
+    )
+    assert sum("rank 1  received the hidden states" in line for line in lines) == 1
+    assert sum("replied" in line for line in lines) == 1 and "rank 1  replied" in "\n".join(lines)
+
+
+def test_the_server_serves_pipeline_stages(openai, tmp_path, tiny_llm):
+    served = Served(tmp_path, "-pp", "2")
+    try:
+        done = served.client(openai).completions.create(
+            model="tiny-llama", prompt="Hello, my name is", max_tokens=12, temperature=0
+        )
+        expected = tiny_llm.generate(
+            "Hello, my name is", SamplingParams(temperature=0, max_tokens=12)
+        )
+        assert done.choices[0].text == expected[0].outputs[0].text
+        assert len(served.workers) == 2
+    finally:
+        assert served.stop() == 0
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize(
     "arguments, message",
