@@ -3436,6 +3436,40 @@ def test_pipeline_with_many_callers_async_preempting_is_each_callers_solo_run_at
     assert counts["vllm:num_preemptions"] > 0 and counts["vllm:prefix_cache_hits"] > 0
 
 
+def test_pipeline_logprobs_penalties_n_stop_strings_and_abort_equal_pp_1(four_layers):
+    """What a request asks rides through the stages unchanged: logprobs and prompt logprobs (the
+    last stage's), penalties (its copy of the sampled tokens), n > 1, a stop string (the front
+    end's abort); a stream left part-way aborts, and the engine goes on."""
+    path, _ = four_layers
+    prompt = {"prompt_token_ids": [256, 72, 101, 108, 108, 111, 32, 119]}
+    asks = [
+        SamplingParams(temperature=0, max_tokens=16, logprobs=3, prompt_logprobs=2),
+        SamplingParams(temperature=0.9, seed=3, n=3, max_tokens=16, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=24, presence_penalty=0.5, stop=["l"]),
+    ]
+
+    def outputs(llm):  # and the log-probabilities apart: one thread a rank at pp 2, two at pp 1
+        done = [llm.generate(prompt, params)[0] for params in asks]
+        positions = [p for o in done for c in o.outputs for p in c.logprobs or []]
+        positions += [p for o in done for p in o.prompt_logprobs or [] if p]
+        exact = [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in done]
+        ranks = [{i: lp.rank for i, lp in p.items()} for p in positions]
+        return exact, ranks, [lp.logprob for p in positions for lp in p.values()]
+
+    def assert_equal(pp_2, pp_1):
+        assert pp_2[:2] == pp_1[:2] and pp_2[2] == pytest.approx(pp_1[2], abs=1e-5)
+
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        expected = outputs(llm)
+    with LLM(path, pipeline_parallel_size=2, device="cpu", max_model_len=64) as llm:
+        assert_equal(outputs(llm), expected)
+        stream = llm.stream(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        next(stream)
+        stream.close()  # the caller leaves: its request is aborted
+        assert wait_for(lambda: not llm.scheduler.requests, 10)
+        assert_equal(outputs(llm), expected)
+
+
 def test_a_stage_killed_mid_generate_is_a_runtime_error_naming_its_rank_and_stage(four_layers):
     path, _ = four_layers
     llm = LLM(path, pipeline_parallel_size=2, device="cpu", max_model_len=64)
