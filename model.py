@@ -22,7 +22,7 @@ class TPGroup:
 
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
-        # the ranks of this pipeline stage (torch.distributed's group; None: all, pp = 1)
+        # torch.distributed's group of the ranks of this pipeline stage (Worker.init_device's)
         self.process_group: dist.ProcessGroup | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> None:

@@ -308,7 +308,7 @@ class Scheduler:
         """Pipeline parallelism: each request's sampled tokens among those it computes this step
         (its last sampled one when it decodes; after a preemption, those its chunk recomputes), for
         the stages before the last, which never sampled them. (At pp = 1 every rank samples, and
-        a step carries deltas only: never the last token.) A token or so a request a step."""
+        a step carries deltas only: never the last token.) The cost: an id a decoding request."""
         if self.pipeline_parallel_size == 1:
             return {}
         told = {}

@@ -692,7 +692,7 @@ class Worker:
         dtype: str,
         store_port: int,
         num_threads: int,
-        collective_blocks: list[str] = (),
+        collective_blocks: list[str] | None = None,
     ) -> None:
         """Pick the device and join the process group through the driver's TCP store. "cuda" puts
         rank r on GPU r, over nccl; "cuda:N" puts every rank on GPU N (tp > 1 on one GPU, for
@@ -934,7 +934,8 @@ class Worker:
             logits = self.run_model(batch, list(sampling.values()), decode_only)
         # .tolist() waits for the GPU. Stages before the last have no logits: they sample nothing.
         scheduled = list(sampling.values())
-        tokens = {} if logits is None else dict(zip(sampling, self.sample(logits, scheduled)))
+        sampled = None if logits is None else self.sample(logits[: len(scheduled)], scheduled)
+        tokens = {} if sampled is None else dict(zip(sampling, sampled))
         # the last stage's rank 0 alone answers, so it alone computes what was asked
         answers = logits is not None and self.group.rank == 0
         logprobs = step_logprobs(logits, ids, batch, tokens) if answers else ({}, {})
