@@ -824,6 +824,7 @@ def server_commands(args, model_dir: str) -> dict[str, tuple[list[str], dict]]:
     """serve.py, and with --vllm-python vLLM's CPU build's OpenAI server on the same checkpoint and
     settings, once for each --vllm-bind: name -> (command, its environment)."""
     settings = ["--model", model_dir, "--dtype", args.dtype, "--tensor-parallel-size", str(args.tp)]
+    settings += ["--pipeline-parallel-size", str(args.pp)]
     settings += ["--max-num-seqs", str(args.concurrency)]
     settings += ["--max-model-len", str(args.input_len + args.output_len)]
     settings += ["--enforce-eager"] * args.enforce_eager  # vLLM's too: no torch.compile
@@ -835,7 +836,7 @@ def server_commands(args, model_dir: str) -> dict[str, tuple[list[str], dict]]:
     # keeps a core for its front end (on 2 cores, its worker gets one thread); a user tuning it on a
     # small machine gives its worker every core: VLLM_CPU_OMP_THREADS_BIND, '|' between the ranks.
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cores = np.array_split(sorted(os.sched_getaffinity(0)), args.tp)
+    cores = np.array_split(sorted(os.sched_getaffinity(0)), args.tp * args.pp)
     every_core = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, c)) for c in cores)}
     for bind in args.vllm_bind if args.vllm_python else []:
         commands[f"vLLM ({bind})"] = (vllm, env | every_core if bind == "all" else env)
@@ -910,7 +911,8 @@ def run_serve(args) -> dict:
             at_once = rounds[name][-1]["concurrent"]["output_throughput"]
             print(f"{name}: {at_once:.1f} tok/s at once", flush=True)
     load = f"load {os.getloadavg()[0]:.1f} (of {os.cpu_count()} cores)"
-    print(f"\nserve.py, tp={args.tp}, {args.dtype}, {args.concurrency} HTTP clients; {load}")
+    sizes = f"tp={args.tp}" + (f" x pp={args.pp}" if args.pp > 1 else "")
+    print(f"\nserve.py, {sizes}, {args.dtype}, {args.concurrency} HTTP clients; {load}")
     pairs = {f"tinytp / {name}": (rounds["tinytp"], rounds[name]) for name in list(rounds)[1:]}
     table = {"medians": medians(rounds), "ratios": ratios(pairs)}
     print_table(table["medians"], f"medians of {len(rounds['tinytp'])} round(s)")

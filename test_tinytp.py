@@ -4736,6 +4736,10 @@ def test_bench_serve_runs_vllm_at_its_default_binding_and_on_every_core():
     cores, half = sorted(os.sched_getaffinity(0)), -(-len(os.sched_getaffinity(0)) // 2)
     halves = [",".join(map(str, cores[:half])), ",".join(map(str, cores[half:]))]
     assert tp2["vLLM (all)"][1]["VLLM_CPU_OMP_THREADS_BIND"].split("|") == halves
+    pp2 = bench.server_commands(bench.parse_args([*common, "-pp", "2", "--vllm-bind", "all"]), "M")
+    for command, env in pp2.values():  # both servers in 2 stages, a rank on each half
+        assert "--pipeline-parallel-size 2" in " ".join(command)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"].split("|") == halves
     assert bench.server_commands(bench.parse_args(common[:5]), "M").keys() == {"tinytp"}
 
 
