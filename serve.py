@@ -284,6 +284,15 @@ class Handler(BaseHTTPRequestHandler):
         data = self.rfile.read(int(length))
         if len(data) < int(length):
             raise APIError(400, f"the body ended after {len(data)} of its {length} bytes")
+        # A page of any site may post text/plain, a form or (a Blob) no type without a preflight:
+        # JSON's alone is read, as by FastAPI's strict_content_type (vLLM's server). Read first:
+        # a connection closed on an unread body resets, and the answer may be lost with it.
+        kind = self.headers.get("Content-Type", "")
+        if not re.fullmatch(r"application/(\S*\+)?json", kind.split(";")[0].strip().lower()):
+            why = (
+                f"Content-Type {kind or 'missing'}: a body is read as JSON only (application/json)"
+            )
+            raise APIError(415, why)
         try:  # a lone surrogate ("\ud800") is valid JSON, but no text that a tokenizer can take
             body = json.loads(data)
             json.dumps(body, ensure_ascii=False).encode()

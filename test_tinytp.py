@@ -5386,7 +5386,9 @@ class Served:
         import http.client
 
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        connection.request(method, path, body, headers or {})
+        connection.request(
+            method, path, body, {"Content-Type": "application/json", **(headers or {})}
+        )
         response = connection.getresponse()
         return response.status, response.headers, response.read().decode()
 
@@ -5792,8 +5794,16 @@ def raw_http(port: int, data: bytes, shut_write: bool = False) -> tuple[str, dic
 
 
 def post(path: str, body: bytes, *headers: str) -> bytes:
-    head = "".join(f"{header}\r\n" for header in ("Host: localhost", *headers))
+    json_type = "Content-Type: application/json"  # a JSON body says so, or is refused (415)
+    head = "".join(f"{header}\r\n" for header in ("Host: localhost", json_type, *headers))
     return f"POST {path} HTTP/1.1\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def served_metrics(server) -> dict[str, float]:
+    """GET /metrics' samples, by name."""
+    text = raw_http(server.port, b"GET /metrics HTTP/1.1\r\n\r\n")[2]
+    samples = re.findall(r"^(vllm:\w+)\{model_name=\"[^\"]+\"\} (\S+)$", text, re.MULTILINE)
+    return {name: float(value) for name, value in samples}
 
 
 def sse_chunks(body: str) -> list[dict]:
@@ -5875,6 +5885,39 @@ def test_server_red_team_inputs_each_get_openais_json_and_their_status(openai, t
     with pytest.raises(openai.NotFoundError, match="no route /v1/nothing"):
         client.post("/nothing", cast_to=object, body={})
     assert "Traceback" not in tiny_server.log()
+
+
+def test_server_reads_a_body_only_as_json_so_no_page_posts_without_a_preflight(tiny_server):
+    """A cross-origin page may POST text/plain, a form, multipart or (fetch with a Blob) no
+    Content-Type at all without a CORS preflight: each is refused (415) before anything runs, as
+    FastAPI's strict_content_type (vLLM's server) does; JSON's, with parameters, is read."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    no_type = f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}"
+    before = served_metrics(tiny_server)
+    for kind in (
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonx",
+        None,
+    ):
+        header = f"\r\nContent-Type: {kind}" if kind else ""
+        line, headers, answer = raw_http(
+            tiny_server.port, f"{no_type}{header}\r\n\r\n".encode() + body
+        )
+        error = json.loads(answer)["error"]
+        assert line.startswith("HTTP/1.0 415") and "application/json" in error["message"], kind
+        assert (
+            error["type"] == "invalid_request_error"
+            and headers["content-type"] == "application/json"
+        )
+    after = served_metrics(tiny_server)  # nothing looked up in the cache: nothing ran
+    assert after["vllm:prefix_cache_queries_total"] == before["vllm:prefix_cache_queries_total"]
+    for kind in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+        header = f"\r\nContent-Type: {kind}"
+        line = raw_http(tiny_server.port, f"{no_type}{header}\r\n\r\n".encode() + body)[0]
+        assert line.startswith("HTTP/1.0 200"), kind
 
 
 def test_server_cors_allows_this_machines_pages_only_and_refuses_foreign_host_names(tiny_server):
