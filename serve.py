@@ -305,9 +305,13 @@ class Handler(BaseHTTPRequestHandler):
             if fault := field_fault(name, value, honoured):
                 raise APIError(400, fault, name)
         if isinstance(bias := body.get("logit_bias"), dict):  # OpenAI's: token ids as strings
-            if not all(key.isascii() and key.isdigit() for key in bias):
-                raise APIError(400, f"logit_bias's keys are token ids: {bias!s:.60}", "logit_bias")
-            body["logit_bias"] = {int(key): value for key, value in bias.items()}
+            try:  # (int() refuses past 4,300 digits: ValueError, as any other key that is no id)
+                if not all(key.isascii() and key.isdigit() for key in bias):
+                    raise ValueError
+                body["logit_bias"] = {int(key): value for key, value in bias.items()}
+            except ValueError:
+                why = f"logit_bias's keys are token ids: {bias!s:.60}"
+                raise APIError(400, why, "logit_bias") from None
         options = {k: v for k, v in body.get("stream_options", {}).items() if v is not None}
         flags = options.keys() <= STREAM_OPTIONS and all(type(v) is bool for v in options.values())
         if options and not (flags and body.get("stream")):

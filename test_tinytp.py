@@ -5854,6 +5854,13 @@ def test_server_red_team_inputs_each_get_openais_json_and_their_status(openai, t
             "Content-Length",
         ),
         ("no length", b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n\r\n", 0, 411, "POST"),
+        (
+            "a logit_bias key of 5,000 digits (past Python's int-string limit)",
+            post("/v1/completions", b'{"prompt": "Hi", "logit_bias": {"' + b"9" * 5000 + b'": 1}}'),
+            0,
+            400,
+            "logit_bias's keys are token ids",
+        ),
         ("a wrong method", b"FOO /v1/completions HTTP/1.1\r\n\r\n", 0, 405, "takes POST, not FOO"),
         ("GET for a POST", b"GET /v1/chat/completions HTTP/1.1\r\n\r\n", 0, 405, "takes POST"),
         ("101 headers", f"GET /health HTTP/1.1\r\n{header_lines}\r\n".encode(), 0, 431, "headers"),
