@@ -52,6 +52,8 @@ TYPE_WORDS = {str: "a string", dict: "an object", bool: "true or false"}
 # (SamplingParams' own; the endpoints set max_tokens, logprobs and prompt_logprobs themselves)
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"max_tokens", "prompt_logprobs"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "user", *SAMPLING_FIELDS}
+COMMON_FIELDS |= {"cache_salt"}  # vLLM's: put in each prompt's dict, which the engine checks
+PROMPT_KEYS = {str: "prompt", list: "prompt_token_ids"}  # a prompt's key in a prompt dict
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "add_generation_prompt"}
 CHAT_FIELDS |= {"top_logprobs"}
@@ -438,6 +440,9 @@ class Handler(BaseHTTPRequestHandler):
                 context = f"this model's context is {limit} tokens and a prompt has {longest}"
                 give = f"give at most {limit - longest}"
                 raise ValueError(f"max_tokens={max_tokens} is too large: {context}; {give}")
+            for i, p in enumerate(prompts if "cache_salt" in body else []):  # vLLM's prompt dict
+                named = p if isinstance(p, dict) else {PROMPT_KEYS[type(p)]: p}
+                prompts[i] = {**named, "cache_salt": body["cache_salt"]}
             outputs = self.server.llm.stream_outputs(prompts, params)
         except ValueError as e:  # SamplingParams names the field first
             name = str(e).split()[0].split("=")[0]

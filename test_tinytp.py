@@ -2189,6 +2189,33 @@ def test_a_prompt_that_shares_a_200_token_prefix_has_192_cached_tokens_and_the_s
     assert no_counts["vllm:prefix_cache_queries"] == no_counts["vllm:prefix_cache_hits"] == 0
 
 
+def test_a_salted_prompt_hits_only_its_own_salts_blocks_as_vllms_cache_salt():
+    """vLLM's cache_salt, mixed into the first block's hash: a prompt's blocks are found again only
+    under the same salt (another salt, or none, misses from its first block on), so one user's
+    timing cannot tell what another sent. A salt must be a non-empty string, as vLLM's."""
+    prompt = [256] + [(5 * i) % 256 for i in range(40)]  # 41 tokens: 2 full blocks of 16
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    with LLM(device="cpu") as llm:
+
+        def cached(salt=None) -> tuple[int, float]:
+            given = {"prompt_token_ids": prompt} | ({"cache_salt": salt} if salt else {})
+            [output] = llm.generate(given, greedy, use_tqdm=False)
+            return output.num_cached_tokens, metrics(llm)["vllm:prefix_cache_hits"]
+
+        assert cached() == (0, 0)
+        assert cached("alice") == (0, 0)  # the unsalted prompt's blocks: not hers
+        assert cached("bob") == (0, 0)
+        assert cached("alice") == (32, 32) and cached("bob") == (32, 64)
+        assert cached() == (32, 96)
+        [text] = llm.generate({"prompt": "a salted text", "cache_salt": "x"}, greedy)
+        assert text.outputs[0].token_ids
+        for salt in ("", 5, None, ["x"]):
+            with pytest.raises(
+                ValueError, match=f"cache_salt must be a non-empty string.*{salt!r}"
+            ):
+                llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, greedy)
+
+
 def test_a_cache_of_4_contiguous_slots_serves_32_short_requests_16_or_more_at_once(mha_checkpoint):
     """The KV cache that 4 slots of max_model_len 256 took (64 blocks of 16, and the null block)
     holds 32 requests of under 16 tokens at once: paged, each holds one block."""
@@ -6237,6 +6264,39 @@ def test_server_reports_cached_prompt_tokens_and_vllms_metrics(tiny_server):
     assert set(samples) == {name + "_total" * (kind == "counter") for name, kind in types.items()}
     assert float(samples["vllm:prefix_cache_hits_total"]) >= 32
     assert float(samples["vllm:prefix_cache_queries_total"]) >= 82
+
+
+def test_server_cache_salt_shares_the_prefix_cache_only_within_a_salt_as_vllm(tiny_server):
+    """vLLM's cache_salt field on completions and chat: a salted prompt's cached tokens come only
+    from the same salt (no page can time what another user sent); a salt that is not a non-empty
+    string is refused (400, param cache_salt), as vLLM's server refuses it."""
+
+    def cached(path: str, salt, **body) -> dict:
+        body |= {"max_tokens": 1} | ({"cache_salt": salt} if salt is not None else {})
+        status, _, text = raw_http(tiny_server.port, post(path, json.dumps(body).encode()))
+        answer = json.loads(text)
+        return (
+            answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if "usage" in answer
+            else answer
+        )
+
+    prompt = "salted: the same 40 bytes, asked again.."  # 41 tokens with BOS: 2 full blocks
+    assert [
+        cached("/v1/completions", salt, prompt=prompt) for salt in (None, "a", "b", "a", None)
+    ] == [
+        0,
+        0,
+        0,
+        32,
+        32,
+    ]
+    messages = [{"role": "user", "content": "a salted chat, long enough for two blocks of 16"}]
+    chats = [cached("/v1/chat/completions", salt, messages=messages) for salt in ("c", "d", "c")]
+    assert chats[:2] == [0, 0] and chats[2] >= 32
+    for salt in ("", 5, ["a"]):
+        error = cached("/v1/completions", salt, prompt=prompt)["error"]
+        assert error["param"] == "cache_salt" and "non-empty string" in error["message"], error
 
 
 # --------------------------------------------------------------------------------------

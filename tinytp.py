@@ -580,6 +580,9 @@ class Processor:
                 f"sampling_params must be SamplingParams or a list of them, got {params!r}"
             )
         text, token_ids = self.tokenize(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if isinstance(prompt, dict) and "cache_salt" in prompt and not (salt and type(salt) is str):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} "
@@ -600,7 +603,7 @@ class Processor:
             random.Random(f"{seed}:{index}").getrandbits(64) for index in range(1, params.n)
         ]
         return [
-            Request(next(self.request_ids), text, token_ids, params, sample_seed)
+            Request(next(self.request_ids), text, token_ids, params, sample_seed, cache_salt=salt)
             for sample_seed in seeds
         ]
 
@@ -608,10 +611,10 @@ class Processor:
         """A prompt's text (None if given as ids) and its token ids, checked."""
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, dict):  # vLLM's {"prompt": ...}, {"prompt_token_ids": ...}, or both
-            text = prompt.get("prompt")
+            text = prompt.get("prompt")  # (and a cache_salt: make_requests')
             if (
                 not prompt
-                or prompt.keys() - {"prompt", "prompt_token_ids"}
+                or prompt.keys() - {"prompt", "prompt_token_ids", "cache_salt"}
                 or not isinstance(text, (str, type(None)))
             ):
                 raise ValueError(
