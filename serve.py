@@ -203,6 +203,8 @@ class Handler(BaseHTTPRequestHandler):
         key = self.headers.get("Authorization", "").removeprefix("Bearer ").encode()
         if len(self.requestline.split()) != 3:
             raise APIError(400, "HTTP/0.9 (a request line without a version): send HTTP/1.x")
+        if len(self.headers.get_all("Host", [])) > 1:  # which one names us? (RFC 9112: a 400)
+            raise APIError(400, f"send one Host header, not {self.headers.get_all('Host')}")
         if not self.server.host_allowed(host):
             raise APIError(421, f"Host {host!r}: not a loopback name (DNS rebinding?); see --host")
         # in constant time, no guessing the key by timing; a CORS preflight carries none

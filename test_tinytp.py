@@ -5899,6 +5899,13 @@ def test_server_red_team_inputs_each_get_openais_json_and_their_status(openai, t
             "Line too long",
         ),
         ("a 65,537-byte line", b"GET /" + b"y" * 65_532, 1, 414, "request line is longer"),
+        (
+            "two Host headers (RFC 9112: a 400; the first one alone was checked)",
+            b"GET /health HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n\r\n",
+            0,
+            400,
+            "one Host header",
+        ),
         ("HTTP/0.9", b"GET /health\r\n\r\n", 0, 400, "HTTP/0.9"),
         ("no request line", b"GARBAGE\r\n\r\n", 0, 400, "Bad request syntax"),
         ("HTTP/2.0", b"GET /health HTTP/2.0\r\n\r\n", 0, 505, "Invalid HTTP version"),
