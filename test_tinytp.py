@@ -6147,7 +6147,7 @@ def test_server_sigterm_with_idle_and_trickling_connections_exits_0_within_10_s(
         connection.close()
 
 
-def test_server_a_plain_client_that_leaves_frees_its_slot_and_health_answers_during_a_step(
+def test_server_a_plain_client_that_leaves_frees_its_slot_and_health_and_metrics_answer_in_a_step(
     openai, tmp_path
 ):
     served = Served(tmp_path, "--max-num-seqs", "1")
@@ -6173,8 +6173,8 @@ def test_server_a_plain_client_that_leaves_frees_its_slot_and_health_answers_dur
         # (1,065 on a quiet one): fewer than the one abandoned request's 2,000 says it was noticed.
         assert int(re.findall(r"engine: (\d+) steps so far", served.log())[-1]) < 2000
         assert "the client went away" in served.log()
-        # /health while a step cannot end (the worker stopped): answered from the engine's
-        # state, not queued behind the step; quiet: 10 ms
+        # /health and /metrics while a step cannot end (the worker stopped): answered from the
+        # engine's state, not queued behind the step; quiet: 10 ms
         stream = client.completions.create(
             model="tiny-llama",
             prompt="Hi",
@@ -6184,13 +6184,16 @@ def test_server_a_plain_client_that_leaves_frees_its_slot_and_health_answers_dur
         )
         next(stream)
         os.kill(served.workers[0], signal.SIGSTOP)
+        answers = {}
         try:
-            start = time.monotonic()
-            line = raw_http(served.port, b"GET /health HTTP/1.1\r\n\r\n")[0]
-            took = time.monotonic() - start
+            for path in ("/health", "/metrics"):
+                start = time.monotonic()
+                line = raw_http(served.port, f"GET {path} HTTP/1.1\r\n\r\n".encode())[0]
+                answers[path] = line, time.monotonic() - start
         finally:
             os.kill(served.workers[0], signal.SIGCONT)  # before tinytp.STOPPED_GRACE (5 s)
-        assert line.startswith("HTTP/1.0 200") and took < 1, (line, took)
+        for path, (line, took) in answers.items():
+            assert line.startswith("HTTP/1.0 200") and took < 1, (path, line, took)
         stream.close()
     finally:
         assert served.stop() == 0

@@ -1373,8 +1373,10 @@ class LLM:
         return {**self.engine.stats, "dropped_tokens": self.scheduler.num_dropped_tokens}
 
     def get_metrics(self) -> list[Metric]:
-        """vLLM's get_metrics() (Scheduler.make_metrics): counters since start, gauges now."""
-        return self.engine_client.call(self.scheduler.make_metrics)
+        """vLLM's get_metrics() (Scheduler.make_metrics): counters since start, gauges now. Read in
+        the caller's thread, not queued behind the running step (a long prefill: seconds), as
+        vLLM's are read from its front end: each value is one number or length, read whole."""
+        return self.scheduler.make_metrics()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's): False, and nothing forgotten, while requests run."""
