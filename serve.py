@@ -609,6 +609,10 @@ class Server(ThreadingHTTPServer):
         slow = APIError(408, f"the request was not all in within {READ_TIMEOUT:g} s")
         while not self.stopping.wait(POLL_SECONDS):
             self.cut_readers(slow)
+        # more signals change nothing, up to the exit: ignored, not left to our handler, which
+        # the interpreter's exit resets to the default (a late Ctrl-C would end us by SIGINT)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         self.shutdown()  # no more connections
         self.cut_readers(APIError(503, "the server is shutting down"), everyone=True)
         # the requests in flight end: each gets the engine's RuntimeError, and answers a 503

@@ -6147,6 +6147,22 @@ def test_server_sigterm_with_idle_and_trickling_connections_exits_0_within_10_s(
         connection.close()
 
 
+def test_server_a_storm_of_signals_at_shutdown_still_exits_0(tmp_path):
+    """Ctrl-C pressed again and again, SIGTERM from a supervisor beside it, all through the stop:
+    the first one stops the server, the others change nothing; it exits 0, not by a signal."""
+    served = Served(tmp_path)
+    try:
+        sent = 0
+        while served.process.poll() is None and sent < 2000:  # a signal each ms until it exits
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(served.process.pid, (signal.SIGINT, signal.SIGTERM)[sent % 2])
+            sent += 1
+            time.sleep(0.001)
+        assert served.process.wait(timeout=60) == 0, (sent, served.log()[-2000:])
+    finally:
+        assert served.stop() == 0
+
+
 def test_server_a_plain_client_that_leaves_frees_its_slot_and_health_and_metrics_answer_in_a_step(
     openai, tmp_path
 ):
