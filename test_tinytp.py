@@ -4236,6 +4236,36 @@ def test_stop_strings_found_in_new_text_match_a_search_of_the_whole_text():
     assert cases > 200
 
 
+@pytest.mark.quick
+def test_the_front_ends_cost_a_token_is_flat_over_a_long_output_with_stop_strings_and_logprobs():
+    """RequestState, a token at a time over 20,000 tokens with stop strings and logprobs: the CPU a
+    token takes late in the output is that of early on (a copy of the whole output a token, its
+    tokens, logprobs or text, made it grow: 3.7x from tokens 1,000-3,000 to 17,000-19,000, with
+    SmolLM2's tokenizer). Quiet: 1.0x; the bound leaves room for a loaded machine's noise."""
+    decode, n, rng = TwoLetterTokenizer().decode, 20_000, random.Random(0)
+    tokens = [rng.randrange(26 * 3) for _ in range(n)]
+    entries = [([t, 999], [-rng.random(), -2.0], 1) for t in tokens]  # (logprobs_of's shape)
+    params = SamplingParams(stop=["never in it", "zzzz"], max_tokens=n, logprobs=1)
+    ratios = []
+    for _ in range(3):  # the least noisy of three
+        request = Request(0, None, [1], params, 0)
+        state, times = tinytp.RequestState(request, 0, decode, str), []
+        for end, (token, entry) in enumerate(zip(tokens, entries), start=1):
+            request.output_token_ids.append(token)
+            request.logprobs.append(entry)
+            times.append(time.thread_time())
+            state.update(end, finished=end == n)
+        early, late = times[3000] - times[1000], times[19_000] - times[17_000]
+        ratios.append(late / early)
+    completion = state.completion
+    assert completion.text == decode(tokens) and completion.token_ids == tokens
+    assert [e[tokens[i]].logprob for i, e in enumerate(completion.logprobs)] == [
+        e[1][0] for e in entries
+    ]
+    assert completion.cumulative_logprob == sum(e[1][0] for e in entries)  # the same sum, exactly
+    assert min(ratios) < 1.5, ratios
+
+
 def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint):
     path, _ = mha_checkpoint
     # bytes: broken UTF-8 too

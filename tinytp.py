@@ -799,11 +799,15 @@ class IncrementalText:
         )
         new = window[len(before) :]
         if self.stop and end > self.min_tokens:  # vLLM's: no stop string within min_tokens
-            text = self.decoded + new
             begin = max(0, len(self.decoded) - self.hold)
-            found = [(i, stop) for stop in self.stop if (i := text.find(stop, begin)) >= 0]
+            tail = self.decoded[begin:] + new  # (not a copy of the whole text: it grows)
+            found = [(begin + i, stop) for stop in self.stop if (i := tail.find(stop)) >= 0]
             if found:  # the one that begins first, as a search of the whole text finds it
-                self.found, self.num_tokens_at_stop, self.decoded = min(found), end, text
+                self.found, self.num_tokens_at_stop, self.decoded = (
+                    min(found),
+                    end,
+                    self.decoded + new,
+                )
                 return
         self.pending = window.endswith("\ufffd") and not final
         if not self.pending:
@@ -828,7 +832,11 @@ class RequestState:
         self.num_tokens = 0  # the tokens taken in so far
         self.completion = CompletionOutput(index, "", [], None)
         self.finished = False
-        self.logprobs: list[dict[int, Logprob]] = []  # one per token taken in, where asked
+        # Its outputs' lists, appended to, never copied whole (a copy a token grew with the output);
+        # each output hands out these same lists, which grow: vLLM's cumulative outputs' too.
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] = []  # one per token, where asked
+        self.cumulative_logprob = 0.0
         self.prompt_logprobs: list | None = None  # made at the first report, where asked: all in
 
     def logprob_dict(self, entry: tuple) -> dict[int, Logprob]:
@@ -847,10 +855,6 @@ class RequestState:
         request, text = self.request, self.text
         if request.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None, *map(self.logprob_dict, request.prompt_logprobs)]
-        if request.params.logprobs is not None:
-            self.logprobs += map(
-                self.logprob_dict, request.logprobs[len(self.logprobs) : num_tokens]
-            )
         # An engine "stop" is an EOS or stop token: in token_ids, left out of the text, as in vLLM.
         end = num_tokens - 1 if finished and request.finish_reason == "stop" else num_tokens
         if request.params.stop:  # every token, in order: the one that completes a stop string
@@ -871,13 +875,19 @@ class RequestState:
             self.finished, reason, stop_reason = True, request.finish_reason, request.stop_reason
         else:
             reason = stop_reason = None
-        token_ids = request.output_token_ids[:num_tokens]
+        new = slice(len(self.token_ids), num_tokens)  # (at a stop string: to the one ending it)
+        self.token_ids += request.output_token_ids[new]
         self.completion = CompletionOutput(
-            self.index, text.text(self.finished), token_ids, reason, stop_reason
+            self.index, text.text(self.finished), self.token_ids, reason, stop_reason
         )
         if request.params.logprobs is not None:
-            self.completion.logprobs = self.logprobs[:num_tokens]
-            self.completion.cumulative_logprob = sum(e[1][0] for e in request.logprobs[:num_tokens])
+            self.logprobs += map(self.logprob_dict, request.logprobs[new])
+            # summed in order, as one sum over all of them adds them
+            self.cumulative_logprob = sum(
+                (e[1][0] for e in request.logprobs[new]), self.cumulative_logprob
+            )
+            self.completion.logprobs = self.logprobs
+            self.completion.cumulative_logprob = self.cumulative_logprob
 
 
 class OutputProcessor:
