@@ -293,10 +293,7 @@ class Handler(BaseHTTPRequestHandler):
         # a connection closed on an unread body resets, and the answer may be lost with it.
         kind = self.headers.get("Content-Type", "")
         if not re.fullmatch(r"application/(\S*\+)?json", kind.split(";")[0].strip().lower()):
-            why = (
-                f"Content-Type {kind or 'missing'}: a body is read as JSON only (application/json)"
-            )
-            raise APIError(415, why)
+            raise APIError(415, f"Content-Type {kind or '(none)'}: send JSON, application/json")
         try:  # a lone surrogate ("\ud800") is valid JSON, but no text that a tokenizer can take
             body = json.loads(data)
             json.dumps(body, ensure_ascii=False).encode()

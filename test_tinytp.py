@@ -2209,7 +2209,9 @@ def test_a_salted_prompt_hits_only_its_own_salts_blocks_as_vllms_cache_salt():
         assert cached() == (32, 96)
         [text] = llm.generate({"prompt": "a salted text", "cache_salt": "x"}, greedy)
         assert text.outputs[0].token_ids
-        for salt in ("", 5, None, ["x"]):
+        [output] = llm.generate({"prompt_token_ids": prompt, "cache_salt": None}, greedy)
+        assert output.num_cached_tokens == 32  # None: no salt, as vLLM's
+        for salt in ("", 5, ["x"]):
             with pytest.raises(
                 ValueError, match=f"cache_salt must be a non-empty string.*{salt!r}"
             ):
@@ -4503,6 +4505,7 @@ def test_vllms_short_tp_flag_runs_in_tinytp_and_serve():
         (["--explain", "--compare"], "argument --compare: not allowed with argument --explain"),
         (["--trace", "--concurrency", "2"], "--trace runs no callers"),
         (["--serve", "--concurrency", "2"], "--serve needs --model"),
+        (["--stream-cpu"], "--stream-cpu needs --model, one with a tokenizer"),
         (["--vllm-python", "python3"], "--vllm-python is --serve's"),
         (["--arrival-prompt-len", "64"], "--arrival-prompt-len is --concurrency's"),
         # every variant parsed before any runs
@@ -4614,6 +4617,30 @@ def test_bench_latency_times_each_step_and_concurrency_batches_its_callers(tmp_p
     result = json.loads(out.read_text())
     assert result["largest_batch"] >= 3 and result["concurrency_speedup"] > 0
     assert result["concurrent"]["max_itl_ms"] >= result["concurrent"]["median_itl_ms"] > 0
+
+
+def test_bench_stream_cpu_times_a_token_early_and_late_and_checks_the_streamed_text(
+    tmp_path, capsys
+):
+    """--stream-cpu (here 200 tokens, not 2,000, for time): one stream with stop strings, the
+    driver's CPU a token early and late (each clock's figures), and the text streamed a piece a
+    token equal to generate's and to the output decoded whole. (Its figures are the course's: no
+    bound on them here, on a shared machine.)"""
+    import bench
+
+    out = tmp_path / "result.json"
+    argv = ["--stream-cpu", "--model", checkpoints.TINY_MODEL_DIR, "--enforce-eager"]
+    argv += ["--rounds", "1", "--output-json", str(out)]
+    with (
+        mock.patch.object(bench, "STREAM_TOKENS", 200),
+        mock.patch.object(bench, "WINDOWS", ((20, 60), (150, 190))),
+    ):
+        assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    figures = result["cpu_us_per_token"]
+    assert result["text_unchanged"] and set(figures) == {"driver", "engine loop", "caller"}
+    assert all(row["20-60 us"] > 0 and row["late / early"] > 0 for row in figures.values())
+    assert "the text streamed equals generate's and decode's" in capsys.readouterr().out
 
 
 @pytest.mark.quick

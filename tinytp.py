@@ -580,8 +580,8 @@ class Processor:
                 f"sampling_params must be SamplingParams or a list of them, got {params!r}"
             )
         text, token_ids = self.tokenize(prompt)
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if isinstance(prompt, dict) and "cache_salt" in prompt and not (salt and type(salt) is str):
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # (None: no salt)
+        if salt is not None and not (isinstance(salt, str) and salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
@@ -803,11 +803,8 @@ class IncrementalText:
             tail = self.decoded[begin:] + new  # (not a copy of the whole text: it grows)
             found = [(begin + i, stop) for stop in self.stop if (i := tail.find(stop)) >= 0]
             if found:  # the one that begins first, as a search of the whole text finds it
-                self.found, self.num_tokens_at_stop, self.decoded = (
-                    min(found),
-                    end,
-                    self.decoded + new,
-                )
+                self.found, self.num_tokens_at_stop = min(found), end
+                self.decoded += new
                 return
         self.pending = window.endswith("\ufffd") and not final
         if not self.pending:
@@ -882,10 +879,8 @@ class RequestState:
         )
         if request.params.logprobs is not None:
             self.logprobs += map(self.logprob_dict, request.logprobs[new])
-            # summed in order, as one sum over all of them adds them
-            self.cumulative_logprob = sum(
-                (e[1][0] for e in request.logprobs[new]), self.cumulative_logprob
-            )
+            for entry in request.logprobs[new]:  # in order, as one sum over all adds them
+                self.cumulative_logprob += entry[1][0]
             self.completion.logprobs = self.logprobs
             self.completion.cumulative_logprob = self.cumulative_logprob
 
