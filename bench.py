@@ -10,13 +10,14 @@
     python bench.py --concurrency 8            # 8 callers at once against the same one by one
     python bench.py --concurrency 7 --arrival-prompt-len 1024   # a long prompt among 7 streams
     python bench.py --serve --concurrency 8 --model smollm2 --vllm-python PY  # and vLLM's server
+    python bench.py --stream-cpu --model smollm2   # the driver's CPU a token, early and late
 
 The latency mode is vLLM's benchmarks/benchmark_latency.py (its options and defaults, random
 token-id prompts, exactly --output-len tokens each, its output lines: its numbers sit beside vLLM
 pull request #9856's, "[V1] Multiprocessing Tensor Parallel Support for v1"), and what explains
 them: the prefill and decode steps, the executor's overhead, how fast a step reads its weights.
 Top to bottom: --ipc, the model, --explain and --trace, the latency benchmark and --compare,
---concurrency and --serve, the command line.
+--concurrency and --serve, --stream-cpu, the command line.
 """
 
 import argparse
@@ -922,6 +923,56 @@ def run_serve(args) -> dict:
     return table | {"startup_seconds": startup, "rounds": rounds}
 
 
+# --stream-cpu: the driver's CPU a token, early and late in one long stream --------------------
+
+STREAM_TOKENS, WINDOWS = 2000, ((200, 600), (1500, 1900))  # tokens early, tokens late
+NEVER_FOUND = ["\x00 never said", "Observation: nothing"]  # stop strings looked for at each token
+
+
+def run_stream_cpu(args) -> dict:
+    """One stream of 2,000 tokens with stop strings (looked for at every token, never found): the
+    driver's CPU a token over tokens 200-600 and 1,500-1,900, which should be the same (a cost that
+    grows with the output is one the front end should not have): the whole process's, the engine
+    loop thread's (scheduling, and waiting for the workers: it polls for up to a millisecond a
+    step), the caller's (OutputProcessor: the text, the stop strings). And the text streamed, a
+    piece a token, checked against generate's and against the whole output decoded at once."""
+    model = Model(args)
+    [prompt] = model.prompts(1, args.input_len)
+    params = SamplingParams(
+        temperature=0, ignore_eos=True, max_tokens=STREAM_TOKENS, stop=NEVER_FOUND
+    )
+    with model.llm(1, args.input_len + STREAM_TOKENS) as llm:
+        loop = time.pthread_getcpuclockid(llm.engine_client.thread.ident)
+        clocks = {"driver": time.process_time, "engine loop": lambda: time.clock_gettime(loop)}
+        clocks |= {"caller": time.thread_time}
+        llm.generate([prompt], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        rounds = []  # each round's clocks at each window's first and last token
+        for _ in range(args.rounds):
+            pieces, at = [], {}
+            for piece in llm.stream(prompt, params):
+                pieces.append(piece)  # (a piece a token: "" for one in half of a character)
+                if len(pieces) in itertools.chain(*WINDOWS):
+                    at[len(pieces)] = {name: clock() for name, clock in clocks.items()}
+            rounds.append(at)
+        [whole] = llm.generate([prompt], params, use_tqdm=False)
+        decoded = llm.tokenizer.decode(whole.outputs[0].token_ids, skip_special_tokens=True)
+    if not len(pieces) == len(whole.outputs[0].token_ids) == STREAM_TOKENS:
+        raise RuntimeError(f"{len(pieces)} pieces, not {STREAM_TOKENS}: a stop string was found")
+    unchanged = "".join(pieces) == whole.outputs[0].text == decoded
+    table, (a, b), (c, d) = {}, *WINDOWS
+    for name in clocks:  # each figure the median of the rounds'
+        early = statistics.median((at[b][name] - at[a][name]) / (b - a) * 1e6 for at in rounds)
+        late = statistics.median((at[d][name] - at[c][name]) / (d - c) * 1e6 for at in rounds)
+        table[name] = {f"{a}-{b} us": early, f"{c}-{d} us": late, "late / early": late / early}
+    streams = f"{args.rounds} streams of {STREAM_TOKENS} tokens, {len(NEVER_FOUND)} stop strings"
+    print(f"tinytp, {model}: {streams}; load {os.getloadavg()[0]:.1f} (of {os.cpu_count()} cores)")
+    print_table(table, "CPU a token, median")
+    print(f"the text streamed {'equals' if unchanged else 'DIFFERS FROM'} generate's and decode's")
+    if not unchanged:
+        raise RuntimeError("the streamed text is not the output's")
+    return {"cpu_us_per_token": table, "text_unchanged": unchanged}
+
+
 # The command line -----------------------------------------------------------------------------
 
 
@@ -934,6 +985,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--explain", action="store_true", help="how the model is cut across --tp ranks")
     add("--trace", action="store_true", help="a timeline of one decode step, every process")
     add("--serve", action="store_true", help="--concurrency over HTTP: serve.py (and vLLM's)")
+    stream_cpu = f"the driver's CPU a token early and late in a {STREAM_TOKENS}-token stream"
+    add("--stream-cpu", action="store_true", help=stream_cpu)
     compare = "this run, then with each set of flags added: in turn, --rounds times, each run in "
     compare += f"a process of its own (default: {SEED_VARIANTS}; one flag: --compare=FLAG)"
     add("--compare", nargs="?", const=SEED_VARIANTS, metavar="'FLAGS | ...'", help=compare)
@@ -965,7 +1018,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--arrival-prompt-len", type=int, metavar="N", help="--concurrency: a prompt of N arrives")
     tinytp.add_kv_cache_flags(parser)
     add = parser.add_argument_group("yardsticks").add_argument
-    add("--rounds", type=int, default=3, help="of --compare, or of --serve beside vLLM")
+    add("--rounds", type=int, default=3, help="of --compare, --stream-cpu, --serve beside vLLM")
     add("--vllm-python", help="--serve: a Python with vLLM's CPU build, its server beside ours")
     binds, bind = ["default", "all"], "vLLM's worker at its default binding, on all cores, or both"
     add("--vllm-bind", nargs="+", choices=binds, default=binds, help=bind)
@@ -976,7 +1029,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def check_args(error, args: argparse.Namespace) -> None:
     """What parse_args cannot check alone: now, not after the whole benchmark has run."""
-    given = [mode for mode in ("ipc", "explain", "trace", "serve") if vars(args)[mode]]
+    given = [
+        mode for mode in ("ipc", "explain", "trace", "serve", "stream_cpu") if vars(args)[mode]
+    ]
     if given and args.concurrency is not None and given != ["serve"]:
         error(f"--{given[0]} runs no callers: --concurrency is its own mode")
     for name in ("batch_size", "input_len", "output_len", "num_iters", "rounds", "concurrency"):
@@ -995,6 +1050,8 @@ def check_args(error, args: argparse.Namespace) -> None:
         error(f"--backend {args.backend} runs the latency benchmark, at --tp 1 --pp 1")
     if args.serve and not (args.model and args.concurrency):
         error("--serve needs --model (one with a tokenizer) and --concurrency N (the clients)")
+    if args.stream_cpu and not args.model:
+        error("--stream-cpu needs --model, one with a tokenizer (its stop strings are text)")
     if args.vllm_python and not args.serve:
         error("--vllm-python is --serve's: it starts vLLM's server beside serve.py")
     if args.arrival_prompt_len is not None and not (args.concurrency and args.arrival_prompt_len):
@@ -1011,6 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
         "explain": run_explain,
     }
     modes |= {"trace": run_trace, "serve": run_serve, "concurrency": run_concurrency}
+    modes |= {"stream_cpu": run_stream_cpu}
     given = [run for mode, run in modes.items() if vars(args)[mode] not in (None, False)]
     try:
         result = (given + [run_latency])[0](args)

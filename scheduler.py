@@ -51,6 +51,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens cached at its first admission; -1 before (vLLM's)
     # the hash of each of its full blocks, chained (KVCacheManager): kept while it is preempted
     block_hashes: list[bytes] = field(default_factory=list)
+    cache_salt: str | None = None  # vLLM's: in its first block's hash, so shared only with its salt
     logprobs: list[tuple] = field(default_factory=list)  # logprobs_of entries, one per output token
     prompt_logprobs: list[tuple] = field(default_factory=list)  # one per prompt token but the first
 
@@ -71,10 +72,14 @@ class KVCacheBlock:
     block_hash: bytes | None = None
 
 
-def hash_block_tokens(parent_block_hash: bytes | None, token_ids: list[int]) -> bytes:
+def hash_block_tokens(
+    parent_block_hash: bytes | None, token_ids: list[int], extra_keys=None
+) -> bytes:
     """vLLM's hash_block_tokens: a full block's hash covers its parent's, so equal hashes mean equal
-    tokens from position 0 (the same tokens after another prefix have other keys and values)."""
-    return hashlib.sha256(pickle.dumps((parent_block_hash, tuple(token_ids)), protocol=5)).digest()
+    tokens from position 0 (the same tokens after another prefix have other keys and values).
+    extra_keys: the first block's cache salt, whose hash every later block's then covers."""
+    key = (parent_block_hash, tuple(token_ids), extra_keys)
+    return hashlib.sha256(pickle.dumps(key, protocol=5)).digest()
 
 
 class KVCacheManager:
@@ -151,8 +156,8 @@ class KVCacheManager:
         if len(hashes) < request.num_tokens // size:
             token_ids = request.prompt_token_ids + request.output_token_ids
             for start in range(len(hashes) * size, request.num_tokens // size * size, size):
-                parent = hashes[-1] if hashes else None
-                hashes.append(hash_block_tokens(parent, token_ids[start : start + size]))
+                parent, salt = (hashes[-1], None) if hashes else (None, request.cache_salt)
+                hashes.append(hash_block_tokens(parent, token_ids[start : start + size], salt))
 
     def cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int

@@ -52,6 +52,8 @@ TYPE_WORDS = {str: "a string", dict: "an object", bool: "true or false"}
 # (SamplingParams' own; the endpoints set max_tokens, logprobs and prompt_logprobs themselves)
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"max_tokens", "prompt_logprobs"}
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "user", *SAMPLING_FIELDS}
+COMMON_FIELDS |= {"cache_salt"}  # vLLM's: put in each prompt's dict, which the engine checks
+PROMPT_KEYS = {str: "prompt", list: "prompt_token_ids"}  # a prompt's key in a prompt dict
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "add_generation_prompt"}
 CHAT_FIELDS |= {"top_logprobs"}
@@ -201,6 +203,8 @@ class Handler(BaseHTTPRequestHandler):
         key = self.headers.get("Authorization", "").removeprefix("Bearer ").encode()
         if len(self.requestline.split()) != 3:
             raise APIError(400, "HTTP/0.9 (a request line without a version): send HTTP/1.x")
+        if len(self.headers.get_all("Host", [])) > 1:  # which one names us? (RFC 9112: a 400)
+            raise APIError(400, f"send one Host header, not {self.headers.get_all('Host')}")
         if not self.server.host_allowed(host):
             raise APIError(421, f"Host {host!r}: not a loopback name (DNS rebinding?); see --host")
         # in constant time, no guessing the key by timing; a CORS preflight carries none
@@ -284,6 +288,12 @@ class Handler(BaseHTTPRequestHandler):
         data = self.rfile.read(int(length))
         if len(data) < int(length):
             raise APIError(400, f"the body ended after {len(data)} of its {length} bytes")
+        # A page of any site may post text/plain, a form or (a Blob) no type without a preflight:
+        # JSON's alone is read, as by FastAPI's strict_content_type (vLLM's server). Read first:
+        # a connection closed on an unread body resets, and the answer may be lost with it.
+        kind = self.headers.get("Content-Type", "")
+        if not re.fullmatch(r"application/(\S*\+)?json", kind.split(";")[0].strip().lower()):
+            raise APIError(415, f"Content-Type {kind or '(none)'}: send JSON, application/json")
         try:  # a lone surrogate ("\ud800") is valid JSON, but no text that a tokenizer can take
             body = json.loads(data)
             json.dumps(body, ensure_ascii=False).encode()
@@ -296,9 +306,13 @@ class Handler(BaseHTTPRequestHandler):
             if fault := field_fault(name, value, honoured):
                 raise APIError(400, fault, name)
         if isinstance(bias := body.get("logit_bias"), dict):  # OpenAI's: token ids as strings
-            if not all(key.isascii() and key.isdigit() for key in bias):
-                raise APIError(400, f"logit_bias's keys are token ids: {bias!s:.60}", "logit_bias")
-            body["logit_bias"] = {int(key): value for key, value in bias.items()}
+            try:  # (int() refuses past 4,300 digits: ValueError, as any other key that is no id)
+                if not all(key.isascii() and key.isdigit() for key in bias):
+                    raise ValueError
+                body["logit_bias"] = {int(key): value for key, value in bias.items()}
+            except ValueError:
+                why = f"logit_bias's keys are token ids: {bias!s:.60}"
+                raise APIError(400, why, "logit_bias") from None
         options = {k: v for k, v in body.get("stream_options", {}).items() if v is not None}
         flags = options.keys() <= STREAM_OPTIONS and all(type(v) is bool for v in options.values())
         if options and not (flags and body.get("stream")):
@@ -425,6 +439,9 @@ class Handler(BaseHTTPRequestHandler):
                 context = f"this model's context is {limit} tokens and a prompt has {longest}"
                 give = f"give at most {limit - longest}"
                 raise ValueError(f"max_tokens={max_tokens} is too large: {context}; {give}")
+            for i, p in enumerate(prompts if "cache_salt" in body else []):  # vLLM's prompt dict
+                named = p if isinstance(p, dict) else {PROMPT_KEYS[type(p)]: p}
+                prompts[i] = {**named, "cache_salt": body["cache_salt"]}
             outputs = self.server.llm.stream_outputs(prompts, params)
         except ValueError as e:  # SamplingParams names the field first
             name = str(e).split()[0].split("=")[0]
@@ -589,6 +606,10 @@ class Server(ThreadingHTTPServer):
         slow = APIError(408, f"the request was not all in within {READ_TIMEOUT:g} s")
         while not self.stopping.wait(POLL_SECONDS):
             self.cut_readers(slow)
+        # more signals change nothing, up to the exit: ignored, not left to our handler, which
+        # the interpreter's exit resets to the default (a late Ctrl-C would end us by SIGINT)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         self.shutdown()  # no more connections
         self.cut_readers(APIError(503, "the server is shutting down"), everyone=True)
         # the requests in flight end: each gets the engine's RuntimeError, and answers a 503

@@ -2190,6 +2190,35 @@ def test_a_prompt_that_shares_a_200_token_prefix_has_192_cached_tokens_and_the_s
     assert no_counts["vllm:prefix_cache_queries"] == no_counts["vllm:prefix_cache_hits"] == 0
 
 
+def test_a_salted_prompt_hits_only_its_own_salts_blocks_as_vllms_cache_salt():
+    """vLLM's cache_salt, mixed into the first block's hash: a prompt's blocks are found again only
+    under the same salt (another salt, or none, misses from its first block on), so one user's
+    timing cannot tell what another sent. A salt must be a non-empty string, as vLLM's."""
+    prompt = [256] + [(5 * i) % 256 for i in range(40)]  # 41 tokens: 2 full blocks of 16
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    with LLM(device="cpu") as llm:
+
+        def cached(salt=None) -> tuple[int, float]:
+            given = {"prompt_token_ids": prompt} | ({"cache_salt": salt} if salt else {})
+            [output] = llm.generate(given, greedy, use_tqdm=False)
+            return output.num_cached_tokens, metrics(llm)["vllm:prefix_cache_hits"]
+
+        assert cached() == (0, 0)
+        assert cached("alice") == (0, 0)  # the unsalted prompt's blocks: not hers
+        assert cached("bob") == (0, 0)
+        assert cached("alice") == (32, 32) and cached("bob") == (32, 64)
+        assert cached() == (32, 96)
+        [text] = llm.generate({"prompt": "a salted text", "cache_salt": "x"}, greedy)
+        assert text.outputs[0].token_ids
+        [output] = llm.generate({"prompt_token_ids": prompt, "cache_salt": None}, greedy)
+        assert output.num_cached_tokens == 32  # None: no salt, as vLLM's
+        for salt in ("", 5, ["x"]):
+            with pytest.raises(
+                ValueError, match=f"cache_salt must be a non-empty string.*{salt!r}"
+            ):
+                llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, greedy)
+
+
 def test_a_cache_of_4_contiguous_slots_serves_32_short_requests_16_or_more_at_once(mha_checkpoint):
     """The KV cache that 4 slots of max_model_len 256 took (64 blocks of 16, and the null block)
     holds 32 requests of under 16 tokens at once: paged, each holds one block."""
@@ -4453,6 +4482,36 @@ def test_stop_strings_found_in_new_text_match_a_search_of_the_whole_text():
     assert cases > 200
 
 
+@pytest.mark.quick
+def test_the_front_ends_cost_a_token_is_flat_over_a_long_output_with_stop_strings_and_logprobs():
+    """RequestState, a token at a time over 20,000 tokens with stop strings and logprobs: the CPU a
+    token takes late in the output is that of early on (a copy of the whole output a token, its
+    tokens, logprobs or text, made it grow: 3.7x from tokens 1,000-3,000 to 17,000-19,000, with
+    SmolLM2's tokenizer). Quiet: 1.0x; the bound leaves room for a loaded machine's noise."""
+    decode, n, rng = TwoLetterTokenizer().decode, 20_000, random.Random(0)
+    tokens = [rng.randrange(26 * 3) for _ in range(n)]
+    entries = [([t, 999], [-rng.random(), -2.0], 1) for t in tokens]  # (logprobs_of's shape)
+    params = SamplingParams(stop=["never in it", "zzzz"], max_tokens=n, logprobs=1)
+    ratios = []
+    for _ in range(3):  # the least noisy of three
+        request = Request(0, None, [1], params, 0)
+        state, times = tinytp.RequestState(request, 0, decode, str), []
+        for end, (token, entry) in enumerate(zip(tokens, entries), start=1):
+            request.output_token_ids.append(token)
+            request.logprobs.append(entry)
+            times.append(time.thread_time())
+            state.update(end, finished=end == n)
+        early, late = times[3000] - times[1000], times[19_000] - times[17_000]
+        ratios.append(late / early)
+    completion = state.completion
+    assert completion.text == decode(tokens) and completion.token_ids == tokens
+    assert [e[tokens[i]].logprob for i, e in enumerate(completion.logprobs)] == [
+        e[1][0] for e in entries
+    ]
+    assert completion.cumulative_logprob == sum(e[1][0] for e in entries)  # the same sum, exactly
+    assert min(ratios) < 1.5, ratios
+
+
 def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint):
     path, _ = mha_checkpoint
     # bytes: broken UTF-8 too
@@ -4690,6 +4749,7 @@ def test_vllms_short_tp_flag_runs_in_tinytp_and_serve():
         (["--explain", "--compare"], "argument --compare: not allowed with argument --explain"),
         (["--trace", "--concurrency", "2"], "--trace runs no callers"),
         (["--serve", "--concurrency", "2"], "--serve needs --model"),
+        (["--stream-cpu"], "--stream-cpu needs --model, one with a tokenizer"),
         (["--vllm-python", "python3"], "--vllm-python is --serve's"),
         (["--arrival-prompt-len", "64"], "--arrival-prompt-len is --concurrency's"),
         # every variant parsed before any runs
@@ -4805,6 +4865,30 @@ def test_bench_latency_times_each_step_and_concurrency_batches_its_callers(tmp_p
     result = json.loads(out.read_text())
     assert result["largest_batch"] >= 3 and result["concurrency_speedup"] > 0
     assert result["concurrent"]["max_itl_ms"] >= result["concurrent"]["median_itl_ms"] > 0
+
+
+def test_bench_stream_cpu_times_a_token_early_and_late_and_checks_the_streamed_text(
+    tmp_path, capsys
+):
+    """--stream-cpu (here 200 tokens, not 2,000, for time): one stream with stop strings, the
+    driver's CPU a token early and late (each clock's figures), and the text streamed a piece a
+    token equal to generate's and to the output decoded whole. (Its figures are the course's: no
+    bound on them here, on a shared machine.)"""
+    import bench
+
+    out = tmp_path / "result.json"
+    argv = ["--stream-cpu", "--model", checkpoints.TINY_MODEL_DIR, "--enforce-eager"]
+    argv += ["--rounds", "1", "--output-json", str(out)]
+    with (
+        mock.patch.object(bench, "STREAM_TOKENS", 200),
+        mock.patch.object(bench, "WINDOWS", ((20, 60), (150, 190))),
+    ):
+        assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    figures = result["cpu_us_per_token"]
+    assert result["text_unchanged"] and set(figures) == {"driver", "engine loop", "caller"}
+    assert all(row["20-60 us"] > 0 and row["late / early"] > 0 for row in figures.values())
+    assert "the text streamed equals generate's and decode's" in capsys.readouterr().out
 
 
 @pytest.mark.quick
@@ -5634,7 +5718,9 @@ class Served:
         import http.client
 
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        connection.request(method, path, body, headers or {})
+        connection.request(
+            method, path, body, {"Content-Type": "application/json", **(headers or {})}
+        )
         response = connection.getresponse()
         return response.status, response.headers, response.read().decode()
 
@@ -6040,8 +6126,16 @@ def raw_http(port: int, data: bytes, shut_write: bool = False) -> tuple[str, dic
 
 
 def post(path: str, body: bytes, *headers: str) -> bytes:
-    head = "".join(f"{header}\r\n" for header in ("Host: localhost", *headers))
+    json_type = "Content-Type: application/json"  # a JSON body says so, or is refused (415)
+    head = "".join(f"{header}\r\n" for header in ("Host: localhost", json_type, *headers))
     return f"POST {path} HTTP/1.1\r\n{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+def served_metrics(server) -> dict[str, float]:
+    """GET /metrics' samples, by name."""
+    text = raw_http(server.port, b"GET /metrics HTTP/1.1\r\n\r\n")[2]
+    samples = re.findall(r"^(vllm:\w+)\{model_name=\"[^\"]+\"\} (\S+)$", text, re.MULTILINE)
+    return {name: float(value) for name, value in samples}
 
 
 def sse_chunks(body: str) -> list[dict]:
@@ -6092,6 +6186,13 @@ def test_server_red_team_inputs_each_get_openais_json_and_their_status(openai, t
             "Content-Length",
         ),
         ("no length", b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n\r\n", 0, 411, "POST"),
+        (
+            "a logit_bias key of 5,000 digits (past Python's int-string limit)",
+            post("/v1/completions", b'{"prompt": "Hi", "logit_bias": {"' + b"9" * 5000 + b'": 1}}'),
+            0,
+            400,
+            "logit_bias's keys are token ids",
+        ),
         ("a wrong method", b"FOO /v1/completions HTTP/1.1\r\n\r\n", 0, 405, "takes POST, not FOO"),
         ("GET for a POST", b"GET /v1/chat/completions HTTP/1.1\r\n\r\n", 0, 405, "takes POST"),
         ("101 headers", f"GET /health HTTP/1.1\r\n{header_lines}\r\n".encode(), 0, 431, "headers"),
@@ -6103,6 +6204,13 @@ def test_server_red_team_inputs_each_get_openais_json_and_their_status(openai, t
             "Line too long",
         ),
         ("a 65,537-byte line", b"GET /" + b"y" * 65_532, 1, 414, "request line is longer"),
+        (
+            "two Host headers (RFC 9112: a 400; the first one alone was checked)",
+            b"GET /health HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n\r\n",
+            0,
+            400,
+            "one Host header",
+        ),
         ("HTTP/0.9", b"GET /health\r\n\r\n", 0, 400, "HTTP/0.9"),
         ("no request line", b"GARBAGE\r\n\r\n", 0, 400, "Bad request syntax"),
         ("HTTP/2.0", b"GET /health HTTP/2.0\r\n\r\n", 0, 505, "Invalid HTTP version"),
@@ -6123,6 +6231,39 @@ def test_server_red_team_inputs_each_get_openais_json_and_their_status(openai, t
     with pytest.raises(openai.NotFoundError, match="no route /v1/nothing"):
         client.post("/nothing", cast_to=object, body={})
     assert "Traceback" not in tiny_server.log()
+
+
+def test_server_reads_a_body_only_as_json_so_no_page_posts_without_a_preflight(tiny_server):
+    """A cross-origin page may POST text/plain, a form, multipart or (fetch with a Blob) no
+    Content-Type at all without a CORS preflight: each is refused (415) before anything runs, as
+    FastAPI's strict_content_type (vLLM's server) does; JSON's, with parameters, is read."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 2}).encode()
+    no_type = f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}"
+    before = served_metrics(tiny_server)
+    for kind in (
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonx",
+        None,
+    ):
+        header = f"\r\nContent-Type: {kind}" if kind else ""
+        line, headers, answer = raw_http(
+            tiny_server.port, f"{no_type}{header}\r\n\r\n".encode() + body
+        )
+        error = json.loads(answer)["error"]
+        assert line.startswith("HTTP/1.0 415") and "application/json" in error["message"], kind
+        assert (
+            error["type"] == "invalid_request_error"
+            and headers["content-type"] == "application/json"
+        )
+    after = served_metrics(tiny_server)  # nothing looked up in the cache: nothing ran
+    assert after["vllm:prefix_cache_queries_total"] == before["vllm:prefix_cache_queries_total"]
+    for kind in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+        header = f"\r\nContent-Type: {kind}"
+        line = raw_http(tiny_server.port, f"{no_type}{header}\r\n\r\n".encode() + body)[0]
+        assert line.startswith("HTTP/1.0 200"), kind
 
 
 def test_server_cors_allows_this_machines_pages_only_and_refuses_foreign_host_names(tiny_server):
@@ -6311,7 +6452,23 @@ def test_server_sigterm_with_idle_and_trickling_connections_exits_0_within_10_s(
         connection.close()
 
 
-def test_server_a_plain_client_that_leaves_frees_its_slot_and_health_answers_during_a_step(
+def test_server_a_storm_of_signals_at_shutdown_still_exits_0(tmp_path):
+    """Ctrl-C pressed again and again, SIGTERM from a supervisor beside it, all through the stop:
+    the first one stops the server, the others change nothing; it exits 0, not by a signal."""
+    served = Served(tmp_path)
+    try:
+        sent = 0
+        while served.process.poll() is None and sent < 2000:  # a signal each ms until it exits
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(served.process.pid, (signal.SIGINT, signal.SIGTERM)[sent % 2])
+            sent += 1
+            time.sleep(0.001)
+        assert served.process.wait(timeout=60) == 0, (sent, served.log()[-2000:])
+    finally:
+        assert served.stop() == 0
+
+
+def test_server_a_plain_client_that_leaves_frees_its_slot_and_health_and_metrics_answer_in_a_step(
     openai, tmp_path
 ):
     served = Served(tmp_path, "--max-num-seqs", "1")
@@ -6337,8 +6494,8 @@ def test_server_a_plain_client_that_leaves_frees_its_slot_and_health_answers_dur
         # (1,065 on a quiet one): fewer than the one abandoned request's 2,000 says it was noticed.
         assert int(re.findall(r"engine: (\d+) steps so far", served.log())[-1]) < 2000
         assert "the client went away" in served.log()
-        # /health while a step cannot end (the worker stopped): answered from the engine's
-        # state, not queued behind the step; quiet: 10 ms
+        # /health and /metrics while a step cannot end (the worker stopped): answered from the
+        # engine's state, not queued behind the step; quiet: 10 ms
         stream = client.completions.create(
             model="tiny-llama",
             prompt="Hi",
@@ -6348,13 +6505,16 @@ def test_server_a_plain_client_that_leaves_frees_its_slot_and_health_answers_dur
         )
         next(stream)
         os.kill(served.workers[0], signal.SIGSTOP)
+        answers = {}
         try:
-            start = time.monotonic()
-            line = raw_http(served.port, b"GET /health HTTP/1.1\r\n\r\n")[0]
-            took = time.monotonic() - start
+            for path in ("/health", "/metrics"):
+                start = time.monotonic()
+                line = raw_http(served.port, f"GET {path} HTTP/1.1\r\n\r\n".encode())[0]
+                answers[path] = line, time.monotonic() - start
         finally:
             os.kill(served.workers[0], signal.SIGCONT)  # before tinytp.STOPPED_GRACE (5 s)
-        assert line.startswith("HTTP/1.0 200") and took < 1, (line, took)
+        for path, (line, took) in answers.items():
+            assert line.startswith("HTTP/1.0 200") and took < 1, (path, line, took)
         stream.close()
     finally:
         assert served.stop() == 0
@@ -6435,6 +6595,39 @@ def test_server_reports_cached_prompt_tokens_and_vllms_metrics(tiny_server):
     assert set(samples) == {name + "_total" * (kind == "counter") for name, kind in types.items()}
     assert float(samples["vllm:prefix_cache_hits_total"]) >= 32
     assert float(samples["vllm:prefix_cache_queries_total"]) >= 82
+
+
+def test_server_cache_salt_shares_the_prefix_cache_only_within_a_salt_as_vllm(tiny_server):
+    """vLLM's cache_salt field on completions and chat: a salted prompt's cached tokens come only
+    from the same salt (no page can time what another user sent); a salt that is not a non-empty
+    string is refused (400, param cache_salt), as vLLM's server refuses it."""
+
+    def cached(path: str, salt, **body) -> dict:
+        body |= {"max_tokens": 1} | ({"cache_salt": salt} if salt is not None else {})
+        status, _, text = raw_http(tiny_server.port, post(path, json.dumps(body).encode()))
+        answer = json.loads(text)
+        return (
+            answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if "usage" in answer
+            else answer
+        )
+
+    prompt = "salted: the same 40 bytes, asked again.."  # 41 tokens with BOS: 2 full blocks
+    assert [
+        cached("/v1/completions", salt, prompt=prompt) for salt in (None, "a", "b", "a", None)
+    ] == [
+        0,
+        0,
+        0,
+        32,
+        32,
+    ]
+    messages = [{"role": "user", "content": "a salted chat, long enough for two blocks of 16"}]
+    chats = [cached("/v1/chat/completions", salt, messages=messages) for salt in ("c", "d", "c")]
+    assert chats[:2] == [0, 0] and chats[2] >= 32
+    for salt in ("", 5, ["a"]):
+        error = cached("/v1/completions", salt, prompt=prompt)["error"]
+        assert error["param"] == "cache_salt" and "non-empty string" in error["message"], error
 
 
 # --------------------------------------------------------------------------------------

@@ -601,6 +601,9 @@ class Processor:
                 f"sampling_params must be SamplingParams or a list of them, got {params!r}"
             )
         text, token_ids = self.tokenize(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # (None: no salt)
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; max_model_len={self.max_model_len} "
@@ -621,7 +624,7 @@ class Processor:
             random.Random(f"{seed}:{index}").getrandbits(64) for index in range(1, params.n)
         ]
         return [
-            Request(next(self.request_ids), text, token_ids, params, sample_seed)
+            Request(next(self.request_ids), text, token_ids, params, sample_seed, cache_salt=salt)
             for sample_seed in seeds
         ]
 
@@ -629,10 +632,10 @@ class Processor:
         """A prompt's text (None if given as ids) and its token ids, checked."""
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, dict):  # vLLM's {"prompt": ...}, {"prompt_token_ids": ...}, or both
-            text = prompt.get("prompt")
+            text = prompt.get("prompt")  # (and a cache_salt: make_requests')
             if (
                 not prompt
-                or prompt.keys() - {"prompt", "prompt_token_ids"}
+                or prompt.keys() - {"prompt", "prompt_token_ids", "cache_salt"}
                 or not isinstance(text, (str, type(None)))
             ):
                 raise ValueError(
@@ -817,11 +820,12 @@ class IncrementalText:
         )
         new = window[len(before) :]
         if self.stop and end > self.min_tokens:  # vLLM's: no stop string within min_tokens
-            text = self.decoded + new
             begin = max(0, len(self.decoded) - self.hold)
-            found = [(i, stop) for stop in self.stop if (i := text.find(stop, begin)) >= 0]
+            tail = self.decoded[begin:] + new  # (not a copy of the whole text: it grows)
+            found = [(begin + i, stop) for stop in self.stop if (i := tail.find(stop)) >= 0]
             if found:  # the one that begins first, as a search of the whole text finds it
-                self.found, self.num_tokens_at_stop, self.decoded = min(found), end, text
+                self.found, self.num_tokens_at_stop = min(found), end
+                self.decoded += new
                 return
         self.pending = window.endswith("\ufffd") and not final
         if not self.pending:
@@ -846,7 +850,11 @@ class RequestState:
         self.num_tokens = 0  # the tokens taken in so far
         self.completion = CompletionOutput(index, "", [], None)
         self.finished = False
-        self.logprobs: list[dict[int, Logprob]] = []  # one per token taken in, where asked
+        # Its outputs' lists, appended to, never copied whole (a copy a token grew with the output);
+        # each output hands out these same lists, which grow: vLLM's cumulative outputs' too.
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict[int, Logprob]] = []  # one per token, where asked
+        self.cumulative_logprob = 0.0
         self.prompt_logprobs: list | None = None  # made at the first report, where asked: all in
 
     def logprob_dict(self, entry: tuple) -> dict[int, Logprob]:
@@ -865,10 +873,6 @@ class RequestState:
         request, text = self.request, self.text
         if request.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None, *map(self.logprob_dict, request.prompt_logprobs)]
-        if request.params.logprobs is not None:
-            self.logprobs += map(
-                self.logprob_dict, request.logprobs[len(self.logprobs) : num_tokens]
-            )
         # An engine "stop" is an EOS or stop token: in token_ids, left out of the text, as in vLLM.
         end = num_tokens - 1 if finished and request.finish_reason == "stop" else num_tokens
         if request.params.stop:  # every token, in order: the one that completes a stop string
@@ -889,13 +893,17 @@ class RequestState:
             self.finished, reason, stop_reason = True, request.finish_reason, request.stop_reason
         else:
             reason = stop_reason = None
-        token_ids = request.output_token_ids[:num_tokens]
+        new = slice(len(self.token_ids), num_tokens)  # (at a stop string: to the one ending it)
+        self.token_ids += request.output_token_ids[new]
         self.completion = CompletionOutput(
-            self.index, text.text(self.finished), token_ids, reason, stop_reason
+            self.index, text.text(self.finished), self.token_ids, reason, stop_reason
         )
         if request.params.logprobs is not None:
-            self.completion.logprobs = self.logprobs[:num_tokens]
-            self.completion.cumulative_logprob = sum(e[1][0] for e in request.logprobs[:num_tokens])
+            self.logprobs += map(self.logprob_dict, request.logprobs[new])
+            for entry in request.logprobs[new]:  # in order, as one sum over all adds them
+                self.cumulative_logprob += entry[1][0]
+            self.completion.logprobs = self.logprobs
+            self.completion.cumulative_logprob = self.cumulative_logprob
 
 
 class OutputProcessor:
@@ -1407,8 +1415,10 @@ class LLM:
         return {**self.engine.stats, "dropped_tokens": self.scheduler.num_dropped_tokens}
 
     def get_metrics(self) -> list[Metric]:
-        """vLLM's get_metrics() (Scheduler.make_metrics): counters since start, gauges now."""
-        return self.engine_client.call(self.scheduler.make_metrics)
+        """vLLM's get_metrics() (Scheduler.make_metrics): counters since start, gauges now. Read in
+        the caller's thread, not queued behind the running step (a long prefill: seconds), as
+        vLLM's are read from its front end: each value is one number or length, read whole."""
+        return self.scheduler.make_metrics()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's): False, and nothing forgotten, while requests run."""
