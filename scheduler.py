@@ -12,7 +12,7 @@ import queue
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from worker import ModelRunnerOutput, NewRequest, SamplingParams, SchedulerOutput
+from worker import FAILED, ModelRunnerOutput, NewRequest, SamplingParams, SchedulerOutput
 
 
 @dataclass
@@ -350,10 +350,13 @@ class Scheduler:
             if token is None:  # part-way in its prompt
                 continue
             request.num_in_flight -= 1
+            updated.append(request)
+            if token == FAILED:  # no distribution in its row (Worker.sample): it alone ends
+                request.finish_reason = "error"
+                continue
             request.output_token_ids.append(token)
             if request.params.logprobs is not None:
                 request.logprobs.append(runner_output.logprobs[request_id])
-            updated.append(request)
             # An end-of-sequence or stop token ends it here; a stop string, a matter of text, is
             # found by the front end (OutputProcessor), which then aborts the request.
             if token in self.eos_token_ids and not request.params.ignore_eos:

@@ -132,7 +132,7 @@ class APIError(Exception):
     """An answer in OpenAI's error shape: the HTTP status, the message, the field at fault."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code=None):
-        super().__init__(message)
+        super().__init__(str(message).split("\n")[0])  # one line: never a worker's traceback
         self.status, self.param, self.code = status, param, code
 
     def body(self) -> dict:
@@ -296,9 +296,12 @@ class Handler(BaseHTTPRequestHandler):
             if fault := field_fault(name, value, honoured):
                 raise APIError(400, fault, name)
         if isinstance(bias := body.get("logit_bias"), dict):  # OpenAI's: token ids as strings
-            if not all(key.isascii() and key.isdigit() for key in bias):
+            if not all(key.isascii() and key.isdigit() and len(key) < 20 for key in bias):
                 raise APIError(400, f"logit_bias's keys are token ids: {bias!s:.60}", "logit_bias")
-            body["logit_bias"] = {int(key): value for key, value in bias.items()}
+            body["logit_bias"] = {  # each number clamped to [-100, 100], as vLLM's server does
+                int(key): min(100, max(-100, v)) if type(v) in (int, float) and v == v else v
+                for key, v in bias.items()
+            }
         options = {k: v for k, v in body.get("stream_options", {}).items() if v is not None}
         flags = options.keys() <= STREAM_OPTIONS and all(type(v) is bool for v in options.values())
         if options and not (flags and body.get("stream")):
@@ -453,6 +456,8 @@ class Handler(BaseHTTPRequestHandler):
                         raise ConnectionResetError
                     for piece in self.choices(final, sent, params.n, chat, True) if stream else []:
                         self.send_chunk(head, *piece)
+            except ValueError as e:  # this request's logits became inf or NaN: it alone failed
+                raise APIError(400, str(e)) from None
             # the workers died, or the server stops (it shuts the engine down)
             except RuntimeError as e:
                 stopping = self.server.stopping.is_set() and "the server is shutting down"

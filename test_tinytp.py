@@ -4109,16 +4109,81 @@ def test_seeded_sampling_is_unchanged_by_a_neutral_penalty_or_bias(odd_vocab_che
         ({"prompt_logprobs": 1.0}, "prompt_logprobs must be None or an integer from 0 to 20"),
         ({"presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
         ({"frequency_penalty": "1"}, r"frequency_penalty must be a number in \[-2, 2\]"),
-        ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0, got 0"),
+        (
+            {"repetition_penalty": 0},
+            r"repetition_penalty must be a number from 1.18e-38 to 3.4e\+38",
+        ),
         ({"min_tokens": -1}, "min_tokens must be an integer >= 0, got -1"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens=5 must be at most max_tokens=4"),
-        ({"logit_bias": {"65": 1.0}}, "logit_bias must be None or a dict of token ids to finite"),
+        ({"logit_bias": {"65": 1.0}}, "logit_bias must be None or a dict of token ids to numbers"),
         ({"logit_bias": {65: math.nan}}, "logit_bias must be None or a dict of token ids"),
     ],
 )
 def test_logprobs_penalties_and_bias_out_of_range_are_refused_in_one_line(fields, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         SamplingParams(**fields)
+
+
+# Values a hostile caller might send, for every numeric field: each is refused at construction
+# (one line naming the field), or runs; none may take the engine down.
+FUZZ_FIELDS = ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"]
+FUZZ_FIELDS += ["repetition_penalty", "min_tokens", "seed", "logprobs", "n"]
+FUZZ_VALUES = [math.nan, math.inf, -math.inf, 1e39, 3e38, 1e-300, -1e-300, 0, -1, 2**70, "1", [1]]
+FUZZ_VALUES += [True, 1.5, 1e-45]
+
+
+def fuzzed_params() -> list[SamplingParams]:
+    """Each value above in each numeric field and as a logit_bias: those SamplingParams takes."""
+    taken = []
+    choices = [{name: value} for name in FUZZ_FIELDS for value in FUZZ_VALUES]
+    choices += [{"logit_bias": {5: value}} for value in FUZZ_VALUES]
+    for fields in choices:
+        try:
+            taken.append(SamplingParams(max_tokens=3, ignore_eos=True, **fields))
+        except ValueError as e:
+            assert "\n" not in str(e) and str(e).startswith(next(iter(fields))), (fields, e)
+    return taken
+
+
+@pytest.mark.quick
+def test_values_float32_cannot_hold_are_refused_naming_the_field():
+    """A bias or penalty whose float32 form is inf or 0 (1e39, 1e-300) would make a row of logits
+    inf or NaN in the sampler: refused here, with the range the field takes."""
+    for fields in [{"logit_bias": {5: 1e39}}, {"logit_bias": {5: -math.inf}}]:
+        with pytest.raises(ValueError, match="^logit_bias must be None or a dict of token ids to"):
+            SamplingParams(**fields)
+    for value in [1e-300, 1e39, math.inf]:
+        with pytest.raises(ValueError, match="^repetition_penalty must be a number from"):
+            SamplingParams(repetition_penalty=value)
+    assert SamplingParams(logit_bias={5: 3e38}, repetition_penalty=1e-30).logit_bias == {5: 3e38}
+    assert len(fuzzed_params()) >= 30  # the fuzz runs something
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_no_request_can_take_the_engine_down_and_extreme_values_sample_exactly(mha_checkpoint, tp):
+    """logit_bias 3e38 at temperature 0.7 divides to inf in float32: the sampler subtracts the
+    row's peak first, so the biased token is drawn every time, as the exact distribution says.
+    A row that still overflows (3e38 divided by a repetition penalty of 0.5, once the token is
+    seen) fails its request alone, in one line; then every fuzzed value, greedy and sampled, runs
+    or fails alone, and the engine still gives its first tokens."""
+    path, _ = mha_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=64) as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+        for temperature in (0, 0.7, 1.0):
+            biased = SamplingParams(temperature=temperature, logit_bias={5: 3e38}, max_tokens=4)
+            assert llm.generate(PROMPTS[:2], biased)[0].outputs[0].token_ids == [5] * 4
+            overflowing = replace(biased, repetition_penalty=0.5)
+            with pytest.raises(ValueError, match=r"^request \d+: its logits became inf or NaN"):
+                llm.generate([PROMPTS[0]], overflowing)
+        for params in fuzzed_params():  # as they are (sampled, mostly), and greedy
+            for each in [params, replace(params, temperature=0)][: 1 + (params.n == 1)]:
+                try:
+                    llm.generate([PROMPTS[1]], each)
+                except ValueError as e:
+                    assert "\n" not in str(e), e
+        llm.check_health()
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == before
 
 
 # --------------------------------------------------------------------------------------
@@ -4837,13 +4902,19 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"temperature": -0.5}, "temperature must be a number >= 0, got -0.5"),
+        ({"temperature": -0.5}, r"temperature must be a number from 0 to 3.4e\+38, got -0.5"),
         ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
         ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\], got 1.5"),
         ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
-        ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
-        ({"temperature": float("inf")}, "temperature must be a number >= 0, got inf"),
-        ({"temperature": "0.5"}, "temperature must be a number >= 0, got '0.5'"),
+        (
+            {"temperature": float("nan")},
+            r"temperature must be a number from 0 to 3.4e\+38, got nan",
+        ),
+        (
+            {"temperature": float("inf")},
+            r"temperature must be a number from 0 to 3.4e\+38, got inf",
+        ),
+        ({"temperature": "0.5"}, r"temperature must be a number from 0 to 3.4e\+38, got '0.5'"),
         ({"top_p": float("nan")}, r"top_p must be a number in \(0, 1\], got nan"),
         ({"max_tokens": 2.0}, "max_tokens must be an integer >= 1, got 2.0"),
         ({"max_tokens": True}, "max_tokens must be an integer >= 1, got True"),
@@ -4859,8 +4930,8 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
         ({"top_k": 2.0}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got 2.0"),
         ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\], got 1.5"),
         ({"min_p": float("nan")}, r"min_p must be a number in \[0, 1\], got nan"),
-        ({"n": 0}, "n must be an integer >= 1, got 0"),
-        ({"n": True}, "n must be an integer >= 1, got True"),
+        ({"n": 0}, "n must be an integer from 1 to 16384, got 0"),
+        ({"n": True}, "n must be an integer from 1 to 16384, got True"),
         ({"stop": [""]}, r"stop must be a string or a list of non-empty strings, got \[''\]"),
         ({"stop": 5}, "stop must be a string or a list of non-empty strings, got 5"),
         (
@@ -5571,8 +5642,8 @@ def test_server_errors_are_openais_shapes_and_classes(openai, tiny_server):
         ({"best_of": 2}, "tinytp does not support best_of"),
         ({"frequency_penalty": 2.5}, r"frequency_penalty must be a number in \[-2, 2\]"),
         ({"suffix": "x"}, "tinytp does not support suffix"),
-        ({"temperature": -1}, "temperature must be a number >= 0, got -1"),
-        ({"n": 0}, "n must be an integer >= 1, got 0"),
+        ({"temperature": -1}, r"temperature must be a number from 0 to 3.4e\+38, got -1"),
+        ({"n": 0}, "n must be an integer from 1 to 16384, got 0"),
         ({"max_tokens": 600}, "max_tokens=600 is too large: this model's context is 512 tokens"),
         ({"prompt": [256, 300]}, r"token ids \[300\] are outside the vocabulary"),
         ({"prompt": {"a": 1}}, "prompt must be a string, a list of strings"),
@@ -5874,6 +5945,34 @@ def test_server_red_team_inputs_each_get_openais_json_and_their_status(openai, t
     assert error.value.status_code == 405 and error.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.NotFoundError, match="no route /v1/nothing"):
         client.post("/nothing", cast_to=object, body={})
+    assert "Traceback" not in tiny_server.log()
+
+
+def test_server_survives_any_sampling_values_each_failing_its_request_alone(tiny_server, tiny_llm):
+    """A bias is clamped to [-100, 100] as vLLM's server clamps it (1e39 runs, token 5 every time);
+    a value float32 cannot hold is a 400 naming it; a row that still overflows (a bias of 100 on a
+    prompt token, divided by a repetition penalty of 1e-37) fails that request alone, a 400 in one
+    line, streamed or not. The server then answers as before, and its log holds no traceback."""
+    base = {"prompt": [256, 5, 72], "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    before = served_json(tiny_server, "/v1/completions", base)["choices"][0]["text"]
+    for bias, temperature in [(1e39, 1), (3e38, 0.7), (-1e39, 0)]:
+        body = {**base, "logit_bias": {"5": bias}, "temperature": temperature}
+        answer = served_json(tiny_server, "/v1/completions", body)["choices"][0]["text"]
+        assert bias < 0 or answer == "\x05" * 3
+    for change, status, words in [
+        ({"repetition_penalty": 1e-300}, 400, "repetition_penalty must be a number from"),
+        ({"temperature": 1e39}, 400, "temperature must be a number from 0"),
+        ({"logit_bias": {"5": "x"}}, 400, "logit_bias must be None or a dict"),
+        ({"logit_bias": {"5" * 5000: 1}}, 400, "logit_bias's keys are token ids"),
+        ({"logit_bias": {"5": 100}, "repetition_penalty": 1e-37}, 400, "its logits became inf"),
+        ({"logit_bias": {"5": 100}, "repetition_penalty": 1e-37, "stream": True}, 200, "inf"),
+    ]:
+        data = post("/v1/completions", json.dumps({**base, **change}).encode())
+        line, _, body = raw_http(tiny_server.port, data)
+        assert line.split()[1] == str(status), (change, body)
+        message = (sse_chunks(body)[-1] if change.get("stream") else json.loads(body))["error"]
+        assert words in message["message"] and "\n" not in message["message"], (change, body)
+    assert served_json(tiny_server, "/v1/completions", base)["choices"][0]["text"] == before
     assert "Traceback" not in tiny_server.log()
 
 

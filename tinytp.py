@@ -461,8 +461,12 @@ class EngineCore:
                     self.run_command(verb, argument)
                 for request in self.step():
                     finished = request.finish_reason is not None
+                    report = (request, len(request.output_token_ids), finished)
+                    if request.finish_reason == "error":  # its caller's alone: the engine goes on
+                        why = "its logits became inf or NaN (its logit_bias and penalties together)"
+                        report = ValueError(f"request {request.request_id}: {why}; it was stopped")
                     if request.stream or finished:
-                        request.output_queue.put((request, len(request.output_token_ids), finished))
+                        request.output_queue.put(report)
             except Exception as error:  # a worker failed or died: shut down, later steps raise too
                 self.executor.shutdown()  # already, but for driver faults: ranks may disagree now
                 self.fail_every_request(error)

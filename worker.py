@@ -64,6 +64,10 @@ def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
 
 
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a lower temperature other than 0 is raised to it
+# The sampler's float32: a bias or penalty it would hold as inf (or 0) is refused up front
+MAX32, TINY32 = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
+MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES: the most samples one prompt may ask for
+FAILED = -1  # a sampled token's place in a step's reply when the request's row had no distribution
 MAX_LOGPROBS = 20  # vLLM's max_logprobs default: the most log-probabilities a token may ask for
 LOGPROBS_WORDS = f"None or an integer from 0 to {MAX_LOGPROBS} (vLLM's max_logprobs)"
 
@@ -78,10 +82,10 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
         return k is None or is_integer(k) and 0 <= k <= MAX_LOGPROBS
 
     bias, repetition, temperature = params.logit_bias, params.repetition_penalty, params.temperature
-    top_k = params.top_k
+    top_k, float32_range = params.top_k, f"from {TINY32:.3g} to {MAX32:.3g}"
     return [
-        ("n", is_integer(params.n) and params.n >= 1, "an integer >= 1"),
-        ("temperature", is_number(temperature) and 0 <= temperature < math.inf, "a number >= 0"),
+        ("n", is_integer(params.n) and 1 <= params.n <= MAX_N, f"an integer from 1 to {MAX_N}"),
+        ("temperature", within(temperature, 0, MAX32), f"a number from 0 to {MAX32:.3g}"),
         ("top_p", within(params.top_p, 0, 1) and params.top_p > 0, "a number in (0, 1]"),
         ("top_k", is_integer(top_k) and top_k >= -1, "an integer >= 1, or 0 or -1 for all tokens"),
         ("min_p", within(params.min_p, 0, 1), "a number in [0, 1]"),
@@ -94,15 +98,15 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
         ("min_tokens", is_integer(params.min_tokens) and params.min_tokens >= 0, "an integer >= 0"),
         ("presence_penalty", within(params.presence_penalty, -2, 2), "a number in [-2, 2]"),
         ("frequency_penalty", within(params.frequency_penalty, -2, 2), "a number in [-2, 2]"),
-        ("repetition_penalty", within(repetition, 0, math.inf) and repetition > 0, "a number > 0"),
+        ("repetition_penalty", within(repetition, TINY32, MAX32), f"a number {float32_range}"),
         ("logprobs", up_to_max_logprobs(params.logprobs), LOGPROBS_WORDS),
         ("prompt_logprobs", up_to_max_logprobs(params.prompt_logprobs), LOGPROBS_WORDS),
         (
             "logit_bias",
             bias is None
             or isinstance(bias, dict)
-            and all(is_integer(t) and is_number(b) and math.isfinite(b) for t, b in bias.items()),
-            "None or a dict of token ids to finite numbers",
+            and all(is_integer(t) and within(b, -MAX32, MAX32) for t, b in bias.items()),
+            f"None or a dict of token ids to numbers from -{MAX32:.3g} to {MAX32:.3g}",
         ),
     ]
 
@@ -528,8 +532,10 @@ class SharedMemoryGroup(TPGroup):
 def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Weights for drawing one request's next token from its row of logits. vLLM's order:
     temperature, then top-k (0 or -1: all tokens), top-p and min-p, each judging what the one
-    before kept, renormalized (min-p is relative to the likeliest, so needs no renormalizing)."""
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    before kept, renormalized (min-p is relative to the likeliest, so needs no renormalizing).
+    The row's peak is subtracted first (softmax is the same for any shift): a finite row then never
+    overflows, as a huge logit_bias divided by a temperature below 1 would."""
+    probs = torch.softmax((logits - logits.max()) / float(params.temperature), dim=-1)
     if 0 < params.top_k < probs.numel():
         kth_largest = probs.topk(params.top_k).values[-1]
         probs = probs.masked_fill(probs < kth_largest, 0)  # ties with the k-th are kept, as in vLLM
@@ -538,6 +544,7 @@ def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
         sorted_probs, order = probs.sort(descending=True)
         # keep a token if the tokens ranked above it hold less than top_p
         outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        outside[0] = False  # none is ranked above the likeliest (a top_p float32 holds as 0)
         probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0))
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
@@ -570,7 +577,7 @@ def adjusted_row(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:
         logits = logits.index_add(0, ids([*params.logit_bias]), biases)
     if len(output) < params.min_tokens:
         logits = logits.index_fill(0, ids(request.min_tokens_stop_ids), -math.inf)
-    if (penalty := params.repetition_penalty) != 1:
+    if (penalty := float(params.repetition_penalty)) != 1:  # (an int may pass torch's int64)
         seen = ids(request.token_ids).unique()
         scores = logits[seen]
         logits = logits.index_copy(
@@ -890,8 +897,13 @@ class Worker:
         tokens, unspoken, having adjusted them alike (penalties, min_tokens, logit_bias)."""
         logits = adjusted_logits(logits.float(), scheduled)
         tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
+        # A row whose peak is inf or NaN (extreme biases and penalties, combined) has no
+        # distribution: its request alone fails (FAILED), not the step and every request in it.
+        peaks = logits.max(dim=-1).values.tolist()
         for i, request in enumerate(scheduled):
-            if request.params.temperature > 0:
+            if not math.isfinite(peaks[i]):
+                tokens[i] = FAILED
+            elif request.params.temperature > 0:
                 probs = sampling_probabilities(logits[i], request.params)
                 tokens[i] = torch.multinomial(probs, 1, generator=request.generator).item()
         return tokens
@@ -920,12 +932,14 @@ class Worker:
             logits = self.run_model(batch, list(sampling.values()), decode_only)
         # .tolist() waits for the GPU
         tokens = dict(zip(sampling, self.sample(logits[: len(sampling)], list(sampling.values()))))
+        # A FAILED request's copy takes token 0 (it ends, and is forgotten, at the driver's word)
+        kept = {request_id: max(token, 0) for request_id, token in tokens.items()}
         # rank 0 alone answers, so it alone computes what was asked
-        logprobs = step_logprobs(logits, ids, batch, tokens) if self.group.rank == 0 else ({}, {})
+        logprobs = step_logprobs(logits, ids, batch, kept) if self.group.rank == 0 else ({}, {})
         for request, count in batch:
             request.num_computed += count
             request.prompt_logprobs_from = max(request.prompt_logprobs_from, request.num_computed)
-        for request_id, token in tokens.items():
+        for request_id, token in kept.items():
             self.requests[request_id].token_ids.append(token)
         sampled_token_ids = [tokens.get(i) for i in scheduler_output.scheduled_ids]
         return ModelRunnerOutput(sampled_token_ids, time.perf_counter() - start, *logprobs)
