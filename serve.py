@@ -51,6 +51,7 @@ STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 TYPE_WORDS = {str: "a string", dict: "an object", bool: "true or false"}
 # (SamplingParams' own; the endpoints set max_tokens, logprobs and prompt_logprobs themselves)
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"max_tokens", "prompt_logprobs"}
+SAMPLING_FIELDS -= {"detokenize", "logits_processors"}  # vLLM's offline API's alone
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "user", *SAMPLING_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "add_generation_prompt"}

@@ -3335,7 +3335,7 @@ class TwoLetterTokenizer:
     """Stands in for the byte-level tokenizer, whose tokens are one character each: here every token
     id below 256 reads as two letters, so that a stop string can begin and end inside a token."""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, **special) -> str:
         return "".join(chr(97 + t % 26) + chr(97 + t // 26) for t in token_ids if t < 256)
 
 
@@ -3632,12 +3632,9 @@ class TestVllmAPI:
 @pytest.mark.parametrize(
     "name, value",
     [
-        ("best_of", 2),
         ("use_beam_search", True),
         ("guided_decoding", {"json": {}}),
-        ("allowed_token_ids", [4]),
-        ("bad_words", ["x"]),
-        ("include_stop_str_in_output", True),
+        ("output_kind", 1),
         ("temprature", 0.5),
     ],
 )  # and a typo
@@ -3645,7 +3642,9 @@ def test_vllm_fields_tinytp_does_not_have_are_refused_by_name(name, value):
     what_it_has = (
         "n, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, max_tokens, "
         "min_tokens, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, "
-        "logprobs, prompt_logprobs"
+        "logprobs, prompt_logprobs, best_of, logits_processors, include_stop_str_in_output, "
+        "detokenize, skip_special_tokens, spaces_between_special_tokens, bad_words, "
+        "allowed_token_ids, truncate_prompt_tokens"
     )
     with pytest.raises(
         ValueError,
@@ -3841,6 +3840,142 @@ def test_max_tokens_none_generates_up_to_max_model_len_as_vllm(mha_checkpoint):
         and output.outputs[0].finish_reason == "length"
     )
     assert_tokens_match_hf(hf_model, PROMPTS[0], output.outputs[0].token_ids)
+
+
+@pytest.mark.quick
+def test_vllms_dtype_names_half_and_float_are_float16_and_float32():
+    config = read_config(os.path.join(HERE, "tiny-llama", "config.json"))
+    for name, dtype in [("half", "float16"), ("float16", "float16"), ("float", "float32")]:
+        assert tinytp.choose_device_and_dtype(config, 1, "cpu", name) == ("cpu", dtype)
+    assert tinytp.parse_args(["--dtype", "half"]).dtype == "half"
+    with pytest.raises(ValueError, match=r"^dtype must be auto, float32 \(float\), bfloat16 or"):
+        tinytp.choose_device_and_dtype(config, 1, "cpu", "fp16")
+
+
+def test_best_of_and_logits_processors_are_refused_at_generate_as_vllm_v1(mha_checkpoint):
+    """vLLM V1 takes SamplingParams(n=2, best_of=3) and refuses it at generate, as it refuses
+    per-request logits processors; best_of below n is refused at once; best_of=1 and an empty
+    list of processors run. get_tokenizer() is the LLM's tokenizer, truncating on the left."""
+    path, _ = mha_checkpoint
+    params = SamplingParams(n=2, best_of=3, max_tokens=2)
+    with pytest.raises(ValueError, match="^best_of must be None or an integer >= n=2, got 1"):
+        SamplingParams(n=2, best_of=1)
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        with pytest.raises(ValueError, match="^best_of=3: vLLM V1 does not support it"):
+            llm.generate([PROMPTS[0]], params)
+        with pytest.raises(ValueError, match="^logits_processors: vLLM V1 does not support it"):
+            llm.generate([PROMPTS[0]], SamplingParams(logits_processors=[lambda ids, row: row]))
+        runs = SamplingParams(best_of=1, logits_processors=[], max_tokens=2)
+        assert len(llm.generate([PROMPTS[0]], runs)[0].outputs[0].token_ids) == 2
+        assert llm.get_tokenizer() is llm.tokenizer and llm.tokenizer.truncation_side == "left"
+
+
+def restricted_greedy(allowed: list[int]):
+    """A transformers processor: every token but the allowed ones masked (an independent mask)."""
+
+    def process(ids, scores):
+        masked = torch.full_like(scores, -math.inf)
+        masked[:, allowed] = scores[:, allowed]
+        return masked
+
+    return process
+
+
+def without_bad_words(prompt_length: int, words: list[list[int]]):
+    """A transformers processor: a bad word's last token masked where the generated tokens (not
+    the prompt's) end in its others, as vLLM's sampler does."""
+
+    def process(ids, scores):
+        output = ids[0, prompt_length:].tolist()
+        for *before, last in words:
+            if len(output) >= len(before) and output[len(output) - len(before) :] == before:
+                scores[:, last] = -math.inf
+        return scores
+
+    return process
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_allowed_token_ids_and_bad_words_are_masked_greedy_as_computed_by_hand(mha_checkpoint, tp):
+    """Greedy tokens under allowed_token_ids equal transformers' argmax over the allowed set;
+    under bad_words, its greedy with each word's last token masked where the output ends in the
+    rest (tokenized as vLLM does: " lo" is stripped to [108, 111], and with a space again it has
+    3 tokens, so only that one is taken). An empty
+    or out-of-vocabulary list is refused at generate, as vLLM does."""
+    path, hf_model = mha_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    allowed = [65, 72, 108, 111]
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=64) as llm:
+        outputs = llm.generate(PROMPTS[:3], replace(greedy, allowed_token_ids=allowed))
+        for prompt, output in zip(PROMPTS, outputs):
+            expected = hf_greedy_with(hf_model, prompt, [restricted_greedy(allowed)], 8)
+            assert output.outputs[0].token_ids == expected[: len(output.outputs[0].token_ids)]
+        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], greedy)]
+        # two printable ASCII tokens in a row of each greedy output, as a word (a token each)
+        pairs = [t[i : i + 2] for t in plain for i in range(7) if min(t[i : i + 2]) > 32]
+        words = [bytes(pair).decode() for pair in pairs if max(pair) < 127]
+        outputs = llm.generate(PROMPTS[:3], replace(greedy, bad_words=words + [" lo"]))
+        ids = [[*map(ord, word)] for word in words] + [[108, 111]]  # " lo": stripped, as vLLM
+        for prompt, output in zip(PROMPTS, outputs):
+            expected = hf_greedy_with(hf_model, prompt, [without_bad_words(len(prompt), ids)], 8)
+            assert output.outputs[0].token_ids == expected
+        assert words and [o.outputs[0].token_ids for o in outputs] != plain
+        for bad in ([], [-1], [10_000]):
+            with pytest.raises(ValueError, match="^allowed_token_ids"):
+                llm.generate([PROMPTS[0]], replace(greedy, allowed_token_ids=bad))
+
+
+def test_stop_strings_detokenize_special_tokens_and_truncation_as_vllm(mha_checkpoint):
+    """include_stop_str_in_output: the text ends with the stop string (and with a stop token's
+    text); detokenize=False: the same tokens, no text, no decoded tokens; skip_special_tokens:
+    the tokenizer's decode either way (allowed_token_ids makes BOS likely); truncate_prompt_tokens:
+    a text's tokenizer truncation on the left (BOS kept), token ids' last k, -1 max_model_len."""
+    path, _ = mha_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        tokenizer = llm.get_tokenizer()
+        plain = llm.generate(["hello"], greedy)[0].outputs[0]
+        stop = plain.text[4:6]
+        where = plain.text.index(stop)
+        for include, text in [(False, plain.text[:where]), (True, plain.text[: where + 2])]:
+            params = replace(greedy, stop=[stop], include_stop_str_in_output=include)
+            assert llm.generate(["hello"], params)[0].outputs[0].text == text
+            streamed = "".join(llm.stream("hello", params))
+            assert streamed == text
+        token = plain.token_ids[3]
+        params = replace(greedy, stop_token_ids=[token], include_stop_str_in_output=True)
+        output = llm.generate(["hello"], params)[0].outputs[0]
+        assert output.text == tokenizer.decode(plain.token_ids[: plain.token_ids.index(token) + 1])
+        quiet = llm.generate(["hello"], replace(greedy, detokenize=False, logprobs=2))[0]
+        assert quiet.outputs[0].token_ids == plain.token_ids and quiet.outputs[0].text == ""
+        assert all(lp.decoded_token is None for e in quiet.outputs[0].logprobs for lp in e.values())
+        with pytest.raises(ValueError, match="needs detokenize=True"):
+            SamplingParams(stop="x", detokenize=False)
+        specials = replace(greedy, allowed_token_ids=[256, 257, 72])
+        for skip in (True, False):
+            output = llm.generate(["hello"], replace(specials, skip_special_tokens=skip))[0]
+            ids = output.outputs[0].token_ids
+            assert {256, 257} & {*ids} and output.outputs[0].text == tokenizer.decode(
+                ids, skip_special_tokens=skip
+            )
+        text = "hello, world"
+        for k, expected in [
+            (4, [256] + tokenizer(text).input_ids[-3:]),
+            (-1, tokenizer(text).input_ids),
+        ]:
+            params = replace(greedy, truncate_prompt_tokens=k)
+            output = llm.generate([text], params)[0]
+            assert output.prompt_token_ids == expected
+            assert (
+                output.outputs[0].token_ids
+                == llm.generate([expected], greedy)[0].outputs[0].token_ids
+            )
+        last = llm.generate([PROMPTS[2]], replace(greedy, truncate_prompt_tokens=5))[0]
+        assert last.prompt_token_ids == PROMPTS[2][-5:]
+        with pytest.raises(
+            ValueError, match="^truncate_prompt_tokens=65 is more than max_model_len"
+        ):
+            llm.generate([text], replace(greedy, truncate_prompt_tokens=65))
 
 
 # --------------------------------------------------------------------------------------
@@ -4280,8 +4415,8 @@ def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint
     params = SamplingParams(temperature=1.5, seed=7, max_tokens=60, ignore_eos=True)
     with LLM(path, device="cpu", max_model_len=128) as llm:
         detokenize, decoded = llm.output_processor.detokenize, []
-        llm.output_processor.detokenize = lambda token_ids: (
-            decoded.append(len(token_ids)) or detokenize(token_ids)
+        llm.output_processor.detokenize = lambda token_ids, **special: (
+            decoded.append(len(token_ids)) or detokenize(token_ids, **special)
         )
         pieces = list(llm.stream("héllo wörld", params))
         assert "".join(pieces) == llm.generate(["héllo wörld"], params)[0].outputs[0].text
@@ -5639,7 +5774,7 @@ def test_server_errors_are_openais_shapes_and_classes(openai, tiny_server):
         ({"echo": "yes"}, "echo must be true or false"),
         ({"logit_bias": {"A": 1}}, "logit_bias's keys are token ids"),
         ({"logit_bias": {"300": 1}}, r"logit_bias \[300\] are outside the vocabulary"),
-        ({"best_of": 2}, "tinytp does not support best_of"),
+        ({"best_of": 2}, "best_of=2: vLLM V1 does not support it"),
         ({"frequency_penalty": 2.5}, r"frequency_penalty must be a number in \[-2, 2\]"),
         ({"suffix": "x"}, "tinytp does not support suffix"),
         ({"temperature": -1}, r"temperature must be a number from 0 to 3.4e\+38, got -1"),

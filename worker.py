@@ -45,6 +45,10 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_text(value) -> bool:
+    return isinstance(value, str) and value != ""
+
+
 def is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -66,10 +70,14 @@ def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a lower temperature other than 0 is raised to it
 # The sampler's float32: a bias or penalty it would hold as inf (or 0) is refused up front
 MAX32, TINY32 = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
+FLAGS = ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens")
+FLAGS += ("spaces_between_special_tokens",)  # SamplingParams' True or False ones
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES: the most samples one prompt may ask for
 FAILED = -1  # a sampled token's place in a step's reply when the request's row had no distribution
 MAX_LOGPROBS = 20  # vLLM's max_logprobs default: the most log-probabilities a token may ask for
 LOGPROBS_WORDS = f"None or an integer from 0 to {MAX_LOGPROBS} (vLLM's max_logprobs)"
+IDS, WORDS = "None or a list of token ids", "None or a list of non-empty strings"
+TRUNCATE = "None, -1 (max_model_len) or an integer >= 1"
 
 
 def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
@@ -83,6 +91,7 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
 
     bias, repetition, temperature = params.logit_bias, params.repetition_penalty, params.temperature
     top_k, float32_range = params.top_k, f"from {TINY32:.3g} to {MAX32:.3g}"
+    ids, words, k = params.allowed_token_ids, params.bad_words, params.truncate_prompt_tokens
     return [
         ("n", is_integer(params.n) and 1 <= params.n <= MAX_N, f"an integer from 1 to {MAX_N}"),
         ("temperature", within(temperature, 0, MAX32), f"a number from 0 to {MAX32:.3g}"),
@@ -94,7 +103,7 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
             params.seed is None or is_integer(params.seed) and 0 <= params.seed < 2**64,
             "None or an integer in [0, 2**64)",
         ),
-        ("ignore_eos", isinstance(params.ignore_eos, bool), "True or False"),
+        *[(name, type(getattr(params, name)) is bool, "True or False") for name in FLAGS],
         ("min_tokens", is_integer(params.min_tokens) and params.min_tokens >= 0, "an integer >= 0"),
         ("presence_penalty", within(params.presence_penalty, -2, 2), "a number in [-2, 2]"),
         ("frequency_penalty", within(params.frequency_penalty, -2, 2), "a number in [-2, 2]"),
@@ -108,6 +117,9 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
             and all(is_integer(t) and within(b, -MAX32, MAX32) for t, b in bias.items()),
             f"None or a dict of token ids to numbers from -{MAX32:.3g} to {MAX32:.3g}",
         ),
+        ("allowed_token_ids", ids is None or type(ids) is list and all(map(is_integer, ids)), IDS),
+        ("bad_words", words is None or type(words) is list and all(map(is_text, words)), WORDS),
+        ("truncate_prompt_tokens", k is None or is_integer(k) and (k == -1 or k >= 1), TRUNCATE),
     ]
 
 
@@ -137,12 +149,23 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id: a number added to its logit
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    best_of: int | None = None  # vLLM V1's: taken, but refused above 1 at generate (Processor)
+    logits_processors: list | None = None  # as vLLM V1: refused at generate, if any
+    include_stop_str_in_output: bool = False  # the text ends with the stop string, not before it
+    detokenize: bool = True  # False: token ids alone, no text (nor Logprob.decoded_token)
+    skip_special_tokens: bool = True  # in the text (tokenizer.decode's)
+    spaces_between_special_tokens: bool = True  # (a slow tokenizer's: fast ones ignore it)
+    bad_words: list[str] | None = None  # never completed: the last token of each is masked
+    allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled
+    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens (-1: max_model_len)
+    bad_words_token_ids = ()  # (not a field) bad_words as token ids: the Processor's tokenizer's
 
     @property
     def adjusts_logits(self) -> bool:
         """Whether adjusted_row changes anything for it."""
         penalties = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-        return bool(self.logit_bias or self.min_tokens or penalties)
+        masks = self.bad_words or self.allowed_token_ids
+        return bool(self.logit_bias or self.min_tokens or penalties or masks)
 
     def __new__(cls, *args, **kwargs):
         # vLLM's other fields (beam search, guided decoding, ...) and typos: a ValueError naming
@@ -166,6 +189,12 @@ class SamplingParams:
                 f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
             )
         self.stop = list(stop)
+        if self.stop and not self.detokenize:  # as vLLM: a stop string is looked for in the text
+            raise ValueError(f"stop={self.stop} needs detokenize=True: stop strings are text")
+        if self.best_of is not None and not (is_integer(self.best_of) and self.best_of >= self.n):
+            raise ValueError(
+                f"best_of must be None or an integer >= n={self.n}, got {self.best_of!r}"
+            )
         self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")
         if self.max_tokens is not None:
             check_count("max_tokens", self.max_tokens)
@@ -566,12 +595,20 @@ def adjusted_logits(logits: torch.Tensor, scheduled: list[CachedRequest]) -> tor
 
 def adjusted_row(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:
     """One request's row of logits as vLLM's sampler adjusts it, greedy or not, in its order:
-    logit_bias added; the end-of-sequence and stop tokens ruled out below min_tokens; then the
-    penalties: repetition over the prompt's and output's tokens (a positive logit divided by it,
-    a negative one multiplied, as transformers' RepetitionPenaltyLogitsProcessor), frequency
-    (times each token's count) and presence (once per token) over the output's, as OpenAI's."""
+    allowed_token_ids and bad_words masks (vLLM's: a bad word's last token, where the output so far
+    ends in its other tokens; the prompt not counted); logit_bias added; the end-of-sequence and
+    stop tokens ruled out below min_tokens; then the penalties: repetition over the prompt's and
+    output's tokens (a positive logit divided by it, a negative one multiplied, as transformers'
+    RepetitionPenaltyLogitsProcessor), frequency (times each token's count) and presence (once per
+    token) over the output's, as OpenAI's."""
     params, ids = request.params, functools.partial(torch.tensor, device=logits.device)
     output = request.token_ids[request.num_prompt_tokens :]
+    if params.allowed_token_ids:  # every other token masked
+        allowed = ids(params.allowed_token_ids)
+        logits = torch.full_like(logits, -math.inf).index_copy(0, allowed, logits[allowed])
+    for *before, last in params.bad_words_token_ids:  # where the output ends in the rest of one
+        if output[len(output) - len(before) :] == before:
+            logits = logits.index_fill(0, ids([last]), -math.inf)
     if params.logit_bias:
         biases = ids([*params.logit_bias.values()], dtype=logits.dtype)
         logits = logits.index_add(0, ids([*params.logit_bias]), biases)
