@@ -350,16 +350,15 @@ class Scheduler:
             if token is None:  # part-way in its prompt
                 continue
             request.num_in_flight -= 1
-            updated.append(request)
-            if token == FAILED:  # no distribution in its row (Worker.sample): it alone ends
-                request.finish_reason = "error"
-                continue
             request.output_token_ids.append(token)
             if request.params.logprobs is not None:
                 request.logprobs.append(runner_output.logprobs[request_id])
+            updated.append(request)
             # An end-of-sequence or stop token ends it here; a stop string, a matter of text, is
             # found by the front end (OutputProcessor), which then aborts the request.
-            if token in self.eos_token_ids and not request.params.ignore_eos:
+            if token == FAILED:  # no distribution in its row (Worker.sample): it alone ends
+                request.finish_reason = "error"
+            elif token in self.eos_token_ids and not request.params.ignore_eos:
                 request.finish_reason = "stop"
             elif token in request.params.stop_token_ids:
                 request.finish_reason, request.stop_reason = "stop", token

@@ -132,8 +132,9 @@ def choose_device_and_dtype(
         native_bfloat16 = config.dtype == "bfloat16" and cpu_has_native_bfloat16()
         dtype = config.dtype if device == "cuda" or native_bfloat16 else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
-        words = "auto, float32 (float), bfloat16 or float16 (half)"
-        raise ValueError(f"dtype must be {words}, got {dtype!r}")
+        raise ValueError(
+            f"dtype must be auto, float32, bfloat16, float16, half or float: {dtype!r}"
+        )
     return device, dtype
 
 
@@ -602,9 +603,9 @@ class Processor:
             raise ValueError(f"{name}: vLLM V1 does not support it, nor does tinytp")
         if params.allowed_token_ids == []:  # as vLLM
             raise ValueError("allowed_token_ids=[] allows no token: give one at least, or None")
-        if params.stop and self.tokenizer is None:
+        if (params.stop or params.bad_words) and self.tokenizer is None:
             raise ValueError(
-                f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids"
+                f"{self.model_dir} has no tokenizer, so no stop strings, no bad_words: give ids"
             )
         if params.max_tokens is None:  # vLLM's: as many as max_model_len leaves
             params = replace(params, max_tokens=self.max_model_len - len(token_ids))
@@ -626,21 +627,15 @@ class Processor:
         """vLLM's: each word's tokens (leading spaces stripped), and a space and the word's too
         where that begins with another token and has as many (a word within a text, not at its
         start)."""
-        if self.tokenizer is None:
-            raise ValueError(f"{self.model_dir} has no tokenizer, so no bad_words")
         token_ids = []
         for word in words:
             alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            if not alone:
-                raise ValueError(f"bad_words: {word!r} is no token")
             token_ids += [alone] + [spaced] * (spaced[0] != alone[0] and len(spaced) == len(alone))
         self.check_vocabulary(sum(token_ids, []), "bad_words' token ids")
         return token_ids
 
-    def tokenize(
-        self, prompt: str | dict | list[int], last: int | None = None
-    ) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | dict | list[int], last=None) -> tuple[str | None, list[int]]:
         """A prompt's text (None if given as ids) and its token ids, checked; `last` given, only its
         last tokens (a text's: the tokenizer's, which cuts on the left and keeps BOS, as vLLM's)."""
         text = prompt if isinstance(prompt, str) else None

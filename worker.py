@@ -45,8 +45,8 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def is_text(value) -> bool:
-    return isinstance(value, str) and value != ""
+def is_text(value) -> bool:  # (not only spaces: a bad word, stripped, must be some token)
+    return isinstance(value, str) and value.strip() != ""
 
 
 def is_number(value) -> bool:
@@ -70,8 +70,6 @@ def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a lower temperature other than 0 is raised to it
 # The sampler's float32: a bias or penalty it would hold as inf (or 0) is refused up front
 MAX32, TINY32 = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
-FLAGS = ("ignore_eos", "include_stop_str_in_output", "detokenize", "skip_special_tokens")
-FLAGS += ("spaces_between_special_tokens",)  # SamplingParams' True or False ones
 MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES: the most samples one prompt may ask for
 FAILED = -1  # a sampled token's place in a step's reply when the request's row had no distribution
 MAX_LOGPROBS = 20  # vLLM's max_logprobs default: the most log-probabilities a token may ask for
@@ -103,7 +101,7 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
             params.seed is None or is_integer(params.seed) and 0 <= params.seed < 2**64,
             "None or an integer in [0, 2**64)",
         ),
-        *[(name, type(getattr(params, name)) is bool, "True or False") for name in FLAGS],
+        *[(name, type(getattr(params, name)) is bool, "True or False") for name in BOOL_FIELDS],
         ("min_tokens", is_integer(params.min_tokens) and params.min_tokens >= 0, "an integer >= 0"),
         ("presence_penalty", within(params.presence_penalty, -2, 2), "a number in [-2, 2]"),
         ("frequency_penalty", within(params.frequency_penalty, -2, 2), "a number in [-2, 2]"),
@@ -192,9 +190,7 @@ class SamplingParams:
         if self.stop and not self.detokenize:  # as vLLM: a stop string is looked for in the text
             raise ValueError(f"stop={self.stop} needs detokenize=True: stop strings are text")
         if self.best_of is not None and not (is_integer(self.best_of) and self.best_of >= self.n):
-            raise ValueError(
-                f"best_of must be None or an integer >= n={self.n}, got {self.best_of!r}"
-            )
+            raise ValueError(f"best_of must be an integer >= n={self.n}, got {self.best_of!r}")
         self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")
         if self.max_tokens is not None:
             check_count("max_tokens", self.max_tokens)
@@ -211,6 +207,9 @@ class SamplingParams:
                 file=sys.stderr,
             )
             self.temperature = MIN_TEMPERATURE
+
+
+BOOL_FIELDS = [f.name for f in fields(SamplingParams) if type(f.default) is bool]  # (checked)
 
 
 @dataclass
