@@ -586,8 +586,8 @@ class Processor:
             raise ValueError(
                 f"sampling_params must be SamplingParams or a list of them, got {params!r}"
             )
-        k = params.truncate_prompt_tokens  # vLLM's: -1 is max_model_len, more is refused
-        if k is not None and k > self.max_model_len:
+        # truncate_prompt_tokens, vLLM's: -1 is max_model_len, more is refused
+        if (k := params.truncate_prompt_tokens) and k > self.max_model_len:
             raise ValueError(f"truncate_prompt_tokens={k} is more than max_model_len")
         text, token_ids = self.tokenize(prompt, self.max_model_len if k == -1 else k)
         if len(token_ids) >= self.max_model_len:
@@ -890,9 +890,9 @@ class RequestState:
             self.logprobs += map(
                 self.logprob_dict, request.logprobs[len(self.logprobs) : num_tokens]
             )
-        # An engine "stop" is an EOS or stop token: in token_ids, left out of the text, as in vLLM.
-        stop_token = finished and request.finish_reason == "stop"  # (include...: its text too)
-        end = num_tokens - (stop_token and not request.params.include_stop_str_in_output)
+        # An engine "stop" is an EOS or stop token: in token_ids, left out of the text, as in vLLM
+        # (include_stop_str_in_output: in it)
+        end = num_tokens - (finished and request.finish_reason == "stop" and not text.include_stop)
         if request.params.stop:  # every token, in order: the one that completes a stop string
             ends = list(range(self.num_tokens + 1, end + 1))
         else:

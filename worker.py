@@ -70,7 +70,6 @@ def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a lower temperature other than 0 is raised to it
 # The sampler's float32: a bias or penalty it would hold as inf (or 0) is refused up front
 MAX32, TINY32 = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
-MAX_N = 16384  # vLLM's VLLM_MAX_N_SEQUENCES: the most samples one prompt may ask for
 FAILED = -1  # a sampled token's place in a step's reply when the request's row had no distribution
 MAX_LOGPROBS = 20  # vLLM's max_logprobs default: the most log-probabilities a token may ask for
 LOGPROBS_WORDS = f"None or an integer from 0 to {MAX_LOGPROBS} (vLLM's max_logprobs)"
@@ -91,7 +90,8 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
     top_k, float32_range = params.top_k, f"from {TINY32:.3g} to {MAX32:.3g}"
     ids, words, k = params.allowed_token_ids, params.bad_words, params.truncate_prompt_tokens
     return [
-        ("n", is_integer(params.n) and 1 <= params.n <= MAX_N, f"an integer from 1 to {MAX_N}"),
+        # n: at most vLLM's VLLM_MAX_N_SEQUENCES (a huge n would make that many requests at once)
+        ("n", is_integer(params.n) and 1 <= params.n <= 16384, "an integer from 1 to 16384"),
         ("temperature", within(temperature, 0, MAX32), f"a number from 0 to {MAX32:.3g}"),
         ("top_p", within(params.top_p, 0, 1) and params.top_p > 0, "a number in (0, 1]"),
         ("top_k", is_integer(top_k) and top_k >= -1, "an integer >= 1, or 0 or -1 for all tokens"),
@@ -602,9 +602,8 @@ def adjusted_row(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:
     token) over the output's, as OpenAI's."""
     params, ids = request.params, functools.partial(torch.tensor, device=logits.device)
     output = request.token_ids[request.num_prompt_tokens :]
-    if params.allowed_token_ids:  # every other token masked
-        allowed = ids(params.allowed_token_ids)
-        logits = torch.full_like(logits, -math.inf).index_copy(0, allowed, logits[allowed])
+    if allowed := params.allowed_token_ids:  # every other token masked: x + -inf, x + 0 (exact)
+        logits = logits + torch.full_like(logits, -math.inf).index_fill(0, ids(allowed), 0)
     for *before, last in params.bad_words_token_ids:  # where the output ends in the rest of one
         if output[len(output) - len(before) :] == before:
             logits = logits.index_fill(0, ids([last]), -math.inf)
