@@ -6110,6 +6110,22 @@ def test_server_survives_any_sampling_values_each_failing_its_request_alone(tiny
         message = (sse_chunks(body)[-1] if change.get("stream") else json.loads(body))["error"]
         assert words in message["message"] and "\n" not in message["message"], (change, body)
     assert served_json(tiny_server, "/v1/completions", base)["choices"][0]["text"] == before
+    # vLLM's server's extra fields: taken (allowed_token_ids, include_stop_str_in_output, ...),
+    # but not detokenize or logits_processors, which it does not take either
+    only_h = {**base, "allowed_token_ids": [72, 5], "logit_bias": {"72": 50}, "bad_words": ["HHH"]}
+    assert served_json(tiny_server, "/v1/completions", only_h)["choices"][0]["text"] == "HH\x05"
+    with_stop = {
+        **base,
+        "allowed_token_ids": [72],
+        "stop": ["HH"],
+        "include_stop_str_in_output": True,
+    }
+    assert served_json(tiny_server, "/v1/completions", with_stop)["choices"][0]["text"] == "HH"
+    for name in ("detokenize", "logits_processors"):
+        line, _, body = raw_http(
+            tiny_server.port, post("/v1/completions", json.dumps({**base, name: []}).encode())
+        )
+        assert line.split()[1] == "400" and f"tinytp does not support {name}" in body
     assert "Traceback" not in tiny_server.log()
 
 
