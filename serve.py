@@ -346,10 +346,13 @@ class Handler(BaseHTTPRequestHandler):
         if not all(isinstance(p, (str, list)) for p in prompts):
             words = "a string, a list of strings, a list of token ids or a list of such lists"
             raise APIError(400, f"prompt must be {words}, got {json.dumps(prompt)}", "prompt")
-        # text tokenized as the engine would, its length known now ("", no tokenizer: the engine's)
+        # text tokenized as the engine would, its length known now ("", no tokenizer: the engine's);
+        # truncate_prompt_tokens by the tokenizer, on the left (BOS kept), as vLLM's server does
+        k = body.get("truncate_prompt_tokens")
+        cut = {"truncation": True, "max_length": k} if type(k) is int and k > 0 else {}
         for i, p in enumerate(prompts):
             if isinstance(p, str) and p and (tokenizer := self.server.llm.tokenizer):
-                prompts[i] = {"prompt": p, "prompt_token_ids": tokenizer(p).input_ids}
+                prompts[i] = {"prompt": p, "prompt_token_ids": tokenizer(p, **cut).input_ids}
         # echo: the prompt's text (and logprobs) first; max_tokens 0: alone (vLLM samples one token)
         max_tokens, self.echo = body.get("max_tokens", COMPLETIONS_MAX_TOKENS), body.get("echo", 0)
         self.echo_only, self.top_logprobs = self.echo and max_tokens == 0, body.get("logprobs")

@@ -6121,6 +6121,13 @@ def test_server_survives_any_sampling_values_each_failing_its_request_alone(tiny
         "include_stop_str_in_output": True,
     }
     assert served_json(tiny_server, "/v1/completions", with_stop)["choices"][0]["text"] == "HH"
+    cut = {**base, "prompt": "hello, world", "truncate_prompt_tokens": 4, "max_tokens": 2}
+    ids = tiny_llm.get_tokenizer()("hello, world").input_ids
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    expected = tiny_llm.generate([[ids[0], *ids[-3:]]], greedy)
+    answer = served_json(tiny_server, "/v1/completions", cut)
+    assert answer["usage"]["prompt_tokens"] == 4  # BOS and the last 3, as the tokenizer cuts
+    assert answer["choices"][0]["text"] == expected[0].outputs[0].text
     for name in ("detokenize", "logits_processors"):
         line, _, body = raw_http(
             tiny_server.port, post("/v1/completions", json.dumps({**base, name: []}).encode())
