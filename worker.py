@@ -127,8 +127,10 @@ class SamplingParams:
     sampling_probabilities applies the rest; n samples per prompt, repeatable with a seed. A
     sequence ends at an end-of-sequence token (unless ignore_eos), one of stop_token_ids, a stop
     string (the text ends before it) or after max_tokens, never before min_tokens. Before all that,
-    adjusted_logits adds logit_bias and applies the penalties. logprobs, prompt_logprobs: the k
-    likeliest tokens' log-probabilities (and the chosen one's) at each generated, prompt token."""
+    adjusted_logits masks (allowed_token_ids, bad_words), adds logit_bias and applies the
+    penalties. logprobs, prompt_logprobs: the k likeliest tokens' log-probabilities (and the chosen
+    one's) at each generated, prompt token. Numbers are checked against float32, the sampler's:
+    one it would hold as inf or 0 would leave a row of logits with no distribution."""
 
     n: int = 1
     temperature: float = 1.0
