@@ -77,7 +77,9 @@ def load_tokenizer(tokenizer: str | None, model_dir: str):
     if not (tokenizer or has_tokenizer(model_dir)):
         return None
     try:
-        return AutoTokenizer.from_pretrained(tokenizer or model_dir, trust_remote_code=False)
+        # truncation on the left, as vLLM's get_tokenizer: a prompt keeps its last tokens
+        path = tokenizer or model_dir
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False, truncation_side="left")
     except (ValueError, OSError) as e:
         raise ValueError(
             f"{tokenizer or model_dir}: its tokenizer: {' '.join(str(e).split())}"

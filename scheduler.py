@@ -12,7 +12,7 @@ import queue
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from worker import ModelRunnerOutput, NewRequest, SamplingParams, SchedulerOutput
+from worker import FAILED, ModelRunnerOutput, NewRequest, SamplingParams, SchedulerOutput
 
 
 @dataclass
@@ -384,7 +384,9 @@ class Scheduler:
             updated.append(request)
             # An end-of-sequence or stop token ends it here; a stop string, a matter of text, is
             # found by the front end (OutputProcessor), which then aborts the request.
-            if token in self.eos_token_ids and not request.params.ignore_eos:
+            if token == FAILED:  # no distribution in its row (Worker.sample): it alone ends
+                request.finish_reason = "error"
+            elif token in self.eos_token_ids and not request.params.ignore_eos:
                 request.finish_reason = "stop"
             elif token in request.params.stop_token_ids:
                 request.finish_reason, request.stop_reason = "stop", token

@@ -51,6 +51,7 @@ STREAM_OPTIONS = {"include_usage", "continuous_usage_stats"}
 TYPE_WORDS = {str: "a string", dict: "an object", bool: "true or false"}
 # (SamplingParams' own; the endpoints set max_tokens, logprobs and prompt_logprobs themselves)
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)} - {"max_tokens", "prompt_logprobs"}
+SAMPLING_FIELDS -= {"detokenize", "logits_processors"}  # vLLM's offline API's alone
 COMMON_FIELDS = {"model", "stream", "stream_options", "max_tokens", "user", *SAMPLING_FIELDS}
 COMMON_FIELDS |= {"cache_salt"}  # vLLM's: put in each prompt's dict, which the engine checks
 PROMPT_KEYS = {str: "prompt", list: "prompt_token_ids"}  # a prompt's key in a prompt dict
@@ -134,7 +135,7 @@ class APIError(Exception):
     """An answer in OpenAI's error shape: the HTTP status, the message, the field at fault."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code=None):
-        super().__init__(message)
+        super().__init__(str(message).split("\n")[0])  # one line: never a worker's traceback
         self.status, self.param, self.code = status, param, code
 
     def body(self) -> dict:
@@ -306,13 +307,13 @@ class Handler(BaseHTTPRequestHandler):
             if fault := field_fault(name, value, honoured):
                 raise APIError(400, fault, name)
         if isinstance(bias := body.get("logit_bias"), dict):  # OpenAI's: token ids as strings
-            try:  # (int() refuses past 4,300 digits: ValueError, as any other key that is no id)
-                if not all(key.isascii() and key.isdigit() for key in bias):
-                    raise ValueError
-                body["logit_bias"] = {int(key): value for key, value in bias.items()}
-            except ValueError:
-                why = f"logit_bias's keys are token ids: {bias!s:.60}"
-                raise APIError(400, why, "logit_bias") from None
+            # (20 digits or more is no token id, and int() would refuse a key past 4,300: a 500)
+            if not all(key.isascii() and key.isdigit() and len(key) < 20 for key in bias):
+                raise APIError(400, f"logit_bias's keys are token ids: {bias!s:.60}", "logit_bias")
+            body["logit_bias"] = {  # each number clamped to [-100, 100], as vLLM's server does
+                int(key): min(100, max(-100, v)) if type(v) in (int, float) and v == v else v
+                for key, v in bias.items()
+            }
         options = {k: v for k, v in body.get("stream_options", {}).items() if v is not None}
         flags = options.keys() <= STREAM_OPTIONS and all(type(v) is bool for v in options.values())
         if options and not (flags and body.get("stream")):
@@ -356,10 +357,13 @@ class Handler(BaseHTTPRequestHandler):
         if not all(isinstance(p, (str, list)) for p in prompts):
             words = "a string, a list of strings, a list of token ids or a list of such lists"
             raise APIError(400, f"prompt must be {words}, got {json.dumps(prompt)}", "prompt")
-        # text tokenized as the engine would, its length known now ("", no tokenizer: the engine's)
+        # text tokenized as the engine would, its length known now ("", no tokenizer: the engine's);
+        # truncate_prompt_tokens by the tokenizer, on the left (BOS kept), as vLLM's server does
+        k = body.get("truncate_prompt_tokens")
+        cut = {"truncation": True, "max_length": k} if type(k) is int and k > 0 else {}
         for i, p in enumerate(prompts):
             if isinstance(p, str) and p and (tokenizer := self.server.llm.tokenizer):
-                prompts[i] = {"prompt": p, "prompt_token_ids": tokenizer(p).input_ids}
+                prompts[i] = {"prompt": p, "prompt_token_ids": tokenizer(p, **cut).input_ids}
         # echo: the prompt's text (and logprobs) first; max_tokens 0: alone (vLLM samples one token)
         max_tokens, self.echo = body.get("max_tokens", COMPLETIONS_MAX_TOKENS), body.get("echo", 0)
         self.echo_only, self.top_logprobs = self.echo and max_tokens == 0, body.get("logprobs")
@@ -470,6 +474,8 @@ class Handler(BaseHTTPRequestHandler):
                         raise ConnectionResetError
                     for piece in self.choices(final, sent, params.n, chat, True) if stream else []:
                         self.send_chunk(head, *piece)
+            except ValueError as e:  # this request's logits became inf or NaN: it alone failed
+                raise APIError(400, str(e)) from None
             # the workers died, or the server stops (it shuts the engine down)
             except RuntimeError as e:
                 stopping = self.server.stopping.is_set() and "the server is shutting down"

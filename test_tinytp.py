@@ -1698,7 +1698,7 @@ def test_queue_reader_interrupted_part_way_through_a_message_is_marked_cut_off()
 
 
 # a detokenizer for the front end's stop strings: 0 is "a"
-def letters(token_ids: list[int]) -> str:
+def letters(token_ids: list[int], **special) -> str:
     return "".join(chr(ord("a") + t) for t in token_ids)
 
 
@@ -3608,7 +3608,7 @@ class TwoLetterTokenizer:
     """Stands in for the byte-level tokenizer, whose tokens are one character each: here every token
     id below 256 reads as two letters, so that a stop string can begin and end inside a token."""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, **special) -> str:
         return "".join(chr(97 + t % 26) + chr(97 + t // 26) for t in token_ids if t < 256)
 
 
@@ -3905,12 +3905,9 @@ class TestVllmAPI:
 @pytest.mark.parametrize(
     "name, value",
     [
-        ("best_of", 2),
         ("use_beam_search", True),
         ("guided_decoding", {"json": {}}),
-        ("allowed_token_ids", [4]),
-        ("bad_words", ["x"]),
-        ("include_stop_str_in_output", True),
+        ("output_kind", 1),
         ("temprature", 0.5),
     ],
 )  # and a typo
@@ -3918,7 +3915,9 @@ def test_vllm_fields_tinytp_does_not_have_are_refused_by_name(name, value):
     what_it_has = (
         "n, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, max_tokens, "
         "min_tokens, presence_penalty, frequency_penalty, repetition_penalty, logit_bias, "
-        "logprobs, prompt_logprobs"
+        "logprobs, prompt_logprobs, best_of, logits_processors, include_stop_str_in_output, "
+        "detokenize, skip_special_tokens, spaces_between_special_tokens, bad_words, "
+        "allowed_token_ids, truncate_prompt_tokens"
     )
     with pytest.raises(
         ValueError,
@@ -4114,6 +4113,144 @@ def test_max_tokens_none_generates_up_to_max_model_len_as_vllm(mha_checkpoint):
         and output.outputs[0].finish_reason == "length"
     )
     assert_tokens_match_hf(hf_model, PROMPTS[0], output.outputs[0].token_ids)
+
+
+@pytest.mark.quick
+def test_vllms_dtype_names_half_and_float_are_float16_and_float32():
+    config = read_config(os.path.join(HERE, "tiny-llama", "config.json"))
+    for name, dtype in [("half", "float16"), ("float16", "float16"), ("float", "float32")]:
+        assert tinytp.choose_device_and_dtype(config, 1, "cpu", name) == ("cpu", dtype)
+    assert tinytp.parse_args(["--dtype", "half"]).dtype == "half"
+    with pytest.raises(
+        ValueError, match=r"^dtype must be auto, float32, bfloat16, float16, half or float: 'fp16'"
+    ):
+        tinytp.choose_device_and_dtype(config, 1, "cpu", "fp16")
+
+
+def test_best_of_and_logits_processors_are_refused_at_generate_as_vllm_v1(mha_checkpoint):
+    """vLLM V1 takes SamplingParams(n=2, best_of=3) and refuses it at generate, as it refuses
+    per-request logits processors; best_of below n is refused at once; best_of=1 and an empty
+    list of processors run. get_tokenizer() is the LLM's tokenizer, truncating on the left."""
+    path, _ = mha_checkpoint
+    params = SamplingParams(n=2, best_of=3, max_tokens=2)
+    with pytest.raises(ValueError, match="^best_of must be an integer >= n=2, got 1"):
+        SamplingParams(n=2, best_of=1)
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        with pytest.raises(ValueError, match="^best_of=3: vLLM V1 does not support it"):
+            llm.generate([PROMPTS[0]], params)
+        with pytest.raises(ValueError, match="^logits_processors: vLLM V1 does not support it"):
+            llm.generate([PROMPTS[0]], SamplingParams(logits_processors=[lambda ids, row: row]))
+        runs = SamplingParams(best_of=1, logits_processors=[], max_tokens=2)
+        assert len(llm.generate([PROMPTS[0]], runs)[0].outputs[0].token_ids) == 2
+        assert llm.get_tokenizer() is llm.tokenizer and llm.tokenizer.truncation_side == "left"
+
+
+def restricted_greedy(allowed: list[int]):
+    """A transformers processor: every token but the allowed ones masked (an independent mask)."""
+
+    def process(ids, scores):
+        masked = torch.full_like(scores, -math.inf)
+        masked[:, allowed] = scores[:, allowed]
+        return masked
+
+    return process
+
+
+def without_bad_words(prompt_length: int, words: list[list[int]]):
+    """A transformers processor: a bad word's last token masked where the generated tokens (not
+    the prompt's) end in its others, as vLLM's sampler does."""
+
+    def process(ids, scores):
+        output = ids[0, prompt_length:].tolist()
+        for *before, last in words:
+            if len(output) >= len(before) and output[len(output) - len(before) :] == before:
+                scores[:, last] = -math.inf
+        return scores
+
+    return process
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_allowed_token_ids_and_bad_words_are_masked_greedy_as_computed_by_hand(mha_checkpoint, tp):
+    """Greedy tokens under allowed_token_ids equal transformers' argmax over the allowed set;
+    under bad_words, its greedy with each word's last token masked where the output ends in the
+    rest (tokenized as vLLM does: " lo" is stripped to [108, 111], and with a space again it has
+    3 tokens, so only that one is taken). An empty
+    or out-of-vocabulary list is refused at generate, as vLLM does."""
+    path, hf_model = mha_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    allowed = [65, 72, 108, 111]
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=64) as llm:
+        outputs = llm.generate(PROMPTS[:3], replace(greedy, allowed_token_ids=allowed))
+        for prompt, output in zip(PROMPTS, outputs):
+            expected = hf_greedy_with(hf_model, prompt, [restricted_greedy(allowed)], 8)
+            assert output.outputs[0].token_ids == expected[: len(output.outputs[0].token_ids)]
+        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], greedy)]
+        # two printable ASCII tokens in a row of each greedy output, as a word (a token each)
+        pairs = [t[i : i + 2] for t in plain for i in range(7) if min(t[i : i + 2]) > 32]
+        words = [bytes(pair).decode() for pair in pairs if max(pair) < 127]
+        outputs = llm.generate(PROMPTS[:3], replace(greedy, bad_words=words + [" lo"]))
+        ids = [[*map(ord, word)] for word in words] + [[108, 111]]  # " lo": stripped, as vLLM
+        for prompt, output in zip(PROMPTS, outputs):
+            expected = hf_greedy_with(hf_model, prompt, [without_bad_words(len(prompt), ids)], 8)
+            assert output.outputs[0].token_ids == expected
+        assert words and [o.outputs[0].token_ids for o in outputs] != plain
+        for bad in ([], [-1], [10_000]):
+            with pytest.raises(ValueError, match="^allowed_token_ids"):
+                llm.generate([PROMPTS[0]], replace(greedy, allowed_token_ids=bad))
+
+
+def test_stop_strings_detokenize_special_tokens_and_truncation_as_vllm(mha_checkpoint):
+    """include_stop_str_in_output: the text ends with the stop string (and with a stop token's
+    text); detokenize=False: the same tokens, no text, no decoded tokens; skip_special_tokens:
+    the tokenizer's decode either way (allowed_token_ids makes BOS likely); truncate_prompt_tokens:
+    a text's tokenizer truncation on the left (BOS kept), token ids' last k, -1 max_model_len."""
+    path, _ = mha_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(path, device="cpu", max_model_len=64) as llm:
+        tokenizer = llm.get_tokenizer()
+        plain = llm.generate(["hello"], greedy)[0].outputs[0]
+        stop = plain.text[4:6]
+        where = plain.text.index(stop)
+        for include, text in [(False, plain.text[:where]), (True, plain.text[: where + 2])]:
+            params = replace(greedy, stop=[stop], include_stop_str_in_output=include)
+            assert llm.generate(["hello"], params)[0].outputs[0].text == text
+            streamed = "".join(llm.stream("hello", params))
+            assert streamed == text
+        token = plain.token_ids[3]
+        params = replace(greedy, stop_token_ids=[token], include_stop_str_in_output=True)
+        output = llm.generate(["hello"], params)[0].outputs[0]
+        assert output.text == tokenizer.decode(plain.token_ids[: plain.token_ids.index(token) + 1])
+        quiet = llm.generate(["hello"], replace(greedy, detokenize=False, logprobs=2))[0]
+        assert quiet.outputs[0].token_ids == plain.token_ids and quiet.outputs[0].text == ""
+        assert all(lp.decoded_token is None for e in quiet.outputs[0].logprobs for lp in e.values())
+        with pytest.raises(ValueError, match="needs detokenize=True"):
+            SamplingParams(stop="x", detokenize=False)
+        specials = replace(greedy, allowed_token_ids=[256, 257, 72])
+        for skip in (True, False):
+            output = llm.generate(["hello"], replace(specials, skip_special_tokens=skip))[0]
+            ids = output.outputs[0].token_ids
+            assert {256, 257} & {*ids} and output.outputs[0].text == tokenizer.decode(
+                ids, skip_special_tokens=skip
+            )
+        text = "hello, world"
+        for k, expected in [
+            (4, [256] + tokenizer(text).input_ids[-3:]),
+            (-1, tokenizer(text).input_ids),
+        ]:
+            params = replace(greedy, truncate_prompt_tokens=k)
+            output = llm.generate([text], params)[0]
+            assert output.prompt_token_ids == expected
+            assert (
+                output.outputs[0].token_ids
+                == llm.generate([expected], greedy)[0].outputs[0].token_ids
+            )
+        last = llm.generate([PROMPTS[2]], replace(greedy, truncate_prompt_tokens=5))[0]
+        assert last.prompt_token_ids == PROMPTS[2][-5:]
+        with pytest.raises(
+            ValueError, match="^truncate_prompt_tokens=65 is more than max_model_len"
+        ):
+            llm.generate([text], replace(greedy, truncate_prompt_tokens=65))
 
 
 # --------------------------------------------------------------------------------------
@@ -4382,16 +4519,81 @@ def test_seeded_sampling_is_unchanged_by_a_neutral_penalty_or_bias(odd_vocab_che
         ({"prompt_logprobs": 1.0}, "prompt_logprobs must be None or an integer from 0 to 20"),
         ({"presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
         ({"frequency_penalty": "1"}, r"frequency_penalty must be a number in \[-2, 2\]"),
-        ({"repetition_penalty": 0}, "repetition_penalty must be a number > 0, got 0"),
+        (
+            {"repetition_penalty": 0},
+            r"repetition_penalty must be a number from 1.18e-38 to 3.4e\+38",
+        ),
         ({"min_tokens": -1}, "min_tokens must be an integer >= 0, got -1"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens=5 must be at most max_tokens=4"),
-        ({"logit_bias": {"65": 1.0}}, "logit_bias must be None or a dict of token ids to finite"),
+        ({"logit_bias": {"65": 1.0}}, "logit_bias must be None or a dict of token ids to numbers"),
         ({"logit_bias": {65: math.nan}}, "logit_bias must be None or a dict of token ids"),
     ],
 )
 def test_logprobs_penalties_and_bias_out_of_range_are_refused_in_one_line(fields, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         SamplingParams(**fields)
+
+
+# Values a hostile caller might send, for every numeric field: each is refused at construction
+# (one line naming the field), or runs; none may take the engine down.
+FUZZ_FIELDS = ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"]
+FUZZ_FIELDS += ["repetition_penalty", "min_tokens", "seed", "logprobs", "n"]
+FUZZ_VALUES = [math.nan, math.inf, -math.inf, 1e39, 3e38, 1e-300, -1e-300, 0, -1, 2**70, "1", [1]]
+FUZZ_VALUES += [True, 1.5, 1e-45]
+
+
+def fuzzed_params() -> list[SamplingParams]:
+    """Each value above in each numeric field and as a logit_bias: those SamplingParams takes."""
+    taken = []
+    choices = [{name: value} for name in FUZZ_FIELDS for value in FUZZ_VALUES]
+    choices += [{"logit_bias": {5: value}} for value in FUZZ_VALUES]
+    for fields in choices:
+        try:
+            taken.append(SamplingParams(max_tokens=3, ignore_eos=True, **fields))
+        except ValueError as e:
+            assert "\n" not in str(e) and str(e).startswith(next(iter(fields))), (fields, e)
+    return taken
+
+
+@pytest.mark.quick
+def test_values_float32_cannot_hold_are_refused_naming_the_field():
+    """A bias or penalty whose float32 form is inf or 0 (1e39, 1e-300) would make a row of logits
+    inf or NaN in the sampler: refused here, with the range the field takes."""
+    for fields in [{"logit_bias": {5: 1e39}}, {"logit_bias": {5: -math.inf}}]:
+        with pytest.raises(ValueError, match="^logit_bias must be None or a dict of token ids to"):
+            SamplingParams(**fields)
+    for value in [1e-300, 1e39, math.inf]:
+        with pytest.raises(ValueError, match="^repetition_penalty must be a number from"):
+            SamplingParams(repetition_penalty=value)
+    assert SamplingParams(logit_bias={5: 3e38}, repetition_penalty=1e-30).logit_bias == {5: 3e38}
+    assert len(fuzzed_params()) >= 30  # the fuzz runs something
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_no_request_can_take_the_engine_down_and_extreme_values_sample_exactly(mha_checkpoint, tp):
+    """logit_bias 3e38 at temperature 0.7 divides to inf in float32: the sampler subtracts the
+    row's peak first, so the biased token is drawn every time, as the exact distribution says.
+    A row that still overflows (3e38 divided by a repetition penalty of 0.5, once the token is
+    seen) fails its request alone, in one line; then every fuzzed value, greedy and sampled, runs
+    or fails alone, and the engine still gives its first tokens."""
+    path, _ = mha_checkpoint
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(path, tensor_parallel_size=tp, device="cpu", max_model_len=64) as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+        for temperature in (0, 0.7, 1.0):
+            biased = SamplingParams(temperature=temperature, logit_bias={5: 3e38}, max_tokens=4)
+            assert llm.generate(PROMPTS[:2], biased)[0].outputs[0].token_ids == [5] * 4
+            overflowing = replace(biased, repetition_penalty=0.5)
+            with pytest.raises(ValueError, match=r"^request \d+: its logits became inf or NaN"):
+                llm.generate([PROMPTS[0]], overflowing)
+        for params in fuzzed_params():  # as they are (sampled, mostly), and greedy
+            for each in [params, replace(params, temperature=0)][: 1 + (params.n == 1)]:
+                try:
+                    llm.generate([PROMPTS[1]], each)
+                except ValueError as e:
+                    assert "\n" not in str(e), e
+        llm.check_health()
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == before
 
 
 # --------------------------------------------------------------------------------------
@@ -4518,8 +4720,8 @@ def test_stream_adds_up_to_the_text_and_decodes_a_window_per_step(mha_checkpoint
     params = SamplingParams(temperature=1.5, seed=7, max_tokens=60, ignore_eos=True)
     with LLM(path, device="cpu", max_model_len=128) as llm:
         detokenize, decoded = llm.output_processor.detokenize, []
-        llm.output_processor.detokenize = lambda token_ids: (
-            decoded.append(len(token_ids)) or detokenize(token_ids)
+        llm.output_processor.detokenize = lambda token_ids, **special: (
+            decoded.append(len(token_ids)) or detokenize(token_ids, **special)
         )
         pieces = list(llm.stream("héllo wörld", params))
         assert "".join(pieces) == llm.generate(["héllo wörld"], params)[0].outputs[0].text
@@ -5169,13 +5371,19 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"temperature": -0.5}, "temperature must be a number >= 0, got -0.5"),
+        ({"temperature": -0.5}, r"temperature must be a number from 0 to 3.4e\+38, got -0.5"),
         ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
         ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\], got 1.5"),
         ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
-        ({"temperature": float("nan")}, "temperature must be a number >= 0, got nan"),
-        ({"temperature": float("inf")}, "temperature must be a number >= 0, got inf"),
-        ({"temperature": "0.5"}, "temperature must be a number >= 0, got '0.5'"),
+        (
+            {"temperature": float("nan")},
+            r"temperature must be a number from 0 to 3.4e\+38, got nan",
+        ),
+        (
+            {"temperature": float("inf")},
+            r"temperature must be a number from 0 to 3.4e\+38, got inf",
+        ),
+        ({"temperature": "0.5"}, r"temperature must be a number from 0 to 3.4e\+38, got '0.5'"),
         ({"top_p": float("nan")}, r"top_p must be a number in \(0, 1\], got nan"),
         ({"max_tokens": 2.0}, "max_tokens must be an integer >= 1, got 2.0"),
         ({"max_tokens": True}, "max_tokens must be an integer >= 1, got True"),
@@ -5191,8 +5399,8 @@ def test_bad_models_are_refused_before_spawning(tmp_path):
         ({"top_k": 2.0}, "top_k must be an integer >= 1, or 0 or -1 for all tokens, got 2.0"),
         ({"min_p": 1.5}, r"min_p must be a number in \[0, 1\], got 1.5"),
         ({"min_p": float("nan")}, r"min_p must be a number in \[0, 1\], got nan"),
-        ({"n": 0}, "n must be an integer >= 1, got 0"),
-        ({"n": True}, "n must be an integer >= 1, got True"),
+        ({"n": 0}, "n must be an integer from 1 to 16384, got 0"),
+        ({"n": True}, "n must be an integer from 1 to 16384, got True"),
         ({"stop": [""]}, r"stop must be a string or a list of non-empty strings, got \[''\]"),
         ({"stop": 5}, "stop must be a string or a list of non-empty strings, got 5"),
         (
@@ -5902,11 +6110,11 @@ def test_server_errors_are_openais_shapes_and_classes(openai, tiny_server):
         ({"echo": "yes"}, "echo must be true or false"),
         ({"logit_bias": {"A": 1}}, "logit_bias's keys are token ids"),
         ({"logit_bias": {"300": 1}}, r"logit_bias \[300\] are outside the vocabulary"),
-        ({"best_of": 2}, "tinytp does not support best_of"),
+        ({"best_of": 2}, "best_of=2: vLLM V1 does not support it"),
         ({"frequency_penalty": 2.5}, r"frequency_penalty must be a number in \[-2, 2\]"),
         ({"suffix": "x"}, "tinytp does not support suffix"),
-        ({"temperature": -1}, "temperature must be a number >= 0, got -1"),
-        ({"n": 0}, "n must be an integer >= 1, got 0"),
+        ({"temperature": -1}, r"temperature must be a number from 0 to 3.4e\+38, got -1"),
+        ({"n": 0}, "n must be an integer from 1 to 16384, got 0"),
         ({"max_tokens": 600}, "max_tokens=600 is too large: this model's context is 512 tokens"),
         ({"prompt": [256, 300]}, r"token ids \[300\] are outside the vocabulary"),
         ({"prompt": {"a": 1}}, "prompt must be a string, a list of strings"),
@@ -6264,6 +6472,57 @@ def test_server_reads_a_body_only_as_json_so_no_page_posts_without_a_preflight(t
         header = f"\r\nContent-Type: {kind}"
         line = raw_http(tiny_server.port, f"{no_type}{header}\r\n\r\n".encode() + body)[0]
         assert line.startswith("HTTP/1.0 200"), kind
+
+
+def test_server_survives_any_sampling_values_each_failing_its_request_alone(tiny_server, tiny_llm):
+    """A bias is clamped to [-100, 100] as vLLM's server clamps it (1e39 runs, token 5 every time);
+    a value float32 cannot hold is a 400 naming it; a row that still overflows (a bias of 100 on a
+    prompt token, divided by a repetition penalty of 1e-37) fails that request alone, a 400 in one
+    line, streamed or not. The server then answers as before, and its log holds no traceback."""
+    base = {"prompt": [256, 5, 72], "max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    before = served_json(tiny_server, "/v1/completions", base)["choices"][0]["text"]
+    for bias, temperature in [(1e39, 1), (3e38, 0.7), (-1e39, 0)]:
+        body = {**base, "logit_bias": {"5": bias}, "temperature": temperature}
+        answer = served_json(tiny_server, "/v1/completions", body)["choices"][0]["text"]
+        assert bias < 0 or answer == "\x05" * 3
+    for change, status, words in [
+        ({"repetition_penalty": 1e-300}, 400, "repetition_penalty must be a number from"),
+        ({"temperature": 1e39}, 400, "temperature must be a number from 0"),
+        ({"logit_bias": {"5": "x"}}, 400, "logit_bias must be None or a dict"),
+        ({"logit_bias": {"5" * 5000: 1}}, 400, "logit_bias's keys are token ids"),
+        ({"logit_bias": {"5": 100}, "repetition_penalty": 1e-37}, 400, "its logits became inf"),
+        ({"logit_bias": {"5": 100}, "repetition_penalty": 1e-37, "stream": True}, 200, "inf"),
+    ]:
+        data = post("/v1/completions", json.dumps({**base, **change}).encode())
+        line, _, body = raw_http(tiny_server.port, data)
+        assert line.split()[1] == str(status), (change, body)
+        message = (sse_chunks(body)[-1] if change.get("stream") else json.loads(body))["error"]
+        assert words in message["message"] and "\n" not in message["message"], (change, body)
+    assert served_json(tiny_server, "/v1/completions", base)["choices"][0]["text"] == before
+    # vLLM's server's extra fields: taken (allowed_token_ids, include_stop_str_in_output, ...),
+    # but not detokenize or logits_processors, which it does not take either
+    only_h = {**base, "allowed_token_ids": [72, 5], "logit_bias": {"72": 50}, "bad_words": ["HHH"]}
+    assert served_json(tiny_server, "/v1/completions", only_h)["choices"][0]["text"] == "HH\x05"
+    with_stop = {
+        **base,
+        "allowed_token_ids": [72],
+        "stop": ["HH"],
+        "include_stop_str_in_output": True,
+    }
+    assert served_json(tiny_server, "/v1/completions", with_stop)["choices"][0]["text"] == "HH"
+    cut = {**base, "prompt": "hello, world", "truncate_prompt_tokens": 4, "max_tokens": 2}
+    ids = tiny_llm.get_tokenizer()("hello, world").input_ids
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    expected = tiny_llm.generate([[ids[0], *ids[-3:]]], greedy)
+    answer = served_json(tiny_server, "/v1/completions", cut)
+    assert answer["usage"]["prompt_tokens"] == 4  # BOS and the last 3, as the tokenizer cuts
+    assert answer["choices"][0]["text"] == expected[0].outputs[0].text
+    for name in ("detokenize", "logits_processors"):
+        line, _, body = raw_http(
+            tiny_server.port, post("/v1/completions", json.dumps({**base, name: []}).encode())
+        )
+        assert line.split()[1] == "400" and f"tinytp does not support {name}" in body
+    assert "Traceback" not in tiny_server.log()
 
 
 def test_server_cors_allows_this_machines_pages_only_and_refuses_foreign_host_names(tiny_server):

@@ -135,11 +135,14 @@ def choose_device_and_dtype(
         )
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    dtype = {"half": "float16", "float": "float32"}.get(str(dtype), dtype)  # vLLM's names too
     if dtype == "auto":
         native_bfloat16 = config.dtype == "bfloat16" and cpu_has_native_bfloat16()
         dtype = config.dtype if device == "cuda" or native_bfloat16 else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        raise ValueError(
+            f"dtype must be auto, float32, bfloat16, float16, half or float: {dtype!r}"
+        )
     return device, dtype
 
 
@@ -482,8 +485,12 @@ class EngineCore:
                     self.run_command(verb, argument)
                 for request in self.step():
                     finished = request.finish_reason is not None
+                    report = (request, len(request.output_token_ids), finished)
+                    if request.finish_reason == "error":  # its caller's alone: the engine goes on
+                        why = "its logits became inf or NaN (its logit_bias and penalties together)"
+                        report = ValueError(f"request {request.request_id}: {why}; it was stopped")
                     if request.stream or finished:
-                        request.output_queue.put((request, len(request.output_token_ids), finished))
+                        request.output_queue.put(report)
             except Exception as error:  # a worker failed or died: shut down, later steps raise too
                 self.executor.shutdown()  # already, but for driver faults: ranks may disagree now
                 self.fail_every_request(error)
@@ -600,7 +607,10 @@ class Processor:
             raise ValueError(
                 f"sampling_params must be SamplingParams or a list of them, got {params!r}"
             )
-        text, token_ids = self.tokenize(prompt)
+        # truncate_prompt_tokens, vLLM's: -1 is max_model_len, more is refused
+        if (k := params.truncate_prompt_tokens) and k > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens={k} is more than max_model_len")
+        text, token_ids = self.tokenize(prompt, self.max_model_len if k == -1 else k)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # (None: no salt)
         if salt is not None and not (isinstance(salt, str) and salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
@@ -611,12 +621,21 @@ class Processor:
             )
         self.check_vocabulary(params.stop_token_ids, "stop_token_ids")
         self.check_vocabulary(list(params.logit_bias or {}), "logit_bias")
-        if params.stop and self.tokenizer is None:
+        self.check_vocabulary(params.allowed_token_ids or [], "allowed_token_ids")
+        if params.best_of not in (None, 1) or params.logits_processors:  # refused by vLLM V1 too
+            name = "logits_processors" if params.logits_processors else f"best_of={params.best_of}"
+            raise ValueError(f"{name}: vLLM V1 does not support it, nor does tinytp")
+        if params.allowed_token_ids == []:  # as vLLM
+            raise ValueError("allowed_token_ids=[] allows no token: give one at least, or None")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
             raise ValueError(
-                f"{self.model_dir} has no tokenizer, so no stop strings: give stop_token_ids"
+                f"{self.model_dir} has no tokenizer, so no stop strings, no bad_words: give ids"
             )
         if params.max_tokens is None:  # vLLM's: as many as max_model_len leaves
             params = replace(params, max_tokens=self.max_model_len - len(token_ids))
+        if params.bad_words:  # a copy of params, with them as token ids for the workers
+            params = replace(params)
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
         # Sample 0 takes the seed itself (n=1 samples as before), sample i one drawn from (seed, i):
         # a seeded call repeats exactly, and sample 1 of seed s is not sample 0 of seed s + 1.
@@ -628,8 +647,21 @@ class Processor:
             for sample_seed in seeds
         ]
 
-    def tokenize(self, prompt: str | dict | list[int]) -> tuple[str | None, list[int]]:
-        """A prompt's text (None if given as ids) and its token ids, checked."""
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's: each word's tokens (leading spaces stripped), and a space and the word's too
+        where that begins with another token and has as many (a word within a text, not at its
+        start)."""
+        token_ids = []
+        for word in words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            token_ids += [alone] + [spaced] * (spaced[0] != alone[0] and len(spaced) == len(alone))
+        self.check_vocabulary(sum(token_ids, []), "bad_words' token ids")
+        return token_ids
+
+    def tokenize(self, prompt: str | dict | list[int], last=None) -> tuple[str | None, list[int]]:
+        """A prompt's text (None if given as ids) and its token ids, checked; `last` given, only its
+        last tokens (a text's: the tokenizer's, which cuts on the left and keeps BOS, as vLLM's)."""
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, dict):  # vLLM's {"prompt": ...}, {"prompt_token_ids": ...}, or both
             text = prompt.get("prompt")  # (and a cache_salt: make_requests')
@@ -648,7 +680,7 @@ class Processor:
                 raise ValueError("empty prompt: give at least one character")
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer: give prompts as token ids")
-            token_ids = self.tokenizer(prompt).input_ids
+            token_ids = self.tokenizer(prompt, truncation=bool(last), max_length=last).input_ids
             self.check_vocabulary(token_ids, f"the tokenizer's ids for {prompt[:40]!r}:")
         elif isinstance(prompt, (list, tuple)):
             if not prompt:
@@ -658,7 +690,7 @@ class Processor:
                     f"token ids must be integers, got {wrong_type[0]!r} "
                     f"({type(wrong_type[0]).__name__})"
                 )
-            token_ids = [int(t) for t in prompt]  # plain ints, from numpy's too
+            token_ids = [int(t) for t in prompt][-(last or len(prompt)) :]  # plain ints
             self.check_vocabulary(token_ids, "token ids")
         else:
             raise ValueError(
@@ -801,9 +833,11 @@ class IncrementalText:
     characters before it that a stop string could begin in (the longest one's length, less one);
     and the text shown holds back as many, while a stop string could still begin there."""
 
-    def __init__(self, detokenize: Callable[[list[int]], str], stop: list[str], min_tokens=0):
+    def __init__(self, detokenize: Callable, stop: list[str], min_tokens=0, include_stop=False):
         self.detokenize, self.stop, self.min_tokens = detokenize, stop, min_tokens
         self.hold = max(map(len, stop), default=1) - 1
+        # the text ends with a stop string found, not before it (vLLM's include_stop_str_in_output)
+        self.include_stop = include_stop
         self.start = self.shown = 0  # the window, and where its decoded part ends
         self.decoded = ""  # the text of the tokens before `shown`
         self.pending = False  # the tokens after `shown` end in half of a multi-byte character
@@ -835,8 +869,9 @@ class IncrementalText:
     def text(self, finished: bool) -> str:
         """The text to show: before a stop string found; all at the end; else all but those held."""
         if self.found is not None:
-            return self.decoded[: self.found[0]]
-        return self.decoded if finished else self.decoded[: max(0, len(self.decoded) - self.hold)]
+            return self.decoded[: self.found[0] + self.include_stop * len(self.found[1])]
+        held = 0 if self.include_stop else self.hold  # (no text after a stop string is ever shown)
+        return self.decoded if finished else self.decoded[: max(0, len(self.decoded) - held)]
 
 
 class RequestState:
@@ -845,8 +880,15 @@ class RequestState:
 
     def __init__(self, request: Request, index: int, detokenize: Callable, decode_token: Callable):
         """detokenize: a text's tokens to text; decode_token: one token's text (Logprob's)."""
+        params = request.params
+        if not params.detokenize:  # vLLM's: token ids alone, no text, no Logprob.decoded_token
+            detokenize, decode_token = (lambda token_ids, **special: ""), (lambda token_id: None)
+        special = {"skip_special_tokens": params.skip_special_tokens}
+        special["spaces_between_special_tokens"] = params.spaces_between_special_tokens
+        detokenize = functools.partial(detokenize, **special)
         self.request, self.index, self.decode_token = request, index, decode_token
-        self.text = IncrementalText(detokenize, request.params.stop, request.params.min_tokens)
+        include = params.include_stop_str_in_output
+        self.text = IncrementalText(detokenize, params.stop, params.min_tokens, include)
         self.num_tokens = 0  # the tokens taken in so far
         self.completion = CompletionOutput(index, "", [], None)
         self.finished = False
@@ -873,8 +915,9 @@ class RequestState:
         request, text = self.request, self.text
         if request.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None, *map(self.logprob_dict, request.prompt_logprobs)]
-        # An engine "stop" is an EOS or stop token: in token_ids, left out of the text, as in vLLM.
-        end = num_tokens - 1 if finished and request.finish_reason == "stop" else num_tokens
+        # An engine "stop" is an EOS or stop token: in token_ids, left out of the text, as in vLLM
+        # (include_stop_str_in_output: in it)
+        end = num_tokens - (finished and request.finish_reason == "stop" and not text.include_stop)
         if request.params.stop:  # every token, in order: the one that completes a stop string
             ends = list(range(self.num_tokens + 1, end + 1))
         else:
@@ -914,10 +957,9 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+    def detokenize(self, token_ids: list[int], **special) -> str:
+        """special: skip_special_tokens, spaces_between_special_tokens (a request's)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, **special)
 
     def decode_token(self, token_id: int) -> str | None:
         """A token's text alone, special tokens written out: vLLM's Logprob.decoded_token."""
@@ -1355,6 +1397,10 @@ class LLM:
         """A conversation as a prompt: Processor.chat_prompt (its arguments are chat's)."""
         return self.processor.chat_prompt(conversation, *args, **kwargs)
 
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's LLM.get_tokenizer): None for a checkpoint without one."""
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() use without SamplingParams (vLLM's; see generation_config)."""
         return self.processor.get_default_sampling_params()
@@ -1460,7 +1506,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add("--pipeline-parallel-size", "-pp", dest="pp", type=int, default=1, help=stages)
     add("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
     auto = "auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)"
-    add("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto", help=auto)
+    dtypes = ["auto", "float32", "bfloat16", "float16", "half", "float"]  # vLLM's names
+    add("--dtype", choices=dtypes, default="auto", help=auto)
     add("--max-num-seqs", type=int, default=8)
     add("--max-model-len", type=int, default=None)
     budget = "the tokens one step may run (default: 4096 a rank on cpu, 8192 on cuda)"

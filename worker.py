@@ -45,6 +45,10 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_text(value) -> bool:  # (not only spaces: a bad word, stripped, must be some token)
+    return isinstance(value, str) and value.strip() != ""
+
+
 def is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -64,8 +68,13 @@ def token_id_list(value: int | list[int] | None, key: str) -> list[int]:
 
 
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a lower temperature other than 0 is raised to it
+# The sampler's float32: a bias or penalty it would hold as inf (or 0) is refused up front
+MAX32, TINY32 = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
+FAILED = -1  # a sampled token's place in a step's reply when the request's row had no distribution
 MAX_LOGPROBS = 20  # vLLM's max_logprobs default: the most log-probabilities a token may ask for
 LOGPROBS_WORDS = f"None or an integer from 0 to {MAX_LOGPROBS} (vLLM's max_logprobs)"
+IDS, WORDS = "None or a list of token ids", "None or a list of non-empty strings"
+TRUNCATE = "None, -1 (max_model_len) or an integer >= 1"
 
 
 def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
@@ -78,10 +87,12 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
         return k is None or is_integer(k) and 0 <= k <= MAX_LOGPROBS
 
     bias, repetition, temperature = params.logit_bias, params.repetition_penalty, params.temperature
-    top_k = params.top_k
+    top_k, float32_range = params.top_k, f"from {TINY32:.3g} to {MAX32:.3g}"
+    ids, words, k = params.allowed_token_ids, params.bad_words, params.truncate_prompt_tokens
     return [
-        ("n", is_integer(params.n) and params.n >= 1, "an integer >= 1"),
-        ("temperature", is_number(temperature) and 0 <= temperature < math.inf, "a number >= 0"),
+        # n: at most vLLM's VLLM_MAX_N_SEQUENCES (a huge n would make that many requests at once)
+        ("n", is_integer(params.n) and 1 <= params.n <= 16384, "an integer from 1 to 16384"),
+        ("temperature", within(temperature, 0, MAX32), f"a number from 0 to {MAX32:.3g}"),
         ("top_p", within(params.top_p, 0, 1) and params.top_p > 0, "a number in (0, 1]"),
         ("top_k", is_integer(top_k) and top_k >= -1, "an integer >= 1, or 0 or -1 for all tokens"),
         ("min_p", within(params.min_p, 0, 1), "a number in [0, 1]"),
@@ -90,20 +101,23 @@ def checked_fields(params: SamplingParams) -> list[tuple[str, bool, str]]:
             params.seed is None or is_integer(params.seed) and 0 <= params.seed < 2**64,
             "None or an integer in [0, 2**64)",
         ),
-        ("ignore_eos", isinstance(params.ignore_eos, bool), "True or False"),
+        *[(name, type(getattr(params, name)) is bool, "True or False") for name in BOOL_FIELDS],
         ("min_tokens", is_integer(params.min_tokens) and params.min_tokens >= 0, "an integer >= 0"),
         ("presence_penalty", within(params.presence_penalty, -2, 2), "a number in [-2, 2]"),
         ("frequency_penalty", within(params.frequency_penalty, -2, 2), "a number in [-2, 2]"),
-        ("repetition_penalty", within(repetition, 0, math.inf) and repetition > 0, "a number > 0"),
+        ("repetition_penalty", within(repetition, TINY32, MAX32), f"a number {float32_range}"),
         ("logprobs", up_to_max_logprobs(params.logprobs), LOGPROBS_WORDS),
         ("prompt_logprobs", up_to_max_logprobs(params.prompt_logprobs), LOGPROBS_WORDS),
         (
             "logit_bias",
             bias is None
             or isinstance(bias, dict)
-            and all(is_integer(t) and is_number(b) and math.isfinite(b) for t, b in bias.items()),
-            "None or a dict of token ids to finite numbers",
+            and all(is_integer(t) and within(b, -MAX32, MAX32) for t, b in bias.items()),
+            f"None or a dict of token ids to numbers from -{MAX32:.3g} to {MAX32:.3g}",
         ),
+        ("allowed_token_ids", ids is None or type(ids) is list and all(map(is_integer, ids)), IDS),
+        ("bad_words", words is None or type(words) is list and all(map(is_text, words)), WORDS),
+        ("truncate_prompt_tokens", k is None or is_integer(k) and (k == -1 or k >= 1), TRUNCATE),
     ]
 
 
@@ -113,8 +127,10 @@ class SamplingParams:
     sampling_probabilities applies the rest; n samples per prompt, repeatable with a seed. A
     sequence ends at an end-of-sequence token (unless ignore_eos), one of stop_token_ids, a stop
     string (the text ends before it) or after max_tokens, never before min_tokens. Before all that,
-    adjusted_logits adds logit_bias and applies the penalties. logprobs, prompt_logprobs: the k
-    likeliest tokens' log-probabilities (and the chosen one's) at each generated, prompt token."""
+    adjusted_logits masks (allowed_token_ids, bad_words), adds logit_bias and applies the
+    penalties. logprobs, prompt_logprobs: the k likeliest tokens' log-probabilities (and the chosen
+    one's) at each generated, prompt token. Numbers are checked against float32, the sampler's:
+    one it would hold as inf or 0 would leave a row of logits with no distribution."""
 
     n: int = 1
     temperature: float = 1.0
@@ -133,12 +149,23 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id: a number added to its logit
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    best_of: int | None = None  # vLLM V1's: taken, but refused above 1 at generate (Processor)
+    logits_processors: list | None = None  # as vLLM V1: refused at generate, if any
+    include_stop_str_in_output: bool = False  # the text ends with the stop string, not before it
+    detokenize: bool = True  # False: token ids alone, no text (nor Logprob.decoded_token)
+    skip_special_tokens: bool = True  # in the text (tokenizer.decode's)
+    spaces_between_special_tokens: bool = True  # (a slow tokenizer's: fast ones ignore it)
+    bad_words: list[str] | None = None  # never completed: the last token of each is masked
+    allowed_token_ids: list[int] | None = None  # the only tokens that may be sampled
+    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens (-1: max_model_len)
+    bad_words_token_ids = ()  # (not a field) bad_words as token ids: the Processor's tokenizer's
 
     @property
     def adjusts_logits(self) -> bool:
         """Whether adjusted_row changes anything for it."""
         penalties = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-        return bool(self.logit_bias or self.min_tokens or penalties)
+        masks = self.bad_words or self.allowed_token_ids
+        return bool(self.logit_bias or self.min_tokens or penalties or masks)
 
     def __new__(cls, *args, **kwargs):
         # vLLM's other fields (beam search, guided decoding, ...) and typos: a ValueError naming
@@ -162,6 +189,10 @@ class SamplingParams:
                 f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
             )
         self.stop = list(stop)
+        if self.stop and not self.detokenize:  # as vLLM: a stop string is looked for in the text
+            raise ValueError(f"stop={self.stop} needs detokenize=True: stop strings are text")
+        if self.best_of is not None and not (is_integer(self.best_of) and self.best_of >= self.n):
+            raise ValueError(f"best_of must be an integer >= n={self.n}, got {self.best_of!r}")
         self.stop_token_ids = token_id_list(self.stop_token_ids, "stop_token_ids")
         if self.max_tokens is not None:
             check_count("max_tokens", self.max_tokens)
@@ -178,6 +209,9 @@ class SamplingParams:
                 file=sys.stderr,
             )
             self.temperature = MIN_TEMPERATURE
+
+
+BOOL_FIELDS = [f.name for f in fields(SamplingParams) if type(f.default) is bool]  # (checked)
 
 
 @dataclass
@@ -531,8 +565,10 @@ class SharedMemoryGroup(TPGroup):
 def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Weights for drawing one request's next token from its row of logits. vLLM's order:
     temperature, then top-k (0 or -1: all tokens), top-p and min-p, each judging what the one
-    before kept, renormalized (min-p is relative to the likeliest, so needs no renormalizing)."""
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    before kept, renormalized (min-p is relative to the likeliest, so needs no renormalizing).
+    The row's peak is subtracted first (softmax is the same for any shift): a finite row then never
+    overflows, as a huge logit_bias divided by a temperature below 1 would."""
+    probs = torch.softmax((logits - logits.max()) / float(params.temperature), dim=-1)
     if 0 < params.top_k < probs.numel():
         kth_largest = probs.topk(params.top_k).values[-1]
         probs = probs.masked_fill(probs < kth_largest, 0)  # ties with the k-th are kept, as in vLLM
@@ -541,6 +577,7 @@ def sampling_probabilities(logits: torch.Tensor, params: SamplingParams) -> torc
         sorted_probs, order = probs.sort(descending=True)
         # keep a token if the tokens ranked above it hold less than top_p
         outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        outside[0] = False  # none is ranked above the likeliest (a top_p float32 holds as 0)
         probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0))
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
@@ -562,18 +599,25 @@ def adjusted_logits(logits: torch.Tensor, scheduled: list[CachedRequest]) -> tor
 
 def adjusted_row(logits: torch.Tensor, request: CachedRequest) -> torch.Tensor:
     """One request's row of logits as vLLM's sampler adjusts it, greedy or not, in its order:
-    logit_bias added; the end-of-sequence and stop tokens ruled out below min_tokens; then the
-    penalties: repetition over the prompt's and output's tokens (a positive logit divided by it,
-    a negative one multiplied, as transformers' RepetitionPenaltyLogitsProcessor), frequency
-    (times each token's count) and presence (once per token) over the output's, as OpenAI's."""
+    allowed_token_ids and bad_words masks (vLLM's: a bad word's last token, where the output so far
+    ends in its other tokens; the prompt not counted); logit_bias added; the end-of-sequence and
+    stop tokens ruled out below min_tokens; then the penalties: repetition over the prompt's and
+    output's tokens (a positive logit divided by it, a negative one multiplied, as transformers'
+    RepetitionPenaltyLogitsProcessor), frequency (times each token's count) and presence (once per
+    token) over the output's, as OpenAI's."""
     params, ids = request.params, functools.partial(torch.tensor, device=logits.device)
     output = request.token_ids[request.num_prompt_tokens :]
+    if allowed := params.allowed_token_ids:  # every other token masked: x + -inf, x + 0 (exact)
+        logits = logits + torch.full_like(logits, -math.inf).index_fill(0, ids(allowed), 0)
+    for *before, last in params.bad_words_token_ids:  # where the output ends in the rest of one
+        if output[len(output) - len(before) :] == before:
+            logits = logits.index_fill(0, ids([last]), -math.inf)
     if params.logit_bias:
         biases = ids([*params.logit_bias.values()], dtype=logits.dtype)
         logits = logits.index_add(0, ids([*params.logit_bias]), biases)
     if len(output) < params.min_tokens:
         logits = logits.index_fill(0, ids(request.min_tokens_stop_ids), -math.inf)
-    if (penalty := params.repetition_penalty) != 1:
+    if (penalty := float(params.repetition_penalty)) != 1:  # (an int may pass torch's int64)
         seen = ids(request.token_ids).unique()
         scores = logits[seen]
         logits = logits.index_copy(
@@ -899,8 +943,13 @@ class Worker:
         tokens, unspoken, having adjusted them alike (penalties, min_tokens, logit_bias)."""
         logits = adjusted_logits(logits.float(), scheduled)
         tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
+        # A row whose peak is inf or NaN (extreme biases and penalties, combined) has no
+        # distribution: its request alone fails (FAILED), not the step and every request in it.
+        peaks = logits.max(dim=-1).values.tolist()
         for i, request in enumerate(scheduled):
-            if request.params.temperature > 0:
+            if not math.isfinite(peaks[i]):
+                tokens[i] = FAILED
+            elif request.params.temperature > 0:
                 probs = sampling_probabilities(logits[i], request.params)
                 tokens[i] = torch.multinomial(probs, 1, generator=request.generator).item()
         return tokens
@@ -936,13 +985,15 @@ class Worker:
         scheduled = list(sampling.values())
         sampled = None if logits is None else self.sample(logits[: len(scheduled)], scheduled)
         tokens = {} if sampled is None else dict(zip(sampling, sampled))
+        # A FAILED request's copy takes token 0 (it ends, and is forgotten, at the driver's word)
+        kept = {request_id: max(token, 0) for request_id, token in tokens.items()}
         # the last stage's rank 0 alone answers, so it alone computes what was asked
         answers = logits is not None and self.group.rank == 0
-        logprobs = step_logprobs(logits, ids, batch, tokens) if answers else ({}, {})
+        logprobs = step_logprobs(logits, ids, batch, kept) if answers else ({}, {})
         for request, count in batch:
             request.num_computed += count
             request.prompt_logprobs_from = max(request.prompt_logprobs_from, request.num_computed)
-        for request_id, token in tokens.items():
+        for request_id, token in kept.items():
             self.requests[request_id].token_ids.append(token)
         sampled_token_ids = [tokens.get(i) for i in scheduler_output.scheduled_ids]
         return ModelRunnerOutput(sampled_token_ids, time.perf_counter() - start, *logprobs)
