@@ -3496,6 +3496,10 @@ def test_pipeline_logprobs_penalties_n_stop_strings_and_abort_equal_pp_1(four_la
         next(stream)
         stream.close()  # the caller leaves: its request is aborted
         assert wait_for(lambda: not llm.scheduler.requests, 10)
+        # a row the last stage cannot sample from fails its request alone: the stages go on
+        overflows = SamplingParams(logit_bias={72: 100}, repetition_penalty=1e-37, temperature=1)
+        with pytest.raises(ValueError, match=r"^request \d+: its logits became inf or NaN"):
+            llm.generate(prompt, overflows)
         assert_equal(outputs(llm), expected)
 
 
