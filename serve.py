@@ -131,6 +131,15 @@ def completion_logprobs(tokens: list[int], entries: list, offset: int, tokenizer
     return {"text_offset": offsets, "token_logprobs": values, "tokens": texts, "top_logprobs": tops}
 
 
+def salted(prompts: list, body: dict) -> list:
+    """The prompts as vLLM's prompt dicts with the body's cache_salt, if any (the engine checks it
+    and hashes it into each prompt's first block)."""
+    if "cache_salt" not in body:
+        return prompts
+    named = [p if isinstance(p, dict) else {PROMPT_KEYS[type(p)]: p} for p in prompts]
+    return [{**p, "cache_salt": body["cache_salt"]} for p in named]
+
+
 class APIError(Exception):
     """An answer in OpenAI's error shape: the HTTP status, the message, the field at fault."""
 
@@ -367,7 +376,7 @@ class Handler(BaseHTTPRequestHandler):
         # echo: the prompt's text (and logprobs) first; max_tokens 0: alone (vLLM samples one token)
         max_tokens, self.echo = body.get("max_tokens", COMPLETIONS_MAX_TOKENS), body.get("echo", 0)
         self.echo_only, self.top_logprobs = self.echo and max_tokens == 0, body.get("logprobs")
-        self.generate(body, prompts, 1 if self.echo_only else max_tokens, chat=False)
+        self.generate(body, salted(prompts, body), 1 if self.echo_only else max_tokens, chat=False)
 
     def chat(self, body: dict) -> None:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -375,7 +384,7 @@ class Handler(BaseHTTPRequestHandler):
         if type(asked) is not bool or k is not None and not asked:
             raise APIError(400, "logprobs must be a boolean (true for top_logprobs)", "logprobs")
         self.top_logprobs = (k or 0) if asked else None
-        self.generate(body, [self.chat_prompt(body)], max_tokens, chat=True)
+        self.generate(body, salted([self.chat_prompt(body)], body), max_tokens, chat=True)
 
     def chat_prompt(self, body: dict) -> dict:
         """The messages through the chat template: {"prompt", "prompt_token_ids"}."""
@@ -427,7 +436,7 @@ class Handler(BaseHTTPRequestHandler):
         """Run the prompts with the request's fields over the model's defaults (as vLLM's server),
         and answer with their completions, whole or streamed."""
         limit, defaults = self.server.llm.max_model_len, self.server.defaults
-        ids = [p["prompt_token_ids"] if isinstance(p, dict) else p for p in prompts]
+        ids = [p.get("prompt_token_ids") if isinstance(p, dict) else p for p in prompts]
         longest = max((len(p) for p in ids if isinstance(p, list)), default=0)  # text: the engine's
         # chat's default: what the context leaves, at most the config's max_new_tokens
         if max_tokens is None:
@@ -443,9 +452,6 @@ class Handler(BaseHTTPRequestHandler):
                 context = f"this model's context is {limit} tokens and a prompt has {longest}"
                 give = f"give at most {limit - longest}"
                 raise ValueError(f"max_tokens={max_tokens} is too large: {context}; {give}")
-            for i, p in enumerate(prompts if "cache_salt" in body else []):  # vLLM's prompt dict
-                named = p if isinstance(p, dict) else {PROMPT_KEYS[type(p)]: p}
-                prompts[i] = {**named, "cache_salt": body["cache_salt"]}
             outputs = self.server.llm.stream_outputs(prompts, params)
         except ValueError as e:  # SamplingParams names the field first
             name = str(e).split()[0].split("=")[0]
