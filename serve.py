@@ -149,8 +149,9 @@ class APIError(Exception):
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
-        error = {"message": str(self), "type": kind, "param": self.param, "code": self.code}
-        return {"error": error}
+        return {
+            "error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}
+        }
 
 
 def field_fault(name: str, value, honoured: set[str]) -> str | None:
@@ -163,6 +164,64 @@ def field_fault(name: str, value, honoured: set[str]) -> str | None:
         return f"tinytp does not support {name}; it honours {', '.join(sorted(honoured))}"
     elif not isinstance(value, FIELD_TYPES.get(name, object)):
         return f"{name} must be {TYPE_WORDS[FIELD_TYPES[name]]}, got {json.dumps(value)}"
+
+
+def parse_body(data: bytes, kind: str, honoured: set[str], names: list[str]) -> dict:
+    """A POST's body (data, of Content-Type kind) as the JSON object it must be, nulls left out
+    ("not given"), each field checked; the model one of the served names."""
+    # A page of any site may post text/plain, a form or (a Blob) no type without a preflight:
+    # JSON's alone is read, as by FastAPI's strict_content_type (vLLM's server). Read first:
+    # a connection closed on an unread body resets, and the answer may be lost with it.
+    if not re.fullmatch(r"application/(\S*\+)?json", kind.split(";")[0].strip().lower()):
+        raise APIError(415, f"Content-Type {kind or '(none)'}: send JSON, application/json")
+    try:  # a lone surrogate ("\ud800") is valid JSON, but no text that a tokenizer can take
+        body = json.loads(data)
+        json.dumps(body, ensure_ascii=False).encode()
+    except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, nested too deep
+        raise APIError(400, f"the body is not valid JSON: {type(e).__name__}: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
+    body = {name: value for name, value in body.items() if value is not None}
+    for name, value in body.items():
+        if fault := field_fault(name, value, honoured):
+            raise APIError(400, fault, name)
+    if isinstance(bias := body.get("logit_bias"), dict):  # OpenAI's: token ids as strings
+        # (20 digits or more is no token id, and int() would refuse a key past 4,300: a 500)
+        if not all(key.isascii() and key.isdigit() and len(key) < 20 for key in bias):
+            raise APIError(400, f"logit_bias's keys are token ids: {bias!s:.60}", "logit_bias")
+        body["logit_bias"] = {  # each number clamped to [-100, 100], as vLLM's server does
+            int(key): min(100, max(-100, v)) if type(v) in (int, float) and v == v else v
+            for key, v in bias.items()
+        }
+    options = {k: v for k, v in body.get("stream_options", {}).items() if v is not None}
+    flags = options.keys() <= STREAM_OPTIONS and all(type(v) is bool for v in options.values())
+    if options and not (flags and body.get("stream")):
+        why = "may hold include_usage and continuous_usage_stats (true or false), with stream"
+        raise APIError(400, f"stream_options {why}; {json.dumps(options)}", "stream_options")
+    model = body.setdefault("model", names[0])
+    if model not in names:
+        why = f"the model `{model}` does not exist: this server has {names[0]}"
+        raise APIError(404, why, "model", "model_not_found")
+    return {**body, "stream_options": options}
+
+
+def sampling_params(body: dict, server: Server, prompts: list, max_tokens, logprobs) -> tuple:
+    """The request's fields over the model's defaults (as vLLM's server), logprobs (k, and echo:
+    the prompt's too); and its longest prompt's tokens (text not yet tokenized: 0)."""
+    (limit, defaults), (k, echo) = (server.llm.max_model_len, server.defaults), logprobs
+    ids = [p.get("prompt_token_ids") if isinstance(p, dict) else p for p in prompts]
+    longest = max((len(p) for p in ids if isinstance(p, list)), default=0)  # text: the engine's
+    if max_tokens is None:  # chat's default: what the context leaves, at most max_new_tokens
+        unset = defaults.max_tokens == SamplingParams().max_tokens
+        max_tokens = max(1, min(limit if unset else defaults.max_tokens, limit - longest))
+    sampling = {name: body[name] for name in SAMPLING_FIELDS & body.keys()}
+    sampling |= {"logprobs": k, "prompt_logprobs": k if echo else None}  # (SamplingParams checks k)
+    params = replace(defaults, max_tokens=max_tokens, **sampling)
+    if longest < limit < longest + max_tokens:  # as vLLM refuses it (a prompt past it: the engine)
+        context = f"this model's context is {limit} tokens and a prompt has {longest}"
+        give = f"give at most {limit - longest}"
+        raise ValueError(f"max_tokens={max_tokens} is too large: {context}; {give}")
+    return params, longest
 
 
 def engine_fault(llm: LLM) -> str | None:
@@ -286,7 +345,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_head(204, None, None, cors if method and self.cors_headers() else {})
 
     def read_body(self, honoured: set[str]) -> dict:
-        """The JSON object, read to its Content-Length, nulls left out ("not given"), checked."""
+        """The body, read to its Content-Length, then parsed and checked (parse_body)."""
         lengths = self.headers.get_all("Content-Length", [])
         length = lengths[0].strip() if lengths else ""
         if "Transfer-Encoding" in self.headers or not lengths:
@@ -298,41 +357,7 @@ class Handler(BaseHTTPRequestHandler):
         data = self.rfile.read(int(length))
         if len(data) < int(length):
             raise APIError(400, f"the body ended after {len(data)} of its {length} bytes")
-        # A page of any site may post text/plain, a form or (a Blob) no type without a preflight:
-        # JSON's alone is read, as by FastAPI's strict_content_type (vLLM's server). Read first:
-        # a connection closed on an unread body resets, and the answer may be lost with it.
-        kind = self.headers.get("Content-Type", "")
-        if not re.fullmatch(r"application/(\S*\+)?json", kind.split(";")[0].strip().lower()):
-            raise APIError(415, f"Content-Type {kind or '(none)'}: send JSON, application/json")
-        try:  # a lone surrogate ("\ud800") is valid JSON, but no text that a tokenizer can take
-            body = json.loads(data)
-            json.dumps(body, ensure_ascii=False).encode()
-        except (ValueError, RecursionError) as e:  # bad JSON, not UTF-8, nested too deep
-            raise APIError(400, f"the body is not valid JSON: {type(e).__name__}: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        body = {name: value for name, value in body.items() if value is not None}
-        for name, value in body.items():
-            if fault := field_fault(name, value, honoured):
-                raise APIError(400, fault, name)
-        if isinstance(bias := body.get("logit_bias"), dict):  # OpenAI's: token ids as strings
-            # (20 digits or more is no token id, and int() would refuse a key past 4,300: a 500)
-            if not all(key.isascii() and key.isdigit() and len(key) < 20 for key in bias):
-                raise APIError(400, f"logit_bias's keys are token ids: {bias!s:.60}", "logit_bias")
-            body["logit_bias"] = {  # each number clamped to [-100, 100], as vLLM's server does
-                int(key): min(100, max(-100, v)) if type(v) in (int, float) and v == v else v
-                for key, v in bias.items()
-            }
-        options = {k: v for k, v in body.get("stream_options", {}).items() if v is not None}
-        flags = options.keys() <= STREAM_OPTIONS and all(type(v) is bool for v in options.values())
-        if options and not (flags and body.get("stream")):
-            why = "may hold include_usage and continuous_usage_stats (true or false), with stream"
-            raise APIError(400, f"stream_options {why}; {json.dumps(options)}", "stream_options")
-        model = body.setdefault("model", self.server.names[0])
-        if model not in self.server.names:
-            why = f"the model `{model}` does not exist: this server has {self.server.names[0]}"
-            raise APIError(404, why, "model", "model_not_found")
-        return {**body, "stream_options": options}
+        return parse_body(data, self.headers.get("Content-Type", ""), honoured, self.server.names)
 
     def models(self, _) -> None:
         about = {"object": "model", "created": int(time.time()), "owned_by": "tinytp"}
@@ -435,23 +460,9 @@ class Handler(BaseHTTPRequestHandler):
     def generate(self, body: dict, prompts: list, max_tokens: int | None, chat: bool) -> None:
         """Run the prompts with the request's fields over the model's defaults (as vLLM's server),
         and answer with their completions, whole or streamed."""
-        limit, defaults = self.server.llm.max_model_len, self.server.defaults
-        ids = [p.get("prompt_token_ids") if isinstance(p, dict) else p for p in prompts]
-        longest = max((len(p) for p in ids if isinstance(p, list)), default=0)  # text: the engine's
-        # chat's default: what the context leaves, at most the config's max_new_tokens
-        if max_tokens is None:
-            unset = defaults.max_tokens == SamplingParams().max_tokens
-            max_tokens = max(1, min(limit if unset else defaults.max_tokens, limit - longest))
         try:  # every value checked as SamplingParams checks it, and every prompt before any runs
-            sampling = {name: body[name] for name in SAMPLING_FIELDS & body.keys()}
-            k = self.top_logprobs  # (SamplingParams checks it)
-            sampling |= {"logprobs": k, "prompt_logprobs": k if self.echo else None}
-            params = replace(defaults, max_tokens=max_tokens, **sampling)
-            # refused as vLLM does (a prompt past it: by the engine)
-            if longest < limit < longest + max_tokens:
-                context = f"this model's context is {limit} tokens and a prompt has {longest}"
-                give = f"give at most {limit - longest}"
-                raise ValueError(f"max_tokens={max_tokens} is too large: {context}; {give}")
+            logprobs = self.top_logprobs, self.echo
+            params, longest = sampling_params(body, self.server, prompts, max_tokens, logprobs)
             outputs = self.server.llm.stream_outputs(prompts, params)
         except ValueError as e:  # SamplingParams names the field first
             name = str(e).split()[0].split("=")[0]
