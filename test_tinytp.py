@@ -35,7 +35,6 @@ from unittest import mock
 import pytest
 import safetensors.torch
 import torch
-import torch._inductor.config
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -2813,6 +2812,8 @@ def test_a_compile_that_cannot_run_is_refused_in_one_line_naming_enforce_eager(
     that says what failed and names the way out (--enforce-eager), never a step run otherwise than
     asked; an LLM's start too. Nothing compiled before helps it: a fresh inductor cache, nothing in
     this process."""
+    import torch._inductor.config  # here, not at the top: the workers import this module
+
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError) as refused:
@@ -7553,6 +7554,25 @@ def test_ci_gpu_sdpa_probe_runs_model_pys_call_sites_and_they_take_cudas_layouts
             assert found["ok"] and found["agrees"], (site, found)
             flash_decode = dtype == "bfloat16" and site.startswith("decode, rows of one length")
             assert ("other layouts" in found["outputs"]) != flash_decode, (site, found)
+
+
+def test_importing_the_tests_in_a_worker_loads_no_compiler_and_takes_little_beyond_tinytp():
+    """Each worker of the CUDA tests imports this module to run the functions collective_rpc
+    sends it: no inductor or dynamo (which only one test needs, and imports itself), and within a
+    bound of importing tinytp alone (transformers and pytest the most of what it adds)."""
+    code = (
+        "import sys, time; start = time.perf_counter(); import tinytp, worker; "
+        "alone = time.perf_counter() - start; import test_tinytp; "
+        "print(time.perf_counter() - start - alone, "
+        "[m for m in ('torch._inductor', 'torch._dynamo') if m in sys.modules])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    beyond_tinytp, loaded = done.stdout.split(maxsplit=1)
+    assert loaded.strip() == "[]"
+    assert float(beyond_tinytp) < hang_bound(2.5), done.stdout
 
 
 @pytest.mark.quick
