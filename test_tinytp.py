@@ -7391,7 +7391,7 @@ def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
     assert report["table"] in done.stdout and "Unproven on one GPU: nccl at tp=2" in report["table"]
     # on CPU the fixed-shape step runs eagerly both ways: nothing is captured
     graphs = report["cuda_graphs"]
-    assert graphs["captured_lengths"] == [] and graphs["logits_equal"] and graphs["tokens_equal"]
+    assert graphs["captured_lengths"] == [] and graphs["logits_equal"] and graphs["agrees"]
     # prompts of 12, 8 tokens: both lengths
     assert graphs["steps_compared"] == {"prefill": 1, "16": 4, "32": 3}
     assert set(graphs["step_ms"]) == {"cuda graphs", "fixed shape, eager", "eager"}
@@ -7451,8 +7451,9 @@ def test_ci_gpu_graphs_check_finds_a_rerun_equal_and_a_stale_mask_at_its_first_s
     assert same["logits_equal"] and same["steps_compared"] == {"prefill": 1, "16": 4, "32": 3}
     assert same["largest_logit_difference"] == 0 and same["tokens_equal"]
     found = ci_gpu.compare_steps(stale, first)
-    # the first step after its length's first
+    # the first step after its length's first, by more than rounding
     assert not found["logits_equal"] and found["first_differing_step"] == 2
+    assert not found["agrees"] and found["bfloat16_ulps"] > ci_gpu.GRAPH_ULPS
 
 
 @pytest.mark.quick
@@ -7573,6 +7574,47 @@ def test_importing_the_tests_in_a_worker_loads_no_compiler_and_takes_little_beyo
     beyond_tinytp, loaded = done.stdout.split(maxsplit=1)
     assert loaded.strip() == "[]"
     assert float(beyond_tinytp) < hang_bound(2.5), done.stdout
+
+
+def recorded(logits: list[torch.Tensor], tokens: list[list[int]]) -> dict:
+    return {"attended": [None] + [16] * (len(logits) - 1), "logits": logits, "tokens": tokens}
+
+
+@pytest.mark.quick
+def test_ci_gpu_graphs_check_passes_rounding_in_bfloat16_ulps_and_fails_beyond():
+    """Graphs against eager on synthetic logits: equal is equal; an ulp apart (in bfloat16, at
+    the largest logit) passes, reported as within rounding with its ulps; 5 ulps, or tokens
+    apart, fail."""
+    ci_gpu = load_ci_gpu()
+    # the largest logit 12.5: bfloat16's numbers in [8, 16) are 2 ** -4 apart
+    assert ci_gpu.bfloat16_ulp(12.5) == ci_gpu.bfloat16_ulp(-8.0) == 2**-4
+    assert ci_gpu.bfloat16_ulp(1.0) == torch.finfo(torch.bfloat16).eps
+    eager = [torch.tensor([[12.5, -3.0, 0.25]]), torch.tensor([[1.0, 2.0, -0.5]])]
+
+    def against_eager(difference: float, tokens: list[list[int]] = [[0, 1]]) -> dict:
+        graphs = [eager[0], eager[1] + torch.tensor([[0.0, difference, 0.0]])]
+        found = ci_gpu.compare_steps(recorded(graphs, tokens), recorded(eager, [[0, 1]]))
+        return found | {
+            "captured_lengths": [16],
+            "step_ms": dict.fromkeys(["cuda graphs", "fixed shape, eager", "eager"], 1.0),
+            "tokens": 2,
+        }
+
+    def verdict(found: dict) -> str:
+        return ci_gpu.describe_graphs(found, 1)[-1]
+
+    equal = against_eager(0.0)
+    assert equal["agrees"] and equal["logits_equal"] and "equal, bit for bit" in verdict(equal)
+    rounding = against_eager(2**-4)
+    assert rounding["agrees"] and not rounding["logits_equal"] and rounding["bfloat16_ulps"] == 1
+    assert verdict(rounding).endswith(
+        "equal within rounding: 1 steps differ from step 1, by 0.0625 at most: 1.0 bfloat16 ulps "
+        "of the largest logit, 12.5 (4 allowed); tokens equal"
+    )
+    beyond = against_eager(5 * 2**-4)
+    assert not beyond["agrees"] and "NOT equal: 1 steps differ" in verdict(beyond)
+    tokens_apart = against_eager(2**-4, [[0, 2]])
+    assert not tokens_apart["agrees"] and "tokens NOT equal" in verdict(tokens_apart)
 
 
 @pytest.mark.quick
