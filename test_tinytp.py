@@ -7557,6 +7557,26 @@ def test_ci_gpu_sdpa_probe_runs_model_pys_call_sites_and_they_take_cudas_layouts
             assert ("other layouts" in found["outputs"]) != flash_decode, (site, found)
 
 
+def test_ci_gpu_probe_failure_comes_back_in_one_line():
+    """A probe that fails names its error in the report in one line (nccl's run to several), the
+    traceback in the step's log: here the pre-flight given an argument it does not take."""
+    ci_gpu = load_ci_gpu()
+    nccl = RuntimeError(
+        "NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error\nLast error:\n  socket"
+    )
+    assert ci_gpu.one_line(nccl) == (
+        "RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error / "
+        "Last error: / socket"
+    )
+    steps = ci_gpu.Steps(None, "cpu", time.monotonic())
+    found = steps.probe("pre-flight", "cpu", unknown=1)
+    assert re.fullmatch(
+        r"exit status 1: TypeError: .*probe_pre_flight\(\) got an unexpected keyword argument "
+        r"'unknown'",
+        found["error"],
+    ), found
+
+
 def test_importing_the_tests_in_a_worker_loads_no_compiler_and_takes_little_beyond_tinytp():
     """Each worker of the CUDA tests imports this module to run the functions collective_rpc
     sends it: no inductor or dynamo (which only one test needs, and imports itself), and within a

@@ -155,6 +155,7 @@ MISSION_CHECKPOINT = {
 MISSION_PROMPT, MISSION_TOKENS = "What is the capital of France?", 32
 MISSION_DIR = "llama-3.1-8b-shapes"  # in the run's working directory
 PROBE_RESULT = "probe result: "  # the line with which a probe hands its JSON back
+PROBE_FAILED = "probe failed: "  # or says why it failed, in one line
 UNPROVEN = (
     "Unproven on one GPU: nccl at tp=2 (the tp=2 runs here put both ranks on the one GPU, over "
     "gloo, for function only), its speed, and a second GPU."
@@ -948,6 +949,13 @@ def stop_step(process: subprocess.Popen) -> tuple[str, str, str]:
             continue
 
 
+def one_line(error: BaseException) -> str:
+    """An error as one line of the report: its type and its message's lines (nccl's run to several:
+    what failed, then "Last error:" and why)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {' / '.join(lines)}"[:500]
+
+
 class Steps:
     """Runs each step as a subprocess in the repository root, within its own limit and what is
     left of the budget, and keeps its log (under $OUT when set)."""
@@ -1028,7 +1036,8 @@ class Steps:
             env,
         )
         if outcome != "passed":
-            return {"error": outcome}
+            why = [line for line in stdout.splitlines() if line.startswith(PROBE_FAILED)]
+            return {"error": f"{outcome}: {why[0][len(PROBE_FAILED) :]}" if why else outcome}
         return json.loads(
             next(line for line in stdout.splitlines() if line.startswith(PROBE_RESULT))[
                 len(PROBE_RESULT) :
@@ -1403,10 +1412,12 @@ def main() -> int:
         )
         return 2
     if args.probe:
-        print(
-            PROBE_RESULT
-            + json.dumps(PROBES[args.probe](args.device, **json.loads(args.probe_args)))
-        )
+        try:
+            found = PROBES[args.probe](args.device, **json.loads(args.probe_args))
+        except (Exception, SystemExit) as e:  # the report names it; the traceback goes to the log
+            print(PROBE_FAILED + one_line(e), flush=True)
+            raise
+        print(PROBE_RESULT + json.dumps(found))
         return 0
     out = os.environ.get("OUT") or None
     if out:
