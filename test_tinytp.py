@@ -35,7 +35,6 @@ from unittest import mock
 import pytest
 import safetensors.torch
 import torch
-import torch._inductor.config
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -2842,6 +2841,8 @@ def test_a_compile_that_cannot_run_is_refused_in_one_line_naming_enforce_eager(
     that says what failed and names the way out (--enforce-eager), never a step run otherwise than
     asked; an LLM's start too. Nothing compiled before helps it: a fresh inductor cache, nothing in
     this process."""
+    import torch._inductor.config  # here, not at the top: the workers import this module
+
     monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError) as refused:
@@ -7791,8 +7792,17 @@ def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
         timeout=budget + 60,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # what the device brings back (8 files at most): the summary, then every step's output
+    assert sorted(os.listdir(tmp_path)) == ["gpu.json", "steps.log"]
     report = json.loads((tmp_path / "gpu.json").read_text())
-    assert report["versions"]["torch"] == torch.__version__ and report["passed"]
+    assert list(report)[:3] == ["passed", "summary", "table"] and report["passed"]
+    assert report["summary"] in done.stdout and "all steps passed" in report["summary"]
+    assert report["versions"]["torch"] == torch.__version__
+    # every step ran, each within half its GPU limit on its CPU-side work, in the table
+    budget = report["budget"]
+    assert list(budget["steps"]) == list(ci_gpu.STEP_LIMITS) and budget["over"] == []
+    assert all(row["share"] <= ci_gpu.CPU_SIDE_SHARE for row in budget["steps"].values())
+    assert "step                     limit (s)  seconds  CPU-side s  share" in report["table"]
     assert report["pre_flight"] == {"backend": "gloo", "device": "cpu"}
     assert "error" not in report["tests"]
     assert re.fullmatch(r"\d+ skipped, \d+ deselected in .*", report["tests"]["summary"])
@@ -7846,25 +7856,11 @@ def test_ci_gpu_script_runs_its_steps_on_cpu(tmp_path):
     assert report["table"] in done.stdout and "Unproven on one GPU: nccl at tp=2" in report["table"]
     # on CPU the fixed-shape step runs eagerly both ways: nothing is captured
     graphs = report["cuda_graphs"]
-    assert graphs["captured_lengths"] == [] and graphs["logits_equal"] and graphs["tokens_equal"]
+    assert graphs["captured_lengths"] == [] and graphs["logits_equal"] and graphs["agrees"]
     # prompts of 12, 8 tokens: both lengths
     assert graphs["steps_compared"] == {"prefill": 1, "16": 4, "32": 3}
     assert set(graphs["step_ms"]) == {"cuda graphs", "fixed shape, eager", "eager"}
     assert "equal, bit for bit, at every step" in report["table"]
-    assert sorted(os.listdir(tmp_path)) == [
-        "cuda-graphs.log",
-        "decode-step.log",
-        "gpu.json",
-        "mission-cli.log",
-        "mission-tokens.log",
-        "mission-transformers.log",
-        "mission-write.log",
-        "pre-flight.log",
-        "sdpa.log",
-        "tests.log",
-        "tinytp.log",
-        "transformers.log",
-    ]
 
 
 def stale_fixed_shape_mask(worker):  # run in the workers, through collective_rpc
@@ -7906,8 +7902,9 @@ def test_ci_gpu_graphs_check_finds_a_rerun_equal_and_a_stale_mask_at_its_first_s
     assert same["logits_equal"] and same["steps_compared"] == {"prefill": 1, "16": 4, "32": 3}
     assert same["largest_logit_difference"] == 0 and same["tokens_equal"]
     found = ci_gpu.compare_steps(stale, first)
-    # the first step after its length's first
+    # the first step after its length's first, by more than rounding
     assert not found["logits_equal"] and found["first_differing_step"] == 2
+    assert not found["agrees"] and found["bfloat16_ulps"] > ci_gpu.GRAPH_ULPS
 
 
 @pytest.mark.quick
@@ -8009,6 +8006,125 @@ def test_ci_gpu_sdpa_probe_runs_model_pys_call_sites_and_they_take_cudas_layouts
             assert found["ok"] and found["agrees"], (site, found)
             flash_decode = dtype == "bfloat16" and site.startswith("decode, rows of one length")
             assert ("other layouts" in found["outputs"]) != flash_decode, (site, found)
+
+
+@pytest.mark.quick
+def test_ci_gpu_budget_check_fails_a_step_over_half_its_limit_on_cpu():
+    """On CPU a step's CPU time is the GPU run's CPU-side work: over half its GPU limit, it leaves
+    too little for the GPU's, and the run fails naming it; on a GPU the limit itself is the rule."""
+    ci_gpu = load_ci_gpu()
+    limit = ci_gpu.STEP_LIMITS["sdpa"]
+    within = {"tests": (60.0, 1.0), "sdpa": (9.0, 0.49 * limit)}  # wall time does not count
+    over = {**within, "sdpa": (1.0, 0.51 * limit)}
+    assert ci_gpu.check_budget(within, "cpu")["over"] == []
+    budget = ci_gpu.check_budget(over, "cpu")
+    assert budget["over"] == ["sdpa"] and budget["steps"]["sdpa"]["share"] == pytest.approx(0.51)
+    assert ci_gpu.check_budget(over, "cuda")["over"] == []
+    table = "\n".join(ci_gpu.describe_budget(budget))
+    assert re.search(
+        rf"^sdpa +{limit} +1\.0 +{0.51 * limit:.1f} +51%  over 50% of its limit$", table, re.M
+    )
+
+
+@pytest.mark.quick
+def test_ci_gpu_out_holds_the_summary_first_and_at_most_the_files_the_device_brings_back(tmp_path):
+    """Every step run under $OUT leaves two files, of the device's 8: the summary (gpu.json),
+    written as the first step starts, and one log of every step."""
+    ci_gpu = load_ci_gpu()
+    report = {"device": "cpu"}
+    steps = ci_gpu.Steps(str(tmp_path), "cpu", time.monotonic(), report)
+    for name in ci_gpu.STEP_LIMITS:
+        steps.run(name, [sys.executable, "-c", f"print({name!r})"])
+        if name == "pre-flight":  # the summary written as it started, its log after it
+            summary, log = (tmp_path / "gpu.json").stat(), (tmp_path / "steps.log").stat()
+            assert summary.st_mtime_ns <= log.st_mtime_ns
+    assert sorted(os.listdir(tmp_path)) == ["gpu.json", "steps.log"]
+    assert len(os.listdir(tmp_path)) <= ci_gpu.DEVICE_FILES
+    assert json.loads((tmp_path / "gpu.json").read_text()) == report
+    log = (tmp_path / "steps.log").read_text()
+    assert [line.split(": passed")[0] for line in log.splitlines() if line.startswith("=== ")] == [
+        f"=== {name}" for name in ci_gpu.STEP_LIMITS
+    ]
+
+
+def recorded(logits: list[torch.Tensor], tokens: list[list[int]]) -> dict:
+    return {"attended": [None] + [16] * (len(logits) - 1), "logits": logits, "tokens": tokens}
+
+
+@pytest.mark.quick
+def test_ci_gpu_graphs_check_passes_rounding_in_bfloat16_ulps_and_fails_beyond():
+    """Graphs against eager on synthetic logits: equal is equal; an ulp apart (in bfloat16, at
+    the largest logit) passes, reported as within rounding with its ulps; 5 ulps, or tokens
+    apart, fail."""
+    ci_gpu = load_ci_gpu()
+    # the largest logit 12.5: bfloat16's numbers in [8, 16) are 2 ** -4 apart
+    assert ci_gpu.bfloat16_ulp(12.5) == ci_gpu.bfloat16_ulp(-8.0) == 2**-4
+    assert ci_gpu.bfloat16_ulp(1.0) == torch.finfo(torch.bfloat16).eps
+    eager = [torch.tensor([[12.5, -3.0, 0.25]]), torch.tensor([[1.0, 2.0, -0.5]])]
+
+    def against_eager(difference: float, tokens: list[list[int]] = [[0, 1]]) -> dict:
+        graphs = [eager[0], eager[1] + torch.tensor([[0.0, difference, 0.0]])]
+        found = ci_gpu.compare_steps(recorded(graphs, tokens), recorded(eager, [[0, 1]]))
+        return found | {
+            "captured_lengths": [16],
+            "step_ms": dict.fromkeys(["cuda graphs", "fixed shape, eager", "eager"], 1.0),
+            "tokens": 2,
+        }
+
+    def verdict(found: dict) -> str:
+        return ci_gpu.describe_graphs(found, 1)[-1]
+
+    equal = against_eager(0.0)
+    assert equal["agrees"] and equal["logits_equal"] and "equal, bit for bit" in verdict(equal)
+    rounding = against_eager(2**-4)
+    assert rounding["agrees"] and not rounding["logits_equal"] and rounding["bfloat16_ulps"] == 1
+    assert verdict(rounding).endswith(
+        "equal within rounding: 1 steps differ from step 1, by 0.0625 at most: 1.0 bfloat16 ulps "
+        "of the largest logit, 12.5 (4 allowed); tokens equal"
+    )
+    beyond = against_eager(5 * 2**-4)
+    assert not beyond["agrees"] and "NOT equal: 1 steps differ" in verdict(beyond)
+    tokens_apart = against_eager(2**-4, [[0, 2]])
+    assert not tokens_apart["agrees"] and "tokens NOT equal" in verdict(tokens_apart)
+
+
+def test_ci_gpu_probe_failure_comes_back_in_one_line():
+    """A probe that fails names its error in the report in one line (nccl's run to several), the
+    traceback in the step's log: here the pre-flight given an argument it does not take."""
+    ci_gpu = load_ci_gpu()
+    nccl = RuntimeError(
+        "NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error\nLast error:\n  socket"
+    )
+    assert ci_gpu.one_line(nccl) == (
+        "RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1, unhandled system error / "
+        "Last error: / socket"
+    )
+    steps = ci_gpu.Steps(None, "cpu", time.monotonic())
+    found = steps.probe("pre-flight", "cpu", unknown=1)
+    assert re.fullmatch(
+        r"exit status 1: TypeError: .*probe_pre_flight\(\) got an unexpected keyword argument "
+        r"'unknown'",
+        found["error"],
+    ), found
+
+
+def test_importing_the_tests_in_a_worker_loads_no_compiler_and_takes_little_beyond_tinytp():
+    """Each worker of the CUDA tests imports this module to run the functions collective_rpc
+    sends it: no inductor or dynamo (which only one test needs, and imports itself), and within a
+    bound of importing tinytp alone (transformers and pytest the most of what it adds)."""
+    code = (
+        "import sys, time; start = time.perf_counter(); import tinytp, worker; "
+        "alone = time.perf_counter() - start; import test_tinytp; "
+        "print(time.perf_counter() - start - alone, "
+        "[m for m in ('torch._inductor', 'torch._dynamo') if m in sys.modules])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    beyond_tinytp, loaded = done.stdout.split(maxsplit=1)
+    assert loaded.strip() == "[]"
+    assert float(beyond_tinytp) < hang_bound(2.5), done.stdout
 
 
 @pytest.mark.quick

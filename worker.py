@@ -753,9 +753,9 @@ class Worker:
             "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)
         )
         backend = "nccl" if device == "cuda" else "gloo"
-        # gloo listens on the address the hostname resolves to, a network one on many hosts (Docker,
-        # cloud VMs): loopback instead, as the store's (Linux's lo), in this worker's environment.
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        # gloo and nccl listen on the address the hostname resolves to, a network one on many hosts
+        # (Docker, cloud VMs): loopback instead, as the store's (Linux's lo; the group is one node).
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = "lo"
         dist.init_process_group(
             backend,
             store=store,
