@@ -3551,21 +3551,6 @@ def test_explain_and_trace_walk_through_the_stages(four_layers):
     assert sum("replied" in line for line in lines) == 1 and "rank 1  replied" in "\n".join(lines)
 
 
-def test_the_server_serves_pipeline_stages(openai, tmp_path, tiny_llm):
-    served = Served(tmp_path, "-pp", "2")
-    try:
-        done = served.client(openai).completions.create(
-            model="tiny-llama", prompt="Hello, my name is", max_tokens=12, temperature=0
-        )
-        expected = tiny_llm.generate(
-            "Hello, my name is", SamplingParams(temperature=0, max_tokens=12)
-        )
-        assert done.choices[0].text == expected[0].outputs[0].text
-        assert len(served.workers) == 2
-    finally:
-        assert served.stop() == 0
-
-
 @pytest.mark.quick
 @pytest.mark.parametrize(
     "arguments, message",
@@ -3971,7 +3956,7 @@ def test_llm_takes_vllms_arguments_that_mean_something_here_and_refuses_the_rest
         "distributed_executor_backend, cuda_graphs, async_scheduling, tokenizer, seed, "
         "generation_config, enforce_eager, "
         "trust_remote_code, gpu_memory_utilization, max_num_batched_tokens, block_size, "
-        "kv_cache_memory_bytes, enable_prefix_caching"
+        "kv_cache_memory_bytes, enable_prefix_caching, pipeline_parallel_size"
     )
     with pytest.raises(
         ValueError,
@@ -6027,6 +6012,21 @@ def test_server_completions_and_chat_equal_generate_plain_and_streamed(
         o.outputs[0].text
         for o in tiny_llm.generate(ids, SamplingParams(temperature=0, max_tokens=6))
     ]
+
+
+def test_the_server_serves_pipeline_stages(openai, tmp_path, tiny_llm):
+    served = Served(tmp_path, "-pp", "2")
+    try:
+        done = served.client(openai).completions.create(
+            model="tiny-llama", prompt="Hello, my name is", max_tokens=12, temperature=0
+        )
+        expected = tiny_llm.generate(
+            "Hello, my name is", SamplingParams(temperature=0, max_tokens=12)
+        )
+        assert done.choices[0].text == expected[0].outputs[0].text
+        assert len(served.workers) == 2
+    finally:
+        assert served.stop() == 0
 
 
 def test_server_n_with_a_seed_repeats_and_stop_ends_the_text(openai, tiny_server, tiny_llm):

@@ -943,11 +943,10 @@ class Worker:
         tokens, unspoken, having adjusted them alike (penalties, min_tokens, logit_bias)."""
         logits = adjusted_logits(logits.float(), scheduled)
         tokens = logits.argmax(dim=-1).tolist()  # greedy, for temperature 0
-        # A row whose peak is inf or NaN (extreme biases and penalties, combined) has no
-        # distribution: its request alone fails (FAILED), not the step and every request in it.
-        peaks = logits.max(dim=-1).values.tolist()
         for i, request in enumerate(scheduled):
-            if not math.isfinite(peaks[i]):
+            # A row whose peak is inf or NaN (extreme biases and penalties, combined: an adjusted
+            # row) has no distribution: its request alone fails (FAILED), not the step's others.
+            if request.params.adjusts_logits and not math.isfinite(logits[i].max()):
                 tokens[i] = FAILED
             elif request.params.temperature > 0:
                 probs = sampling_probabilities(logits[i], request.params)
