@@ -1976,6 +1976,76 @@ def test_prefix_cache_timeline_hashes_hits_and_evicts_blocks():
     ]
 
 
+@pytest.mark.quick
+def test_preemption_timeline_frees_requeues_and_resumes_with_cache_hits():
+    """Preemption (V1's recompute), drawn (docs/exercises.md, "Preemption over time"; -s prints it):
+    blocks of 2 tokens (letters: 0 is "a"), 5 blocks besides the null one, each step answered "a".
+    A ("abc", 6 tokens) and B ("xyz", 3) fill 4 blocks; in step 3 both need a block and one is free:
+    A, the older, takes it and B, the newest, is preempted: its blocks freed (cached, last first),
+    it goes to the front of the queue. It waits while its cached blocks and the one more it needs
+    are not all free; A's next block evicts B's "za". A done, B resumes: "xy" is a hit, and it
+    recomputes "z" and its two tokens so far, then samples its third as if never stopped."""
+    scheduler = scheduler_with([], max_num_seqs=2, num_blocks=6, block_size=2)
+    kv, text, lines = scheduler.kv_cache_manager, {}, []  # text: each cached block's, by hash
+    for request_id, (prompt, max_tokens) in enumerate([("abc", 6), ("xyz", 3)]):
+        ids = [ord(letter) - ord("a") for letter in prompt]
+        params = SamplingParams(max_tokens=max_tokens)
+        scheduler.add_request(Request(request_id, None, ids, params, seed=0))
+    admitted = set()
+    while scheduler.has_unfinished_requests():
+        cached_before, running_before = dict(kv.cached_block_hash_to_block), list(scheduler.running)
+        held = {r.request_id: kv.req_to_blocks[r.request_id] for r in running_before}
+        step = scheduler.schedule()
+        counts = dict(zip(step.scheduled_ids, step.num_scheduled_tokens))
+        cells = [cell(scheduler, "AB"[i], i, n) for i, n in counts.items()]
+        preempted = [r for r in running_before if r in scheduler.waiting]
+        events = [
+            f"{'AB'[r.request_id]} preempted: frees"
+            f" {' '.join(str(b.block_id) for b in reversed(held[r.request_id]))}, queue's front"
+            for r in preempted
+        ]
+        events += [
+            f"{'AB'[r.request_id]} waits"
+            for r in scheduler.waiting
+            if r.request_id in admitted and r not in preempted
+        ]
+        for new in step.new_requests:
+            if new.request_id in admitted:
+                hits = kv.req_to_blocks[new.request_id][: new.num_computed_tokens // 2]
+                events.append(
+                    f"{'AB'[new.request_id]} resumes: hits"
+                    f" {' '.join(f'{text[b.block_hash]}:{b.block_id}' for b in hits)}"
+                )
+            admitted.add(new.request_id)
+        evicted = [f"{text[h]}:{b.block_id}" for h, b in cached_before.items() if b.block_hash != h]
+        events += [f"evicts {' '.join(evicted)}"] * bool(evicted)
+        for request_id in counts:  # the text of each cached block it holds, for later events
+            request = scheduler.requests[request_id]
+            tokens = letters(request.prompt_token_ids + request.output_token_ids)
+            for i, block in enumerate(kv.req_to_blocks[request_id]):
+                text[block.block_hash] = tokens[2 * i : 2 * i + 2]
+        _, finished = answer(scheduler, step)
+        events += [f"{'AB'[r.request_id]} ends" for r in finished]
+        cells += [""] * (2 - len(cells))
+        lines.append(
+            f"{len(lines) + 1:>4}  {sum(counts.values()):<6}"
+            + "".join(f"{c:<15}" for c in cells)
+            + "; ".join(events)
+        )
+    lines = [line.rstrip() for line in lines]
+    print("\n".join(["", "step  tokens", *lines]))
+    assert lines == [
+        "   1  6     A 0..2 [1 2]   B 0..2 [3 4]",
+        "   2  2     A 3 [1 2]      B 3 [3 4]",
+        "   3  1     A 4 [1 2 5]                   B preempted: frees 4 3, queue's front",
+        "   4  1     A 5 [1 2 5]                   B waits",
+        "   5  1     A 6 [1 2 5 4]                 B waits; evicts za:4",
+        "   6  1     A 7 [1 2 5 4]                 B waits; A ends",
+        "   7  3     B 2..4 [3 4 5]                B resumes: hits xy:3; evicts aa:5 aa:4; B ends",
+    ]
+    assert scheduler.num_preemptions == 1
+
+
 # --------------------------------------------------------------------------------------
 # The paged KV cache: blocks, prefix caching, preemption
 # --------------------------------------------------------------------------------------
