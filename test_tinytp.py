@@ -2311,14 +2311,10 @@ def test_a_cache_of_4_contiguous_slots_serves_32_short_requests_16_or_more_at_on
     assert not shm_entries()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_a_cache_too_small_for_6_long_requests_preempts_and_each_output_is_its_solo_run(
-    mha_checkpoint, async_scheduling
-):
-    """6 requests of 20 + 60 tokens (5 blocks of 16 each) on 12 blocks: the newest running ones
-    are preempted, again and again, and recomputed; greedy and seeded, each output is the one it
-    gets alone."""
-    path, _ = mha_checkpoint
+def solo_and_together_on_12_blocks(path: str, async_scheduling: bool, in_workers=None):
+    """6 requests of 20 + 60 tokens (5 blocks of 16 each) on 12 blocks, each alone, then all at once
+    (preempting): each one's tokens both ways, and the metrics. in_workers: a function the workers
+    run first (collective_rpc), to break them."""
     prompts = [[256] + [(11 * i + j) % 256 for j in range(19)] for i in range(6)]
     params = [
         SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -2334,12 +2330,59 @@ def test_a_cache_too_small_for_6_long_requests_preempts_and_each_output_is_its_s
         kv_cache_memory_bytes=13 * block_bytes(path),
         async_scheduling=async_scheduling,
     ) as llm:
+        if in_workers is not None:
+            llm.collective_rpc(in_workers)
         solo = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
         assert metrics(llm)["vllm:num_preemptions"] == 0
         together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        counts = metrics(llm)
+        return solo, together, metrics(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_cache_too_small_for_6_long_requests_preempts_and_each_output_is_its_solo_run(
+    mha_checkpoint, async_scheduling
+):
+    """The newest running requests are preempted, again and again, and recomputed; greedy and
+    seeded, each output is the one it gets alone."""
+    solo, together, counts = solo_and_together_on_12_blocks(mha_checkpoint[0], async_scheduling)
     assert counts["vllm:num_preemptions"] > 0 and together == solo
     assert counts["vllm:num_requests_waiting"] == 0 and counts["vllm:kv_cache_usage_perc"] == 0
+
+
+def keep_a_resumed_requests_old_blocks(worker):  # run in the workers: exercise 19's break
+    """Exercise 19's break, as its one edit in Worker.execute_model makes it: a resumed request's
+    new blocks come after its old block table (as a step's new blocks do), not in its place."""
+    execute_model = worker.execute_model
+
+    def execute(scheduler_output):
+        scheduler_output.new_requests = [
+            replace(new, block_ids=worker.requests[new.request_id].block_ids + new.block_ids)
+            if new.request_id in worker.requests
+            else new
+            for new in scheduler_output.new_requests
+        ]
+        return execute_model(scheduler_output)
+
+    worker.execute_model = execute  # looked up by name for each step (worker_main)
+
+
+def test_exercise_19_a_resumed_request_on_its_old_blocks_is_not_its_solo_run(mha_checkpoint):
+    """Exercise 19: the workers keep a resumed request's old block table (its new blocks after it).
+    Its recompute writes keys and values into blocks freed at its preemption, now another request's,
+    and reads them back as they are overwritten: outputs differ from their solo runs."""
+    solo, together, counts = solo_and_together_on_12_blocks(
+        mha_checkpoint[0], False, keep_a_resumed_requests_old_blocks
+    )
+    differ = {
+        i: next(j for j, (a, b) in enumerate(zip(s, t)) if a != b)
+        for i, (s, t) in enumerate(zip(solo, together))
+        if s != t
+    }
+    print(
+        f"\n{counts['vllm:num_preemptions']} preemptions; off their solo runs"
+        f" (request: its first token that differs): {differ}"
+    )
+    assert counts["vllm:num_preemptions"] > 0 and differ
 
 
 # --------------------------------------------------------------------------------------
