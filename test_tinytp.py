@@ -14,6 +14,7 @@ import errno
 import functools
 import gc
 import importlib.util
+import inspect
 import itertools
 import json
 import math
@@ -26,6 +27,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import replace
@@ -3285,17 +3287,23 @@ def test_a_prompt_chunk_that_does_not_end_its_prompt_samples_nothing_and_puts_no
     assert request_1.num_computed_tokens == 9 and not scheduler.waiting
 
 
-@pytest.mark.quick
-def test_every_step_keeps_to_the_budget_and_decodes_come_first():
-    """8 slots, a budget of 8: 7 short prompts decode while a prompt of 40 arrives; every step runs
-    at most 8 tokens, and each of the 7 its one token, until it ends: the prompt takes only what
-    they leave."""
+def seven_streams_and_a_prompt_of_40() -> list[SchedulerOutput]:
+    """8 slots, a budget of 8: 7 short prompts decode (12 tokens each) while a prompt of 40
+    arrives after their first step; every step after that, to the end."""
     scheduler = scheduler_with([1] * 7, max_num_seqs=8, max_num_batched_tokens=8, max_tokens=12)
     run_step(scheduler)
     scheduler.add_request(Request(7, None, [1] * 40, SamplingParams(max_tokens=2), seed=0))
     steps = []
     while scheduler.running or scheduler.waiting:
         steps.append(run_step(scheduler)[0])
+    return steps
+
+
+@pytest.mark.quick
+def test_every_step_keeps_to_the_budget_and_decodes_come_first():
+    """Every step runs at most 8 tokens, and each of the 7 streams its one token, until it ends:
+    the prompt takes only what they leave."""
+    steps = seven_streams_and_a_prompt_of_40()
     assert all(sum(step.num_scheduled_tokens) <= 8 for step in steps)
     # 1 token of 40 each step
     assert [step.num_scheduled_tokens for step in steps[:3]] == [[1] * 7 + [1]] * 3
@@ -3303,6 +3311,46 @@ def test_every_step_keeps_to_the_budget_and_decodes_come_first():
     assert all(step.scheduled_ids[:7] == list(range(7)) for step in steps[:11])
     # they ended (12 tokens): the prompt takes the whole budget
     assert steps[11].num_scheduled_tokens == [8]
+
+
+def with_an_exercises_edit(function, edits: list[tuple[str, str]]):
+    """The function as an exercise's edit leaves it: its source with each `old` (found exactly once,
+    or the exercise no longer matches the code) replaced, compiled in its module."""
+    source = textwrap.dedent(inspect.getsource(function))
+    for old, new in edits:
+        assert source.count(old) == 1, f"{function.__qualname__} changed: {old!r}"
+        source = source.replace(old, new)
+    namespace = {}
+    exec(compile(source, inspect.getsourcefile(function), "exec"), function.__globals__, namespace)
+    return namespace[function.__name__]
+
+
+@pytest.mark.quick
+def test_exercise_12b_prompts_first_costs_the_streams_one_step(monkeypatch):
+    """docs/exercises.md, exercise 12(b): Scheduler.schedule's two loops swapped, waiting prompts
+    admitted before the running requests get theirs. The prompt of 40 takes the whole budget in the
+    step that admits it, and the 7 streams get nothing in that step; from then on it is a running
+    request, the last come, and takes what the 7 leave: they miss one step, not 5."""
+    prompts_first = with_an_exercises_edit(
+        Scheduler.schedule,
+        [
+            (
+                "    for request in list(self.running):",
+                "    running = list(self.running)\n"
+                "    new = self.admit(budget, scheduled)\n"
+                "    budget -= sum(n for _, n, _ in scheduled)\n"
+                "    for request in running:",
+            ),
+            (
+                "    new = [] if preempted else self.admit(budget, scheduled)",
+                "    scheduled = scheduled[len(new) :] + scheduled[: len(new)]",
+            ),
+        ],
+    )
+    monkeypatch.setattr(Scheduler, "schedule", prompts_first)
+    counts = [step.num_scheduled_tokens for step in seven_streams_and_a_prompt_of_40()]
+    print(f"\nprompts first, each step's tokens: {counts}")
+    assert counts[:3] == [[8], [1] * 8, [1] * 8] and counts[12:] == [[8], [8], [5], [1]]
 
 
 @pytest.mark.parametrize(
