@@ -7512,6 +7512,26 @@ def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags()
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
+def test_exercise_3_a_ranks_bytes_at_tp_4_past_a_quarter_of_the_model():
+    """docs/exercises.md, exercise 3, on tiny-llama: the whole model is 502,016 bytes (--tp 1
+    prints it); at tp 4 a rank holds 134,912, 9,408 past a quarter: the 5 norms whole (960 bytes
+    more), k_proj and v_proj [16, 64] where a quarter is [8, 64] (2 KV heads on 4 ranks: 8,192),
+    the embedding and LM head 65 rows where a quarter is 64.5 (258 padded to 260: 256)."""
+    import bench
+
+    config = read_config(os.path.join(HERE, "tiny-llama", "config.json"))
+
+    def holds(tp: int) -> list[int]:
+        printed = re.findall(r"rank \d holds ([\d,]+) bytes", bench.explain(config, tp, "float32"))
+        return [int(n.replace(",", "")) for n in printed]
+
+    assert holds(1) == [502_016] and holds(4) == [134_912] * 4
+    norms, kv, vocab = 5 * 64 * 4 * 3 // 4, 2 * 2 * 8 * 64 * 4, 2 * 64 * 4 // 2
+    assert (norms, kv, vocab) == (960, 8_192, 256)
+    assert 134_912 - 502_016 // 4 == norms + kv + vocab
+
+
 def rings_then_arrives(times: int):
     """A fake doorbell and ready(): the message arrives, its ring with it, while the reader drains
     the doorbell (the race the re-check is for). It records each sleep the reader takes."""
