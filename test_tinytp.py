@@ -1980,7 +1980,7 @@ def test_prefix_cache_timeline_hashes_hits_and_evicts_blocks():
 
 @pytest.mark.quick
 def test_preemption_timeline_frees_requeues_and_resumes_with_cache_hits():
-    """Preemption (V1's recompute), drawn (docs/exercises.md, "Preemption over time"; -s prints it):
+    """Preemption (V1's recompute), drawn (docs/exercises.md, exercise 19; -s prints it):
     blocks of 2 tokens (letters: 0 is "a"), 5 blocks besides the null one, each step answered "a".
     A ("abc", 6 tokens) and B ("xyz", 3) fill 4 blocks; in step 3 both need a block and one is free:
     A, the older, takes it and B, the newest, is preempted: its blocks freed (cached, last first),
