@@ -2046,6 +2046,8 @@ def test_preemption_timeline_frees_requeues_and_resumes_with_cache_hits():
         "   7  3     B 2..4 [3 4 5]                B resumes: hits xy:3; evicts aa:5 aa:4; B ends",
     ]
     assert scheduler.num_preemptions == 1
+    page = open(os.path.join(HERE, "docs", "exercises.md")).read()  # drawn there as it runs here
+    assert all(f"  {line}\n" in page for line in lines), "redraw docs/exercises.md's exercise 19"
 
 
 # --------------------------------------------------------------------------------------
@@ -7449,6 +7451,13 @@ def names_for_k(test_module) -> list[set[str]]:
                 if method.startswith("test_")
             ]
     return tests
+
+
+@pytest.mark.quick
+def test_the_readme_keeps_to_350_lines():
+    """The README is read whole: a longer explanation goes to docs/exercises.md, not into it."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        assert len(f.readlines()) <= 350
 
 
 @pytest.mark.quick
