@@ -7454,6 +7454,24 @@ def names_for_k(test_module) -> list[set[str]]:
 
 
 @pytest.mark.quick
+def test_the_servers_walk_names_code_that_exists():
+    """docs/api.md's walk of a request through the server names the code a reader opens next:
+    every Class.method in it is there, and so is each of Handler's steps it names alone."""
+    import scheduler
+    import serve
+
+    page = open(os.path.join(HERE, "docs", "api.md")).read()
+    walk = page.split("### A request's path, and a client that leaves", 1)[1].split("```python")[0]
+    classes = {**vars(serve), **vars(tinytp), **vars(scheduler)}
+    dotted = set(re.findall(r"\b([A-Z]\w+)\.([a-z_]\w*)\b", walk))
+    assert {("Handler", "handle_one_request"), ("EngineClient", "abort")} <= dotted
+    missing = [f"{c}.{m}" for c, m in dotted if not hasattr(classes.get(c), m)]
+    steps = ["route", "completions", "chat", "generate", "client_left", "send_chunk", "send_event"]
+    missing += [f"Handler.{step}" for step in steps if not hasattr(serve.Handler, step)]
+    assert not missing and hasattr(serve, "MAX_CONNECTIONS"), missing
+
+
+@pytest.mark.quick
 def test_the_readme_keeps_to_350_lines():
     """The README is read whole: a longer explanation goes to docs/exercises.md, not into it."""
     with open(os.path.join(HERE, "README.md")) as f:
