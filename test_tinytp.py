@@ -7472,6 +7472,34 @@ def test_the_servers_walk_names_code_that_exists():
 
 
 @pytest.mark.quick
+def test_the_readmes_reading_order_names_code_that_exists():
+    """Each name the README's reading order sends a reader to (a function, a class, a method, a
+    module's attribute) is in the code today."""
+    import bench
+    import scheduler
+    import serve
+
+    modules = {m.__name__: m for m in (model_code, worker_code, scheduler, tinytp, checkpoints)}
+    modules |= {"bench": bench, "serve": serve}
+    classes = [v for m in modules.values() for v in vars(m).values() if isinstance(v, type)]
+
+    def found(name: str) -> bool:
+        first, *rest = name.split(".")
+        for obj in [modules[first]] if first in modules else modules.values():
+            for part in rest if first in modules else [first, *rest]:
+                obj = getattr(obj, part, None)
+            if obj is not None:
+                return True
+        return "." not in name and any(hasattr(c, name) for c in classes)  # a method named alone
+
+    readme = open(os.path.join(HERE, "README.md")).read()
+    order = readme.split("Read the code so:", 1)[1].split("### Left out on purpose")[0]
+    names = set(re.findall(r"`([A-Za-z_][\w.]*)`", order)) - {f"{m}.py" for m in modules}
+    missing = sorted(name for name in names if not found(name))
+    assert len(names) >= 25 and not missing, missing
+
+
+@pytest.mark.quick
 def test_the_readme_keeps_to_350_lines():
     """The README is read whole: a longer explanation goes to docs/exercises.md, not into it."""
     with open(os.path.join(HERE, "README.md")) as f:
