@@ -14,6 +14,7 @@ import errno
 import functools
 import gc
 import importlib.util
+import inspect
 import itertools
 import json
 import math
@@ -26,6 +27,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from dataclasses import replace
@@ -1975,6 +1977,78 @@ def test_prefix_cache_timeline_hashes_hits_and_evicts_blocks():
     ]
 
 
+@pytest.mark.quick
+def test_preemption_timeline_frees_requeues_and_resumes_with_cache_hits():
+    """Preemption (V1's recompute), drawn (docs/exercises.md, exercise 19; -s prints it):
+    blocks of 2 tokens (letters: 0 is "a"), 5 blocks besides the null one, each step answered "a".
+    A ("abc", 6 tokens) and B ("xyz", 3) fill 4 blocks; in step 3 both need a block and one is free:
+    A, the older, takes it and B, the newest, is preempted: its blocks freed (cached, last first),
+    it goes to the front of the queue. It waits while its cached blocks and the one more it needs
+    are not all free; A's next block evicts B's "za". A done, B resumes: "xy" is a hit, and it
+    recomputes "z" and its two tokens so far, then samples its third as if never stopped."""
+    scheduler = scheduler_with([], max_num_seqs=2, num_blocks=6, block_size=2)
+    kv, text, lines = scheduler.kv_cache_manager, {}, []  # text: each cached block's, by hash
+    for request_id, (prompt, max_tokens) in enumerate([("abc", 6), ("xyz", 3)]):
+        ids = [ord(letter) - ord("a") for letter in prompt]
+        params = SamplingParams(max_tokens=max_tokens)
+        scheduler.add_request(Request(request_id, None, ids, params, seed=0))
+    admitted = set()
+    while scheduler.has_unfinished_requests():
+        cached_before, running_before = dict(kv.cached_block_hash_to_block), list(scheduler.running)
+        held = {r.request_id: kv.req_to_blocks[r.request_id] for r in running_before}
+        step = scheduler.schedule()
+        counts = dict(zip(step.scheduled_ids, step.num_scheduled_tokens))
+        cells = [cell(scheduler, "AB"[i], i, n) for i, n in counts.items()]
+        preempted = [r for r in running_before if r in scheduler.waiting]
+        events = [
+            f"{'AB'[r.request_id]} preempted: frees"
+            f" {' '.join(str(b.block_id) for b in reversed(held[r.request_id]))}, queue's front"
+            for r in preempted
+        ]
+        events += [
+            f"{'AB'[r.request_id]} waits"
+            for r in scheduler.waiting
+            if r.request_id in admitted and r not in preempted
+        ]
+        for new in step.new_requests:
+            if new.request_id in admitted:
+                hits = kv.req_to_blocks[new.request_id][: new.num_computed_tokens // 2]
+                events.append(
+                    f"{'AB'[new.request_id]} resumes: hits"
+                    f" {' '.join(f'{text[b.block_hash]}:{b.block_id}' for b in hits)}"
+                )
+            admitted.add(new.request_id)
+        evicted = [f"{text[h]}:{b.block_id}" for h, b in cached_before.items() if b.block_hash != h]
+        events += [f"evicts {' '.join(evicted)}"] * bool(evicted)
+        for request_id in counts:  # the text of each cached block it holds, for later events
+            request = scheduler.requests[request_id]
+            tokens = letters(request.prompt_token_ids + request.output_token_ids)
+            for i, block in enumerate(kv.req_to_blocks[request_id]):
+                text[block.block_hash] = tokens[2 * i : 2 * i + 2]
+        _, finished = answer(scheduler, step)
+        events += [f"{'AB'[r.request_id]} ends" for r in finished]
+        cells += [""] * (2 - len(cells))
+        lines.append(
+            f"{len(lines) + 1:>4}  {sum(counts.values()):<6}"
+            + "".join(f"{c:<15}" for c in cells)
+            + "; ".join(events)
+        )
+    lines = [line.rstrip() for line in lines]
+    print("\n".join(["", "step  tokens", *lines]))
+    assert lines == [
+        "   1  6     A 0..2 [1 2]   B 0..2 [3 4]",
+        "   2  2     A 3 [1 2]      B 3 [3 4]",
+        "   3  1     A 4 [1 2 5]                   B preempted: frees 4 3, queue's front",
+        "   4  1     A 5 [1 2 5]                   B waits",
+        "   5  1     A 6 [1 2 5 4]                 B waits; evicts za:4",
+        "   6  1     A 7 [1 2 5 4]                 B waits; A ends",
+        "   7  3     B 2..4 [3 4 5]                B resumes: hits xy:3; evicts aa:5 aa:4; B ends",
+    ]
+    assert scheduler.num_preemptions == 1
+    page = open(os.path.join(HERE, "docs", "exercises.md")).read()  # drawn there as it runs here
+    assert all(f"  {line}\n" in page for line in lines), "redraw docs/exercises.md's exercise 19"
+
+
 # --------------------------------------------------------------------------------------
 # The paged KV cache: blocks, prefix caching, preemption
 # --------------------------------------------------------------------------------------
@@ -2240,14 +2314,10 @@ def test_a_cache_of_4_contiguous_slots_serves_32_short_requests_16_or_more_at_on
     assert not shm_entries()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_a_cache_too_small_for_6_long_requests_preempts_and_each_output_is_its_solo_run(
-    mha_checkpoint, async_scheduling
-):
-    """6 requests of 20 + 60 tokens (5 blocks of 16 each) on 12 blocks: the newest running ones
-    are preempted, again and again, and recomputed; greedy and seeded, each output is the one it
-    gets alone."""
-    path, _ = mha_checkpoint
+def solo_and_together_on_12_blocks(path: str, async_scheduling: bool, in_workers=None):
+    """6 requests of 20 + 60 tokens (5 blocks of 16 each) on 12 blocks, each alone, then all at once
+    (preempting): each one's tokens both ways, and the metrics. in_workers: a function the workers
+    run first (collective_rpc), to break them."""
     prompts = [[256] + [(11 * i + j) % 256 for j in range(19)] for i in range(6)]
     params = [
         SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
@@ -2263,12 +2333,59 @@ def test_a_cache_too_small_for_6_long_requests_preempts_and_each_output_is_its_s
         kv_cache_memory_bytes=13 * block_bytes(path),
         async_scheduling=async_scheduling,
     ) as llm:
+        if in_workers is not None:
+            llm.collective_rpc(in_workers)
         solo = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
         assert metrics(llm)["vllm:num_preemptions"] == 0
         together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        counts = metrics(llm)
+        return solo, together, metrics(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_cache_too_small_for_6_long_requests_preempts_and_each_output_is_its_solo_run(
+    mha_checkpoint, async_scheduling
+):
+    """The newest running requests are preempted, again and again, and recomputed; greedy and
+    seeded, each output is the one it gets alone."""
+    solo, together, counts = solo_and_together_on_12_blocks(mha_checkpoint[0], async_scheduling)
     assert counts["vllm:num_preemptions"] > 0 and together == solo
     assert counts["vllm:num_requests_waiting"] == 0 and counts["vllm:kv_cache_usage_perc"] == 0
+
+
+def keep_a_resumed_requests_old_blocks(worker):  # run in the workers: exercise 19's break
+    """Exercise 19's break, as its one edit in Worker.execute_model makes it: a resumed request's
+    new blocks come after its old block table (as a step's new blocks do), not in its place."""
+    execute_model = worker.execute_model
+
+    def execute(scheduler_output):
+        scheduler_output.new_requests = [
+            replace(new, block_ids=worker.requests[new.request_id].block_ids + new.block_ids)
+            if new.request_id in worker.requests
+            else new
+            for new in scheduler_output.new_requests
+        ]
+        return execute_model(scheduler_output)
+
+    worker.execute_model = execute  # looked up by name for each step (worker_main)
+
+
+def test_exercise_19_a_resumed_request_on_its_old_blocks_is_not_its_solo_run(mha_checkpoint):
+    """Exercise 19: the workers keep a resumed request's old block table (its new blocks after it).
+    Its recompute writes keys and values into blocks freed at its preemption, now another request's,
+    and reads them back as they are overwritten: outputs differ from their solo runs."""
+    solo, together, counts = solo_and_together_on_12_blocks(
+        mha_checkpoint[0], False, keep_a_resumed_requests_old_blocks
+    )
+    differ = {
+        i: next(j for j, (a, b) in enumerate(zip(s, t)) if a != b)
+        for i, (s, t) in enumerate(zip(solo, together))
+        if s != t
+    }
+    print(
+        f"\n{counts['vllm:num_preemptions']} preemptions; off their solo runs"
+        f" (request: its first token that differs): {differ}"
+    )
+    assert counts["vllm:num_preemptions"] > 0 and differ
 
 
 # --------------------------------------------------------------------------------------
@@ -3173,17 +3290,23 @@ def test_a_prompt_chunk_that_does_not_end_its_prompt_samples_nothing_and_puts_no
     assert request_1.num_computed_tokens == 9 and not scheduler.waiting
 
 
-@pytest.mark.quick
-def test_every_step_keeps_to_the_budget_and_decodes_come_first():
-    """8 slots, a budget of 8: 7 short prompts decode while a prompt of 40 arrives; every step runs
-    at most 8 tokens, and each of the 7 its one token, until it ends: the prompt takes only what
-    they leave."""
+def seven_streams_and_a_prompt_of_40() -> list[SchedulerOutput]:
+    """8 slots, a budget of 8: 7 short prompts decode (12 tokens each) while a prompt of 40
+    arrives after their first step; every step after that, to the end."""
     scheduler = scheduler_with([1] * 7, max_num_seqs=8, max_num_batched_tokens=8, max_tokens=12)
     run_step(scheduler)
     scheduler.add_request(Request(7, None, [1] * 40, SamplingParams(max_tokens=2), seed=0))
     steps = []
     while scheduler.running or scheduler.waiting:
         steps.append(run_step(scheduler)[0])
+    return steps
+
+
+@pytest.mark.quick
+def test_every_step_keeps_to_the_budget_and_decodes_come_first():
+    """Every step runs at most 8 tokens, and each of the 7 streams its one token, until it ends:
+    the prompt takes only what they leave."""
+    steps = seven_streams_and_a_prompt_of_40()
     assert all(sum(step.num_scheduled_tokens) <= 8 for step in steps)
     # 1 token of 40 each step
     assert [step.num_scheduled_tokens for step in steps[:3]] == [[1] * 7 + [1]] * 3
@@ -3191,6 +3314,46 @@ def test_every_step_keeps_to_the_budget_and_decodes_come_first():
     assert all(step.scheduled_ids[:7] == list(range(7)) for step in steps[:11])
     # they ended (12 tokens): the prompt takes the whole budget
     assert steps[11].num_scheduled_tokens == [8]
+
+
+def with_an_exercises_edit(function, edits: list[tuple[str, str]]):
+    """The function as an exercise's edit leaves it: its source with each `old` (found exactly once,
+    or the exercise no longer matches the code) replaced, compiled in its module."""
+    source = textwrap.dedent(inspect.getsource(function))
+    for old, new in edits:
+        assert source.count(old) == 1, f"{function.__qualname__} changed: {old!r}"
+        source = source.replace(old, new)
+    namespace = {}
+    exec(compile(source, inspect.getsourcefile(function), "exec"), function.__globals__, namespace)
+    return namespace[function.__name__]
+
+
+@pytest.mark.quick
+def test_exercise_12b_prompts_first_costs_the_streams_one_step(monkeypatch):
+    """docs/exercises.md, exercise 12(b): Scheduler.schedule's two loops swapped, waiting prompts
+    admitted before the running requests get theirs. The prompt of 40 takes the whole budget in the
+    step that admits it, and the 7 streams get nothing in that step; from then on it is a running
+    request, the last come, and takes what the 7 leave: they miss one step, not 5."""
+    prompts_first = with_an_exercises_edit(
+        Scheduler.schedule,
+        [
+            (
+                "    for request in list(self.running):",
+                "    running = list(self.running)\n"
+                "    new = self.admit(budget, scheduled)\n"
+                "    budget -= sum(n for _, n, _ in scheduled)\n"
+                "    for request in running:",
+            ),
+            (
+                "    new = [] if preempted else self.admit(budget, scheduled)",
+                "    scheduled = scheduled[len(new) :] + scheduled[: len(new)]",
+            ),
+        ],
+    )
+    monkeypatch.setattr(Scheduler, "schedule", prompts_first)
+    counts = [step.num_scheduled_tokens for step in seven_streams_and_a_prompt_of_40()]
+    print(f"\nprompts first, each step's tokens: {counts}")
+    assert counts[:3] == [[8], [1] * 8, [1] * 8] and counts[12:] == [[8], [8], [5], [1]]
 
 
 @pytest.mark.parametrize(
@@ -7292,6 +7455,59 @@ def names_for_k(test_module) -> list[set[str]]:
 
 
 @pytest.mark.quick
+def test_the_servers_walk_names_code_that_exists():
+    """docs/api.md's walk of a request through the server names the code a reader opens next:
+    every Class.method in it is there, and so is each of Handler's steps it names alone."""
+    import scheduler
+    import serve
+
+    page = open(os.path.join(HERE, "docs", "api.md")).read()
+    walk = page.split("### A request's path, and a client that leaves", 1)[1].split("```python")[0]
+    classes = {**vars(serve), **vars(tinytp), **vars(scheduler)}
+    dotted = set(re.findall(r"\b([A-Z]\w+)\.([a-z_]\w*)\b", walk))
+    assert {("Handler", "handle_one_request"), ("EngineClient", "abort")} <= dotted
+    missing = [f"{c}.{m}" for c, m in dotted if not hasattr(classes.get(c), m)]
+    steps = ["route", "completions", "chat", "generate", "client_left", "send_chunk", "send_event"]
+    missing += [f"Handler.{step}" for step in steps if not hasattr(serve.Handler, step)]
+    assert not missing and hasattr(serve, "MAX_CONNECTIONS"), missing
+
+
+@pytest.mark.quick
+def test_the_readmes_reading_order_names_code_that_exists():
+    """Each name the README's reading order sends a reader to (a function, a class, a method, a
+    module's attribute) is in the code today."""
+    import bench
+    import scheduler
+    import serve
+
+    modules = {m.__name__: m for m in (model_code, worker_code, scheduler, tinytp, checkpoints)}
+    modules |= {"bench": bench, "serve": serve}
+    classes = [v for m in modules.values() for v in vars(m).values() if isinstance(v, type)]
+
+    def found(name: str) -> bool:
+        first, *rest = name.split(".")
+        for obj in [modules[first]] if first in modules else modules.values():
+            for part in rest if first in modules else [first, *rest]:
+                obj = getattr(obj, part, None)
+            if obj is not None:
+                return True
+        return "." not in name and any(hasattr(c, name) for c in classes)  # a method named alone
+
+    readme = open(os.path.join(HERE, "README.md")).read()
+    order = readme.split("Read the code so:", 1)[1].split("### Left out on purpose")[0]
+    names = set(re.findall(r"`([A-Za-z_][\w.]*)`", order)) - {f"{m}.py" for m in modules}
+    missing = sorted(name for name in names if not found(name))
+    assert len(names) >= 25 and not missing, missing
+
+
+@pytest.mark.quick
+def test_the_readme_keeps_to_350_lines():
+    """The README is read whole: a longer explanation goes to docs/exercises.md, not into it."""
+    with open(os.path.join(HERE, "README.md")) as f:
+        assert len(f.readlines()) <= 350
+
+
+@pytest.mark.quick
 def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags():
     """A renamed flag or test breaks this test, not a student: each command of the README (and
     docs/exercises.md) is parsed by its program's own argparse parser, in this process; a pytest -k
@@ -7350,6 +7566,26 @@ def test_every_command_in_the_readme_and_exercises_parses_against_todays_flags()
 # --------------------------------------------------------------------------------------
 # The course's exercises: the doorbell's drain, a stuck worker, shared steps, the dropped token
 # --------------------------------------------------------------------------------------
+
+
+@pytest.mark.quick
+def test_exercise_3_a_ranks_bytes_at_tp_4_past_a_quarter_of_the_model():
+    """docs/exercises.md, exercise 3, on tiny-llama: the whole model is 502,016 bytes (--tp 1
+    prints it); at tp 4 a rank holds 134,912, 9,408 past a quarter: the 5 norms whole (960 bytes
+    more), k_proj and v_proj [16, 64] where a quarter is [8, 64] (2 KV heads on 4 ranks: 8,192),
+    the embedding and LM head 65 rows where a quarter is 64.5 (258 padded to 260: 256)."""
+    import bench
+
+    config = read_config(os.path.join(HERE, "tiny-llama", "config.json"))
+
+    def holds(tp: int) -> list[int]:
+        printed = re.findall(r"rank \d holds ([\d,]+) bytes", bench.explain(config, tp, "float32"))
+        return [int(n.replace(",", "")) for n in printed]
+
+    assert holds(1) == [502_016] and holds(4) == [134_912] * 4
+    norms, kv, vocab = 5 * 64 * 4 * 3 // 4, 2 * 2 * 8 * 64 * 4, 2 * 64 * 4 // 2
+    assert (norms, kv, vocab) == (960, 8_192, 256)
+    assert 134_912 - 502_016 // 4 == norms + kv + vocab
 
 
 def rings_then_arrives(times: int):
