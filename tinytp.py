@@ -1142,8 +1142,9 @@ def check_max_model_len(config: ModelConfig, max_model_len: int | None) -> int:
 
 
 def check_max_num_batched_tokens(value: int | None, max_num_seqs: int, tp: int, device: str) -> int:
-    """vLLM V1's offline defaults: 4096 tokens a rank on CPU, 8192 on a GPU (16384 on one of 70
-    GiB or more); a default is never below max_num_seqs, the bound a given value must meet."""
+    """vLLM V1's offline defaults: 4096 tokens a rank on CPU, 8192 on a GPU (vLLM's own is 16384
+    on one of 70 GiB or more but an A100; tinytp keeps 8192); a default is never below
+    max_num_seqs, the bound a given value must meet."""
     check_count("max_num_seqs", max_num_seqs)
     if value is None:
         value = max(max_num_seqs, 4096 * tp if device == "cpu" else 8192)
