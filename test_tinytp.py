@@ -3683,6 +3683,21 @@ def test_a_stage_killed_mid_generate_is_a_runtime_error_naming_its_rank_and_stag
     llm.shutdown()
 
 
+@pytest.mark.quick
+def test_the_pipeline_flag_is_vllms_on_every_command_line():
+    """--pipeline-parallel-size and -pp (vLLM's), and --pp beside --tp: tinytp.py's, serve.py's and
+    bench.py's, each reaching LLM(pipeline_parallel_size=...)."""
+    import bench
+    import serve
+
+    for flag in ("--pp", "-pp", "--pipeline-parallel-size"):
+        assert (
+            tinytp.engine_arguments(tinytp.parse_args([flag, "3"]))["pipeline_parallel_size"] == 3
+        )
+        assert tinytp.engine_arguments(serve.parse_args([flag, "2"]))["pipeline_parallel_size"] == 2
+        assert bench.parse_args([flag, "2"]).pp == 2
+
+
 def test_explain_and_trace_walk_through_the_stages(four_layers):
     """--explain at pp 2: each rank's stage, layers and bytes (those the workers hold) and the
     hand-off's; --trace: stage 0 sends the decode step's hidden states, stage 1 receives them

@@ -1504,7 +1504,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add("--model", help="checkpoint directory or hub id (default: a tiny random Llama)")
     add("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="ranks")
     stages = "pipeline stages, each of tp ranks, a share of the layers each"
-    add("--pipeline-parallel-size", "-pp", dest="pp", type=int, default=1, help=stages)
+    add("--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int, default=1, help=stages)
     add("--device", choices=["cpu", "cuda"], help="default: cuda where GPUs are visible, else cpu")
     auto = "auto: the checkpoint's (on cpu: bfloat16 where the CPU has it, else float32)"
     dtypes = ["auto", "float32", "bfloat16", "float16", "half", "float"]  # vLLM's names
