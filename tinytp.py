@@ -379,7 +379,9 @@ class Executor:
             raise RuntimeError("tinytp was shut down while it waited for its workers")
         for rank, process in enumerate(self.workers):
             if process.exitcode is not None:  # peers wait for it in a collective: they won't answer
-                self._fail(f"worker rank {rank} exited with code {process.exitcode}", grace=0)
+                self._fail(
+                    f"worker {self.rank_name(rank)} exited with code {process.exitcode}", grace=0
+                )
                 raise RuntimeError(
                     f"tinytp worker {self.rank_name(rank)} died (exit code {process.exitcode}); "
                     "the other workers were stopped"
@@ -388,7 +390,7 @@ class Executor:
             if not is_stopped(process.pid):
                 del self.stopped_since[rank]
             elif time.monotonic() - since > STOPPED_GRACE:
-                self._fail(f"worker rank {rank} was stopped")
+                self._fail(f"worker {self.rank_name(rank)} was stopped")
                 raise RuntimeError(
                     f"tinytp worker {self.rank_name(rank)} (pid {process.pid}) is stopped "
                     f"(SIGSTOP?), for {STOPPED_GRACE:g} s now; the workers were shut down"

@@ -981,9 +981,9 @@ class Worker:
         with torch.inference_mode():
             logits = self.run_model(batch, list(sampling.values()), decode_only)
         # .tolist() waits for the GPU. Stages before the last have no logits: they sample nothing.
-        scheduled = list(sampling.values())
-        sampled = None if logits is None else self.sample(logits[: len(scheduled)], scheduled)
-        tokens = {} if sampled is None else dict(zip(sampling, sampled))
+        tokens, scheduled = {}, list(sampling.values())
+        if logits is not None:
+            tokens = dict(zip(sampling, self.sample(logits[: len(scheduled)], scheduled)))
         # A FAILED request's copy takes token 0 (it ends, and is forgotten, at the driver's word)
         kept = {request_id: max(token, 0) for request_id, token in tokens.items()}
         # the last stage's rank 0 alone answers, so it alone computes what was asked
